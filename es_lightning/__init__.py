@@ -1,0 +1,35 @@
+"""es-lightning: post-train language models for reasoning with Evolution Strategies, GRPO, or GRPO then ES.
+
+Public API — everything else may change between releases.
+"""
+
+from es_lightning.callbacks import PassAtKCallback
+from es_lightning.data import ReasoningDataModule
+from es_lightning.generation import Generator, HFGenerator, Rollout, SamplingParams
+from es_lightning.metrics import MajorityAtK, PassAtK, TokenEntropy
+from es_lightning.modules.base import ReasoningModule
+from es_lightning.policy import Policy, load_policy
+from es_lightning.tasks import AdditionTask, CountdownTask, GSM8KTask, MathTask, SortTask, Task
+
+__version__ = "0.1.0.dev0"
+
+__all__ = [
+    "AdditionTask",
+    "CountdownTask",
+    "GSM8KTask",
+    "Generator",
+    "HFGenerator",
+    "MajorityAtK",
+    "MathTask",
+    "PassAtK",
+    "PassAtKCallback",
+    "Policy",
+    "ReasoningDataModule",
+    "ReasoningModule",
+    "Rollout",
+    "SamplingParams",
+    "SortTask",
+    "Task",
+    "TokenEntropy",
+    "load_policy",
+]

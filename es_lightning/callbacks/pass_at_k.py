@@ -1,0 +1,175 @@
+"""PassAtKCallback: sample ``n`` completions per validation problem and log Pass@K, Maj@K and token entropy.
+
+Coverage is the point of this library (Ba et al. 2026: GRPO raises Pass@1 while Pass@K stalls), so Pass@K is measured
+the same way everywhere: at every validation run, every ``every_n_train_steps`` training steps, and in plain scripts
+(``Trainer(callbacks=[PassAtKCallback(...)])``). Evaluation samples are seeded by problem batch, so successive
+evaluations of a changing model use the same random numbers and their differences come from the weights.
+
+Defaults follow the paper's evaluation: ``temperature`` 1.0 on the built-in model (Ba et al. use T=0.6 and n=32 for
+Qwen2.5; see ``recipes/qwen2.5-1.5b-instruct``), unbiased Pass@K of Chen et al. 2021.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+
+from es_lightning.generation import SamplingParams
+from es_lightning.metrics import MajorityAtK, PassAtK, TokenEntropy
+
+
+class PassAtKCallback(L.Callback):
+    """Pass@K / Maj@K / entropy evaluation at validation and every ``every_n_train_steps`` steps.
+
+    Args:
+        num_samples: completions per problem (``n``); must be at least ``max(ks)``.
+        ks: the K of Pass@K and Maj@K.
+        temperature: sampling temperature of the evaluation.
+        top_p: nucleus threshold of the evaluation.
+        max_new_tokens: completion cap (default: the module's).
+        every_n_train_steps: also evaluate on the validation problems every this many training steps (0 = only at
+            validation runs).
+        eval_at_start: evaluate the starting weights before the first training step (logged at step 0).
+        num_problems: evaluate on at most this many validation problems during training (``None`` = all).
+        batch_size: problems per generation call during training-time evaluation.
+        seed: base seed of the evaluation samples.
+        prefix: logged names are ``{prefix}/pass@k``, ``{prefix}/maj@k``, ``{prefix}/entropy``, ``{prefix}/reward_mean``.
+    """
+
+    def __init__(
+        self,
+        num_samples: int = 16,
+        ks: Sequence[int] = (1, 4, 16),
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        max_new_tokens: int | None = None,
+        every_n_train_steps: int = 0,
+        eval_at_start: bool = False,
+        num_problems: int | None = None,
+        batch_size: int = 64,
+        seed: int = 1234,
+        prefix: str = "val",
+    ) -> None:
+        self.ks = [int(k) for k in ks]
+        if not self.ks:
+            raise ValueError("ks must name at least one K, e.g. ks: [1, 4, 16]")
+        if max(self.ks) > num_samples:
+            raise ValueError(
+                f"PassAtKCallback: k={max(self.ks)} exceeds num_samples={num_samples}; Pass@k needs n >= k samples per "
+                f"problem. Raise num_samples to at least {max(self.ks)} or drop the larger ks."
+            )
+        if every_n_train_steps < 0:
+            raise ValueError(f"every_n_train_steps must be >= 0, got {every_n_train_steps}")
+        self.num_samples = num_samples
+        self.temperature = temperature
+        self.top_p = top_p
+        self.max_new_tokens = max_new_tokens
+        self.every_n_train_steps = every_n_train_steps
+        self.eval_at_start = eval_at_start
+        self.num_problems = num_problems
+        self.batch_size = batch_size
+        self.seed = seed
+        self.prefix = prefix
+        self.pass_at_k = PassAtK(self.ks)
+        self.maj_at_k = MajorityAtK(self.ks)
+        self.entropy = TokenEntropy()
+        self.reward_sum = 0.0
+        self.reward_count = 0
+        #: ``[(global_step, {name: value})]`` of every evaluation, for plots and tables
+        self.history: list[tuple[int, dict[str, float]]] = []
+
+    # ------------------------------------------------------------------ the shared evaluation
+    def _params(self, pl_module) -> SamplingParams:
+        return pl_module.sampling_params(
+            temperature=self.temperature, top_p=self.top_p, max_new_tokens=self.max_new_tokens
+        )
+
+    def _reset(self, device: torch.device) -> None:
+        for m in (self.pass_at_k, self.maj_at_k, self.entropy):
+            m.to(device)
+            m.reset()
+        self.reward_sum, self.reward_count = 0.0, 0
+
+    def _update(self, pl_module, examples: list[dict[str, Any]], batch_idx: int) -> None:
+        result = pl_module.evaluate_batch(examples, self.num_samples, self._params(pl_module), self.seed + batch_idx)
+        device = self.pass_at_k.device
+        self.pass_at_k.update(result.correct.to(device))
+        self.maj_at_k.update(result.answers, result.correct.to(device))
+        self.entropy.update(result.entropy.to(device), result.mask.to(device))
+        self.reward_sum += float(result.rewards.sum())
+        self.reward_count += result.rewards.numel()
+
+    def _compute(self) -> dict[str, float]:
+        out = {f"{self.prefix}/{k}": float(v) for k, v in self.pass_at_k.compute().items()}
+        out.update({f"{self.prefix}/{k}": float(v) for k, v in self.maj_at_k.compute().items()})
+        out[f"{self.prefix}/entropy"] = float(self.entropy.compute())
+        out[f"{self.prefix}/reward_mean"] = self.reward_sum / max(1, self.reward_count)
+        return out
+
+    def evaluate(self, trainer: L.Trainer, pl_module) -> dict[str, float]:
+        """Evaluate the current weights on the validation problems (this rank's share) and return the figures."""
+        examples = self._val_examples(trainer)
+        examples = examples[trainer.global_rank :: trainer.world_size]
+        self._reset(pl_module.device)
+        for i in range(0, len(examples), self.batch_size):
+            self._update(pl_module, examples[i : i + self.batch_size], i // self.batch_size)
+        return self._compute()
+
+    def _val_examples(self, trainer: L.Trainer) -> list[dict[str, Any]]:
+        dm = trainer.datamodule
+        if dm is None or not hasattr(dm, "splits"):
+            raise RuntimeError("PassAtKCallback's training-time evaluation needs a ReasoningDataModule")
+        dm.setup("validate")
+        examples = dm.splits["val"]
+        return examples[: self.num_problems] if self.num_problems else examples
+
+    def _log(self, pl_module, metrics: dict[str, float]) -> None:
+        step = pl_module.global_step
+        self.history.append((step, dict(metrics)))
+        for name, value in metrics.items():
+            pl_module.log(name, value, on_step=False, on_epoch=True, rank_zero_only=True)
+
+    # ------------------------------------------------------------------ validation / test
+    def on_validation_epoch_start(self, trainer, pl_module) -> None:
+        self._reset(pl_module.device)
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        if not trainer.sanity_checking:
+            self._update(pl_module, batch, batch_idx)
+
+    def on_validation_epoch_end(self, trainer, pl_module) -> None:
+        if trainer.sanity_checking or self.pass_at_k.num_problems == 0:
+            return
+        self._log(pl_module, self._compute())
+
+    on_test_epoch_start = on_validation_epoch_start
+    on_test_batch_end = on_validation_batch_end
+
+    def on_test_epoch_end(self, trainer, pl_module) -> None:
+        metrics = {k.replace(f"{self.prefix}/", "test/", 1): v for k, v in self._compute().items()}
+        self._log(pl_module, metrics)
+
+    # ------------------------------------------------------------------ training-time evaluation
+    def on_train_start(self, trainer, pl_module) -> None:
+        if self.eval_at_start and trainer.global_step == 0:
+            metrics = self.evaluate(trainer, pl_module)
+            self.history.append((0, metrics))
+            pl_module.log_dict(metrics, rank_zero_only=True)
+            rank_zero_info("start: " + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items()))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        n = self.every_n_train_steps
+        if n and trainer.global_step > 0 and trainer.global_step % n == 0:
+            metrics = self.evaluate(trainer, pl_module)
+            self.history.append((trainer.global_step, metrics))
+            pl_module.log_dict(metrics, rank_zero_only=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"history": self.history}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.history = list(state_dict.get("history", []))

@@ -1,0 +1,230 @@
+"""ReasoningDataModule: prompts and their metadata for a task, from a procedural generator, the hub, or local files.
+
+Built on Hugging Face ``datasets`` in every case, so a user switching from the built-in procedural Countdown to
+``Jiayi-Pan/Countdown-Tasks-3to4`` or to their own jsonl changes one config line (``source``).
+
+Batches are plain lists of example dicts (the task's columns): prompts are built by the module through the task, so the
+same batch serves rollouts, rewards and validation.
+
+Held-out problems. Procedural problems are assigned to a *train* or a *held-out* pool by a stable hash of their prompt
+(:func:`in_heldout_pool`); train splits draw only from the train pool and val/test only from the held-out pool. The
+built-in model's pretraining uses the same rule, so no validation problem was ever seen during pretraining.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+from es_lightning.tasks import Task, get_task
+
+HELDOUT_FRACTION = 0.1
+_LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
+
+
+def in_heldout_pool(prompt: str, fraction: float = HELDOUT_FRACTION) -> bool:
+    """Whether a procedural problem belongs to the held-out pool (stable across runs, machines and Python versions)."""
+    return zlib.crc32(prompt.encode()) % 10_000 < fraction * 10_000
+
+
+def procedural_split(task: Task, split: str, num_examples: int, seed: int) -> list[dict[str, Any]]:
+    """``num_examples`` distinct procedural problems from the pool of ``split`` (``train`` or ``val``/``test``)."""
+    want_heldout = split != "train"
+    out: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    round_seed = seed
+    for _ in range(1000):
+        batch = task.procedural(max(64, 2 * (num_examples - len(out)) * (10 if want_heldout else 1)), round_seed)
+        for ex in batch:
+            p = task.prompt(ex)
+            if p in seen or in_heldout_pool(p) != want_heldout:
+                continue
+            seen.add(p)
+            out.append(ex)
+            if len(out) == num_examples:
+                return out
+        round_seed += 7919
+    raise RuntimeError(f"could not generate {num_examples} distinct {split} problems for task {task.name!r}")
+
+
+def _collate(examples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return list(examples)
+
+
+class ReasoningDataModule(L.LightningDataModule):
+    """Train/val/test prompts for a reasoning task.
+
+    Args:
+        task: a :class:`~es_lightning.tasks.Task` (or a registered name such as ``"countdown"``).
+        source: ``"procedural"`` (the task's generator), ``"hub"`` (the task's default hub dataset), a hub dataset name
+            (``"openai/gsm8k"``), or a local jsonl/json/parquet/arrow/csv file or a directory of them / a
+            ``save_to_disk`` directory.
+        hub_config: dataset config name for the hub (default: the task's, e.g. ``"main"`` for gsm8k).
+        train_split, val_split, test_split: split names in the source; a missing val/test split is carved off the train
+            split (``val_size``/``test_size`` examples, seeded).
+        column_mapping: ``{source_column: task_column}`` renames applied before the task reads a record.
+        train_size, val_size, test_size: number of examples per split (``None`` = all; procedural needs numbers).
+        batch_size: prompts per training step (ES: prompts shared by the whole population; GRPO: groups per step).
+        val_batch_size: prompts per validation step.
+        seed: seeds generation, shuffling and carving.
+        num_workers: DataLoader workers (0 is right for in-memory prompt lists).
+    """
+
+    def __init__(
+        self,
+        task: Task | str = "countdown",
+        source: str = "procedural",
+        hub_config: str | None = None,
+        train_split: str = "train",
+        val_split: str | None = None,
+        test_split: str | None = "test",
+        column_mapping: Mapping[str, str] | None = None,
+        train_size: int | None = 2048,
+        val_size: int | None = 64,
+        test_size: int | None = 200,
+        batch_size: int = 16,
+        val_batch_size: int = 64,
+        seed: int = 0,
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__()
+        self.task = get_task(task)
+        self.source = source
+        self.hub_config = hub_config
+        self.train_split, self.val_split, self.test_split = train_split, val_split, test_split
+        self.column_mapping = dict(column_mapping or {})
+        self.train_size, self.val_size, self.test_size = train_size, val_size, test_size
+        self.batch_size = batch_size
+        self.val_batch_size = val_batch_size
+        self.seed = seed
+        self.num_workers = num_workers
+        self.splits: dict[str, list[dict[str, Any]]] = {}
+        for name, value in (("batch_size", batch_size), ("val_batch_size", val_batch_size)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+
+    # ------------------------------------------------------------------ loading
+    def setup(self, stage: str | None = None) -> None:
+        if self.splits:
+            return
+        if self.source == "procedural":
+            for split, size, offset in (("train", self.train_size, 0), ("val", self.val_size, 1), ("test", self.test_size, 2)):
+                if size is None:
+                    raise ValueError(f"source 'procedural' needs a number for {split}_size")
+                self.splits[split] = procedural_split(self.task, split, size, self.seed * 1000 + offset)
+            # val and test come from the same held-out pool: keep them disjoint
+            val_prompts = {self.task.prompt(e) for e in self.splits["val"]}
+            self.splits["test"] = [e for e in self.splits["test"] if self.task.prompt(e) not in val_prompts]
+            return
+        self.splits = self._load_datasets()
+
+    def _load_datasets(self) -> dict[str, list[dict[str, Any]]]:
+        import datasets
+
+        dsets = self._load_source(datasets)
+        if self.train_split not in dsets:
+            raise ValueError(
+                f"source {self.source!r} has no split {self.train_split!r} (it has {sorted(dsets)}); set data.train_split"
+            )
+        out: dict[str, Any] = {"train": dsets[self.train_split]}
+        for split, name, size in (("val", self.val_split, self.val_size), ("test", self.test_split, self.test_size)):
+            if name is not None and name in dsets:
+                out[split] = dsets[name]
+            elif name is not None and split == "test" and name not in dsets:
+                out[split] = None  # carved below
+            else:
+                out[split] = None
+        for split, size in (("test", self.test_size), ("val", self.val_size)):
+            if out[split] is None:
+                n = size if size is not None else max(1, len(out["train"]) // 10)
+                parts = out["train"].train_test_split(test_size=n, seed=self.seed, shuffle=True)
+                out["train"], out[split] = parts["train"], parts["test"]
+        result = {}
+        for split, ds in out.items():
+            ds = self._map_columns(ds, split)
+            size = {"train": self.train_size, "val": self.val_size, "test": self.test_size}[split]
+            if size is not None and len(ds) > size:
+                ds = ds.shuffle(seed=self.seed).select(range(size))
+            result[split] = [self.task.preprocess(dict(r)) for r in ds]
+        return result
+
+    def _load_source(self, datasets):
+        path = Path(os.path.expanduser(self.source))
+        if self.source == "hub":
+            if self.task.hub_dataset is None:
+                raise ValueError(f"task {self.task.name!r} has no default hub dataset; set data.source to a name or path")
+            return datasets.load_dataset(self.task.hub_dataset, self.hub_config or self.task.hub_config)
+        if path.exists():
+            if path.is_dir() and (path / "dataset_dict.json").exists() or (path / "dataset_info.json").exists():
+                loaded = datasets.load_from_disk(str(path))
+                return loaded if isinstance(loaded, datasets.DatasetDict) else datasets.DatasetDict({"train": loaded})
+            files = sorted(path.iterdir()) if path.is_dir() else [path]
+            by_split: dict[str, list[str]] = {}
+            fmt = None
+            for f in files:
+                if f.suffix not in _LOCAL_FORMATS:
+                    continue
+                fmt = _LOCAL_FORMATS[f.suffix]
+                split = next((s for s in ("train", "validation", "val", "test") if f.stem.startswith(s)), "train")
+                by_split.setdefault(split, []).append(str(f))
+            if fmt is None:
+                raise ValueError(
+                    f"no data files in {self.source!r}; expected {', '.join(sorted(_LOCAL_FORMATS))} files (a directory "
+                    "may hold train.jsonl / validation.jsonl / test.jsonl)"
+                )
+            return datasets.load_dataset(fmt, data_files=by_split)
+        if self.source.startswith((".", "/", "~")):
+            raise FileNotFoundError(f"data source {self.source!r} does not exist")
+        return datasets.load_dataset(self.source, self.hub_config or self.task.hub_config)
+
+    def _map_columns(self, ds, split: str):
+        if self.column_mapping:
+            missing = [c for c in self.column_mapping if c not in ds.column_names]
+            if missing:
+                raise ValueError(
+                    f"data.column_mapping renames {missing}, but the {split} split has columns {ds.column_names}"
+                )
+            ds = ds.rename_columns(self.column_mapping)
+        raw_needed = self.task.required_columns
+        missing = [c for c in raw_needed if c not in ds.column_names]
+        if missing:
+            raise ValueError(
+                f"the {split} split of {self.source!r} lacks column(s) {missing} that task {self.task.name!r} needs; "
+                f"it has {ds.column_names}. Map them with data.column_mapping, e.g. "
+                f"column_mapping: {{{ds.column_names[0] if ds.column_names else 'your_column'}: {missing[0]}}}"
+            )
+        return ds
+
+    # ------------------------------------------------------------------ loaders
+    def _loader(self, split: str, batch_size: int, shuffle: bool) -> DataLoader:
+        if not self.splits:
+            self.setup()
+        data = self.splits[split]
+        if not data:
+            raise ValueError(f"the {split} split is empty; raise data.{split}_size or check data.source")
+        generator = torch.Generator().manual_seed(self.seed) if shuffle else None
+        return DataLoader(
+            data,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            generator=generator,
+            collate_fn=_collate,
+            num_workers=self.num_workers,
+            drop_last=shuffle and len(data) >= batch_size,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader("train", self.batch_size, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("val", self.val_batch_size, shuffle=False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader("test", self.val_batch_size, shuffle=False)

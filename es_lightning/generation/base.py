@@ -1,0 +1,94 @@
+"""One generation interface for every backend (transformers today, vLLM as an optional extra).
+
+The modules never call ``model.generate`` themselves: they ask a :class:`Generator` for a :class:`Rollout` — ``n``
+completions for each of ``B`` prompts, flattened prompt-major (row ``i * n + j`` is sample ``j`` of prompt ``i``),
+with the token ids, masks and (optionally) the per-token log-probs that GRPO needs.
+
+Seeded sampling is part of the contract: the same ``seed`` with the same prompts and weights gives the same tokens, and
+two models given the same seed consume the *same* random numbers at every position (common random numbers). ES relies on
+that so that the reward differences between population members come from their weights, not from sampling luck.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class SamplingParams:
+    """How to sample.
+
+    Args:
+        max_new_tokens: completion length cap (a completion that reaches it without EOS/stop is ``truncated``).
+        temperature: 0 means greedy decoding (Ba et al.'s ES default); 1.0 samples from the policy.
+        top_p: nucleus sampling threshold (1.0 = off).
+        stop: strings that end a completion (kept in the text), besides the tokenizer's EOS.
+    """
+
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: Sequence[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be positive, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class Rollout:
+    """``num_samples`` completions per prompt, flattened prompt-major: ``B * n`` rows."""
+
+    texts: list[str]  # [B*n] decoded completions (special tokens removed, cut after a stop string)
+    prompt_ids: Tensor  # [B*n, P] left-padded prompt tokens
+    prompt_mask: Tensor  # [B*n, P] 1 on real prompt tokens
+    completion_ids: Tensor  # [B*n, C] right-padded completion tokens
+    completion_mask: Tensor  # [B*n, C] 1 up to and including the EOS / stop token
+    truncated: Tensor  # [B*n] bool: hit max_new_tokens without EOS or stop string
+    num_samples: int
+    logprobs: Tensor | None = None  # [B*n, C] log-prob of each sampled token at the sampling temperature (T=1 if greedy)
+    entropy: Tensor | None = None  # [B*n, C] entropy (nats) of the sampling distribution at each position
+
+    @property
+    def num_prompts(self) -> int:
+        return len(self.texts) // self.num_samples
+
+    @property
+    def completion_lengths(self) -> Tensor:  # [B*n]
+        return self.completion_mask.sum(-1)
+
+
+class Generator(ABC):
+    """Samples completions from the current weights of a policy."""
+
+    @abstractmethod
+    def generate(
+        self,
+        prompts: Sequence[str],
+        num_samples: int = 1,
+        params: SamplingParams | None = None,
+        seed: int | None = None,
+        return_logprobs: bool = False,
+    ) -> Rollout:
+        """Sample ``num_samples`` completions for every prompt (already rendered, chat template applied)."""
+
+    @staticmethod
+    def _check(prompts: Sequence[str], num_samples: int) -> None:
+        if num_samples < 1:
+            raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+        if len(prompts) == 0:
+            raise ValueError("generate() needs at least one prompt")
+
+
+def default_seed() -> int:
+    """A seed drawn from torch's global RNG, so ``seed_everything`` governs unseeded calls."""
+    return int(torch.randint(0, 2**31 - 1, (1,)).item())

@@ -1,0 +1,138 @@
+"""Load the policy: a Hugging Face causal LM and its tokenizer, from a hub id, a local directory or ``builtin:<name>``.
+
+All three go through ``transformers.AutoModelForCausalLM`` / ``AutoTokenizer.from_pretrained`` — the built-in model is a
+regular HF directory shipped inside the package, so tests exercise the very code path a Qwen2.5 user takes.
+``trust_remote_code`` is off unless asked for (it executes code from the model repository).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+BUILTIN_PREFIX = "builtin:"
+BUILTIN_DIR = Path(__file__).parent / "builtin"
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def builtin_models() -> list[str]:
+    """Names usable as ``builtin:<name>``: the directories under ``es_lightning/builtin`` holding a config.json."""
+    return sorted(p.name for p in BUILTIN_DIR.iterdir() if (p / "config.json").is_file())
+
+
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """``"bf16"``/``"bfloat16"``/``torch.bfloat16`` → ``torch.bfloat16``; ``None``/``"auto"`` keeps the checkpoint's."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return None
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(set(_DTYPES))} or 'auto'")
+    return _DTYPES[dtype]
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """Map ``builtin:<name>`` to its package directory; check that a local-looking path exists.
+
+    A string that is neither an existing directory nor ``builtin:`` is treated as a hub id (``org/name``) and left for
+    ``from_pretrained`` to fetch, so an error there is the hub's (offline, gated, misspelt id).
+    """
+    if name_or_path.startswith(BUILTIN_PREFIX):
+        name = name_or_path[len(BUILTIN_PREFIX):]
+        path = BUILTIN_DIR / name
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(
+                f"unknown built-in model {name_or_path!r}; available: "
+                f"{', '.join(BUILTIN_PREFIX + n for n in builtin_models()) or '(none)'}"
+            )
+        return str(path)
+    path = Path(os.path.expanduser(name_or_path))
+    looks_local = name_or_path.startswith((".", "/", "~")) or path.exists() or name_or_path.count("/") > 1
+    if looks_local:
+        if not path.is_dir():
+            raise FileNotFoundError(
+                f"model path {name_or_path!r} does not exist; give a Hugging Face directory (with config.json), a hub id "
+                f"like 'Qwen/Qwen2.5-1.5B-Instruct', or builtin:<name> (available: "
+                f"{', '.join(BUILTIN_PREFIX + n for n in builtin_models()) or 'none'})"
+            )
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(
+                f"model directory {name_or_path!r} has no config.json; it holds {sorted(p.name for p in path.iterdir())}. "
+                "Point at a directory written by save_pretrained() (an exported es-lightning policy is one)."
+            )
+    return str(path) if looks_local else name_or_path
+
+
+@dataclass
+class Policy:
+    """A model and its tokenizer, plus how prompts are rendered for it."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+
+    def render_prompts(self, prompts: list[str], use_chat_template: bool = False) -> list[str]:
+        """Apply the tokenizer's chat template (one user turn, generation prompt added) when asked and available.
+
+        A task asks for the template (``Task.use_chat_template``); models without one (the built-in model, base
+        models) get the raw prompt, as TRL does for non-conversational datasets.
+        """
+        if not use_chat_template or getattr(self.tokenizer, "chat_template", None) is None:
+            return list(prompts)
+        return [
+            self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+            )
+            for p in prompts
+        ]
+
+
+def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, revision: str | None = None):
+    """The tokenizer, left-padded (batched generation needs prompts aligned on the right) and with a pad token."""
+    path = resolve_model_path(name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, revision=revision)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_policy(
+    name_or_path: str,
+    dtype: str | torch.dtype | None = "float32",
+    trust_remote_code: bool = False,
+    revision: str | None = None,
+    attn_implementation: str | None = None,
+    **model_kwargs: Any,
+) -> Policy:
+    """Load model + tokenizer from a hub id, a local directory or ``builtin:<name>``.
+
+    Args:
+        name_or_path: ``"Qwen/Qwen2.5-1.5B-Instruct"``, ``"/path/to/dir"`` or ``"builtin:countdown-tiny"``.
+        dtype: parameter dtype (``float32``, ``bfloat16``, ``float16`` or ``auto`` for the checkpoint's own).
+        trust_remote_code: allow custom modelling code from the repository (off by default).
+        attn_implementation: e.g. ``"sdpa"`` or ``"flash_attention_2"``; default lets transformers choose.
+    """
+    path = resolve_model_path(name_or_path)
+    kwargs: dict[str, Any] = dict(trust_remote_code=trust_remote_code, revision=revision, **model_kwargs)
+    torch_dtype = resolve_dtype(dtype)
+    kwargs["dtype"] = torch_dtype if torch_dtype is not None else "auto"
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    tokenizer = load_tokenizer(name_or_path, trust_remote_code=trust_remote_code, revision=revision)
+    if model.generation_config is not None and model.generation_config.pad_token_id is None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return Policy(model=model, tokenizer=tokenizer)

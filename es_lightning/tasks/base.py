@@ -1,0 +1,126 @@
+"""The one face every reasoning task shows: a prompt format, an answer extractor, a verifier and a reward.
+
+A task is the unit that ties a dataset to a verifier (DESIGN.md, "Tasks own their verifiers"). The data module asks a
+task which columns it needs, how to turn a raw record into an example, and how to build the prompt; the training modules
+ask it to score completions. Nothing else in the package knows what a task's records look like.
+
+Reward convention (Ba et al. 2026, §2; the same as Qiu et al. 2025's "correctness + 0.1 × format"):
+``correct_reward`` (1.0) for a correct answer, ``format_reward`` (0.1) for a completion whose answer could be extracted
+but is wrong, 0 otherwise. Verifiers never ``eval`` model output, never raise on malformed text (it scores 0), and bound
+the size of what they read (``max_completion_chars``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+
+class Task(ABC):
+    """Base class of all tasks. Subclasses set ``name``/``required_columns`` and implement three methods.
+
+    Args:
+        correct_reward: reward of a correct completion (Ba et al.: 1.0).
+        format_reward: reward of a completion whose answer is extractable but wrong (Ba et al.: 0.1).
+        use_chat_template: wrap the prompt in the tokenizer's chat template (instruct models); the built-in model has
+            none.
+        max_completion_chars: completions longer than this score 0 without being parsed (bounds verifier time).
+    """
+
+    #: short identifier used in logs and tables
+    name: ClassVar[str] = "task"
+    #: columns a raw record must have (after column mapping, before ``preprocess``); checked by the data module at setup
+    required_columns: ClassVar[tuple[str, ...]] = ()
+    #: the hub dataset used when the data source says ``hub`` without a name
+    hub_dataset: ClassVar[str | None] = None
+    #: hub dataset config name (e.g. ``"main"`` for openai/gsm8k)
+    hub_config: ClassVar[str | None] = None
+
+    def __init__(
+        self,
+        correct_reward: float = 1.0,
+        format_reward: float = 0.1,
+        use_chat_template: bool = False,
+        max_completion_chars: int = 8192,
+    ) -> None:
+        self.correct_reward = float(correct_reward)
+        self.format_reward = float(format_reward)
+        self.use_chat_template = bool(use_chat_template)
+        self.max_completion_chars = int(max_completion_chars)
+
+    # ----------------------------------------------------------------- what subclasses implement
+    @abstractmethod
+    def prompt(self, example: dict[str, Any]) -> str:
+        """The text the model continues (before any chat template)."""
+
+    @abstractmethod
+    def extract_answer(self, completion: str) -> str | None:
+        """The final answer in ``completion`` as a canonical string, or ``None`` when the format is wrong.
+
+        Used for the format reward and for majority voting (maj@k), so equal answers must give equal strings.
+        Must not raise.
+        """
+
+    @abstractmethod
+    def check_answer(self, answer: str, example: dict[str, Any]) -> bool:
+        """Whether an extracted answer solves ``example``. Must not raise and must never ``eval`` the answer."""
+
+    # ----------------------------------------------------------------- optional hooks
+    def preprocess(self, example: dict[str, Any]) -> dict[str, Any]:
+        """Turn a raw dataset record (after column mapping) into the example the task reads. Default: unchanged."""
+        return example
+
+    def procedural(self, num_examples: int, seed: int) -> list[dict[str, Any]]:
+        """Generate ``num_examples`` examples deterministically from ``seed`` (only tasks with a generator)."""
+        raise NotImplementedError(
+            f"task {self.name!r} has no procedural generator; set data.source to a hub dataset name or a local "
+            "jsonl/parquet/arrow path"
+        )
+
+    @property
+    def stop_strings(self) -> list[str]:
+        """Strings that end a completion early (besides the tokenizer's EOS)."""
+        return []
+
+    # ----------------------------------------------------------------- the public face
+    def is_correct(self, completion: str, example: dict[str, Any]) -> bool:
+        """True when ``completion`` answers ``example`` correctly. Never raises."""
+        answer = self._safe_extract(completion)
+        if answer is None:
+            return False
+        try:
+            return bool(self.check_answer(answer, example))
+        except Exception:  # a verifier bug or hostile input must cost a sample, not a run
+            return False
+
+    def reward(self, completions: Sequence[str], examples: Sequence[dict[str, Any]]) -> list[float]:
+        """One float per completion: ``correct_reward`` / ``format_reward`` / 0 (Ba et al. convention)."""
+        if len(completions) != len(examples):
+            raise ValueError(
+                f"reward() got {len(completions)} completions but {len(examples)} examples; pass one example per "
+                "completion (repeat each example n times for n samples)"
+            )
+        rewards = []
+        for completion, example in zip(completions, examples):
+            answer = self._safe_extract(completion)
+            if answer is None:
+                rewards.append(0.0)
+                continue
+            try:
+                ok = bool(self.check_answer(answer, example))
+            except Exception:
+                ok = False
+            rewards.append(self.correct_reward if ok else self.format_reward)
+        return rewards
+
+    def _safe_extract(self, completion: str) -> str | None:
+        if not isinstance(completion, str) or len(completion) > self.max_completion_chars:
+            return None
+        try:
+            return self.extract_answer(completion)
+        except Exception:
+            return None
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"

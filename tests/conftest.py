@@ -1,0 +1,32 @@
+"""Shared fixtures: a tiny *untrained* char-level Qwen2 saved as a real HF directory, and CPU-friendly defaults."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    """A randomly initialised 2-layer Qwen2 with the built-in char tokenizer, written with save_pretrained."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from es_lightning.builtin.tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    config = Qwen2Config(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id, bos_token_id=None, tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    path = tmp_path_factory.mktemp("tiny-model")
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)

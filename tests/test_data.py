@@ -1,0 +1,111 @@
+"""ReasoningDataModule from procedural data and real local files (jsonl, parquet, save_to_disk) via `datasets`."""
+
+import json
+
+import datasets
+import pytest
+
+from es_lightning.data import ReasoningDataModule, in_heldout_pool, procedural_split
+from es_lightning.tasks import CountdownTask, GSM8KTask
+
+
+def _write_jsonl(path, rows):
+    with open(path, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+
+
+def test_procedural_splits_are_seeded_disjoint_and_from_the_right_pool():
+    dm = ReasoningDataModule(task="countdown", train_size=300, val_size=40, test_size=40, batch_size=8, seed=3)
+    dm.setup()
+    task = dm.task
+    train = [task.prompt(e) for e in dm.splits["train"]]
+    val = [task.prompt(e) for e in dm.splits["val"]]
+    test = [task.prompt(e) for e in dm.splits["test"]]
+    assert len(train) == 300 and len(set(train)) == 300 and len(val) == 40
+    assert not in_heldout_pool(train[0]) and all(in_heldout_pool(p) for p in val + test)
+    assert not set(train) & set(val) and not set(val) & set(test)
+    again = ReasoningDataModule(task="countdown", train_size=300, val_size=40, test_size=40, seed=3)
+    again.setup()
+    assert [task.prompt(e) for e in again.splits["val"]] == val
+    other = ReasoningDataModule(task="countdown", train_size=300, val_size=40, test_size=40, seed=4)
+    other.setup()
+    assert [task.prompt(e) for e in other.splits["val"]] != val
+    batch = next(iter(dm.train_dataloader()))
+    assert isinstance(batch, list) and len(batch) == 8 and {"nums", "target"} <= set(batch[0])
+
+
+def test_train_order_is_seeded():
+    def first_batches(seed):
+        dm = ReasoningDataModule(task="countdown", train_size=64, val_size=4, test_size=4, batch_size=4, seed=seed)
+        it = iter(dm.train_dataloader())
+        return [json.dumps(next(it), sort_keys=True) for _ in range(3)]
+
+    assert first_batches(1) == first_batches(1)
+
+
+def test_local_jsonl_with_hub_column_names(tmp_path):
+    rows = [{"nums": [1, 2, 3], "target": 6}, {"nums": [4, 5, 6], "target": 15}] * 10
+    _write_jsonl(tmp_path / "train.jsonl", rows)
+    _write_jsonl(tmp_path / "test.jsonl", rows[:4])
+    dm = ReasoningDataModule(task=CountdownTask(), source=str(tmp_path), val_size=2, test_size=None, train_size=None)
+    dm.setup()
+    assert len(dm.splits["test"]) == 4  # the file's own test split
+    assert len(dm.splits["val"]) == 2 and len(dm.splits["train"]) == 18  # val carved off train, seeded
+    ex = dm.splits["train"][0]
+    assert dm.task.is_correct("1+2+3", {"nums": [1, 2, 3], "target": 6})
+    assert set(ex) >= {"nums", "target"}
+
+
+def test_local_jsonl_with_column_mapping(tmp_path):
+    rows = [{"numbers": [1, 2, 3], "goal": 6, "extra": "x"}] * 12
+    _write_jsonl(tmp_path / "data.jsonl", rows)
+    dm = ReasoningDataModule(
+        task="countdown", source=str(tmp_path / "data.jsonl"), column_mapping={"numbers": "nums", "goal": "target"},
+        val_size=2, test_size=2, train_size=None,
+    )
+    dm.setup()
+    assert dm.splits["train"][0]["nums"] == [1, 2, 3] and dm.splits["train"][0]["target"] == 6
+
+
+def test_missing_column_names_the_column_and_the_mapping_option(tmp_path):
+    _write_jsonl(tmp_path / "data.jsonl", [{"numbers": [1, 2, 3], "target": 6}] * 12)
+    dm = ReasoningDataModule(task="countdown", source=str(tmp_path / "data.jsonl"), val_size=2, test_size=2,
+                             train_size=None)
+    with pytest.raises(ValueError, match=r"lacks column\(s\) \['nums'\].*column_mapping"):
+        dm.setup()
+    bad_map = ReasoningDataModule(task="countdown", source=str(tmp_path / "data.jsonl"), val_size=2, test_size=2,
+                                  column_mapping={"nonexistent": "nums"})
+    with pytest.raises(ValueError, match="nonexistent"):
+        bad_map.setup()
+
+
+def test_parquet_and_save_to_disk_sources_with_preprocess(tmp_path):
+    rows = {"question": [f"What is {i}+1?" for i in range(20)], "answer": [f"work\n#### {i + 1}" for i in range(20)]}
+    ds = datasets.Dataset.from_dict(rows)
+    ds.to_parquet(str(tmp_path / "train.parquet"))
+    datasets.DatasetDict({"train": ds, "test": ds.select(range(5))}).save_to_disk(str(tmp_path / "disk"))
+    for source in (str(tmp_path / "train.parquet"), str(tmp_path / "disk")):
+        dm = ReasoningDataModule(task=GSM8KTask(), source=source, val_size=3, test_size=5, train_size=None)
+        dm.setup()
+        ex = dm.splits["train"][0]
+        assert "question" in ex
+        assert dm.task.is_correct(f"so #### {ex['answer'].split('####')[-1].strip()}", ex)
+        assert len(dm.splits["test"]) == 5
+
+
+def test_bad_sources_fail_clearly(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        ReasoningDataModule(task="countdown", source="./no/such/dir").setup()
+    (tmp_path / "notes.txt").write_text("hi")
+    with pytest.raises(ValueError, match="no data files"):
+        ReasoningDataModule(task="countdown", source=str(tmp_path)).setup()
+    with pytest.raises(ValueError, match="batch_size"):
+        ReasoningDataModule(task="countdown", batch_size=0)
+    with pytest.raises(ValueError, match="unknown task"):
+        ReasoningDataModule(task="nosuchtask")
+
+
+def test_procedural_split_rejects_tasks_without_generator():
+    with pytest.raises(NotImplementedError, match="no procedural generator"):
+        procedural_split(GSM8KTask(), "train", 4, 0)

@@ -1,0 +1,50 @@
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from es_lightning.policy import builtin_models, load_policy, resolve_dtype, resolve_model_path
+
+
+def test_local_dir_loads_model_and_left_padded_tokenizer(tiny_model_dir):
+    policy = load_policy(tiny_model_dir)
+    assert policy.tokenizer.padding_side == "left"
+    assert policy.tokenizer.pad_token is not None
+    enc = policy.tokenizer(["c:1 2>3=", "c:10 2 3>7="], padding=True, return_tensors="pt")
+    assert enc["attention_mask"][0, 0] == 0 and enc["attention_mask"][0, -1] == 1  # left padding
+    ref = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    for (n1, p1), (n2, p2) in zip(policy.model.named_parameters(), ref.named_parameters()):
+        assert n1 == n2 and torch.equal(p1, p2)
+
+
+def test_dtype_choice(tiny_model_dir):
+    policy = load_policy(tiny_model_dir, dtype="bf16")
+    assert next(policy.model.parameters()).dtype == torch.bfloat16
+    assert resolve_dtype("auto") is None
+    with pytest.raises(ValueError, match="unknown dtype"):
+        resolve_dtype("float8")
+
+
+def test_missing_path_and_unknown_builtin_list_what_exists(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist") as err:
+        resolve_model_path(str(tmp_path / "nope"))
+    assert "builtin:" in str(err.value)
+    with pytest.raises(FileNotFoundError, match="unknown built-in model") as err:
+        resolve_model_path("builtin:does-not-exist")
+    for name in builtin_models():
+        assert f"builtin:{name}" in str(err.value)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        resolve_model_path(str(tmp_path / "empty"))
+
+
+def test_hub_id_is_passed_through_untouched():
+    # a hub id is left for from_pretrained to fetch (no download happens here)
+    assert resolve_model_path("Qwen/Qwen2.5-1.5B-Instruct") == "Qwen/Qwen2.5-1.5B-Instruct"
+
+
+def test_chat_template_applied_only_when_asked_and_available(tiny_model_dir):
+    policy = load_policy(tiny_model_dir)
+    assert policy.render_prompts(["hi"], use_chat_template=True) == ["hi"]  # no template: raw prompt
+    policy.tokenizer.chat_template = "{% for m in messages %}<{{ m['content'] }}>{% endfor %}{% if add_generation_prompt %}={% endif %}"
+    assert policy.render_prompts(["hi"], use_chat_template=True) == ["<hi>="]
+    assert policy.render_prompts(["hi"], use_chat_template=False) == ["hi"]
