@@ -6,8 +6,9 @@ Public API — everything else may change between releases.
 from es_lightning.callbacks import PassAtKCallback
 from es_lightning.data import ReasoningDataModule
 from es_lightning.generation import Generator, HFGenerator, Rollout, SamplingParams
-from es_lightning.metrics import MajorityAtK, PassAtK, TokenEntropy
+from es_lightning.metrics import MajorityAtK, PassAtK, PopulationDiversity, TokenEntropy, js_succ, pass_at_k
 from es_lightning.modules.base import ReasoningModule
+from es_lightning.modules.es import ESModule
 from es_lightning.policy import Policy, load_policy
 from es_lightning.tasks import AdditionTask, CountdownTask, GSM8KTask, MathTask, SortTask, Task
 
@@ -16,6 +17,7 @@ __version__ = "0.1.0.dev0"
 __all__ = [
     "AdditionTask",
     "CountdownTask",
+    "ESModule",
     "GSM8KTask",
     "Generator",
     "HFGenerator",
@@ -24,6 +26,7 @@ __all__ = [
     "PassAtK",
     "PassAtKCallback",
     "Policy",
+    "PopulationDiversity",
     "ReasoningDataModule",
     "ReasoningModule",
     "Rollout",
@@ -31,5 +34,7 @@ __all__ = [
     "SortTask",
     "Task",
     "TokenEntropy",
+    "js_succ",
     "load_policy",
+    "pass_at_k",
 ]

@@ -21,7 +21,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 from es_lightning.tasks import Task, get_task
 
@@ -56,6 +56,57 @@ def procedural_split(task: Task, split: str, num_examples: int, seed: int) -> li
 
 def _collate(examples: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return list(examples)
+
+
+class EpochBatches(IterableDataset):
+    """Training batches as a resumable stream: batch ``b`` of epoch ``e`` is a pure function of (seed, e, b).
+
+    Epoch ``e`` visits the examples in ``randperm(seed + e)`` order, ``batch_size`` at a time (a last partial batch is
+    dropped). The stream starts at a global batch index (``start``), so a run resumed after ``k`` batches continues with
+    batch ``k`` — Lightning restarts a map-style DataLoader at the beginning of the epoch on resume, which would make a
+    resumed run see different prompts than an uninterrupted one.
+
+    Under DDP, ``shared=True`` gives every rank the same batch (ES: the population shares the prompts); otherwise rank
+    ``r`` of ``W`` takes the ``r``-th of ``W`` consecutive batches (data parallel, as GRPO wants).
+    """
+
+    def __init__(self, examples, batch_size: int, seed: int, start: int = 0, rank: int = 0, world_size: int = 1,
+                 shared: bool = True) -> None:
+        self.examples = examples
+        self.batch_size = batch_size
+        self.seed = seed
+        self.rank, self.world_size, self.shared = rank, world_size, shared
+        self.stride = 1 if shared else world_size
+        per_epoch = len(examples) // batch_size // self.stride
+        if per_epoch == 0:
+            raise ValueError(
+                f"{len(examples)} training examples make no batch of {batch_size} per rank; lower data.batch_size "
+                "or raise data.train_size"
+            )
+        self.batches_per_epoch = per_epoch
+        self.cursor = start  # global index (in this rank's batches) of the next batch to yield
+
+    def __len__(self) -> int:
+        return self.batches_per_epoch
+
+    def __iter__(self):
+        epoch, position = divmod(self.cursor, self.batches_per_epoch)
+        order = torch.randperm(len(self.examples), generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
+        for b in range(position, self.batches_per_epoch):
+            k = b * self.stride + (0 if self.shared else self.rank)
+            self.cursor = epoch * self.batches_per_epoch + b + 1
+            yield [self.examples[i] for i in order[k * self.batch_size:(k + 1) * self.batch_size]]
+
+
+class _ResumableLoader(DataLoader):
+    """Marks the stream as resumable for Lightning. Its position is re-derived from the trainer's batch count when
+    ``train_dataloader()`` is called on resume, so there is no loader state to save."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        pass
 
 
 class ReasoningDataModule(L.LightningDataModule):
@@ -221,7 +272,18 @@ class ReasoningDataModule(L.LightningDataModule):
         )
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader("train", self.batch_size, shuffle=True)
+        """A resumable stream of batches (see :class:`EpochBatches`), positioned at the trainer's batch count."""
+        if not self.splits:
+            self.setup()
+        trainer = self.trainer
+        start, rank, world = 0, 0, 1
+        shared = True
+        if trainer is not None:
+            start = trainer.fit_loop.epoch_loop.batch_progress.total.completed
+            rank, world = trainer.global_rank, trainer.world_size
+            shared = bool(getattr(trainer.lightning_module, "shares_batch_across_ranks", False))
+        stream = EpochBatches(self.splits["train"], self.batch_size, self.seed, start, rank, world, shared)
+        return _ResumableLoader(stream, batch_size=None, num_workers=0)
 
     def val_dataloader(self) -> DataLoader:
         return self._loader("val", self.val_batch_size, shuffle=False)

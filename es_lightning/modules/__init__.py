@@ -1,5 +1,6 @@
 """LightningModules: the shared base and the algorithms (ES, GRPO)."""
 
 from es_lightning.modules.base import EvalBatch, ReasoningModule
+from es_lightning.modules.es import ESModule
 
-__all__ = ["EvalBatch", "ReasoningModule"]
+__all__ = ["ESModule", "EvalBatch", "ReasoningModule"]

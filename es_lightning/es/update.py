@@ -1,0 +1,98 @@
+"""The ES update rule: reward normalisation and an optimizer whose ``step()`` applies the seeded update.
+
+Update (Qiu et al. 2025, Alg. 2; Ba et al. 2026, App. G): with N members, noise ε_n and normalised rewards z_n,
+
+    θ ← θ + (α / N) Σ_n z_n ε_n            (``scale="alpha"``: 1/σ folded into α, as both papers do)
+    θ ← θ + (α / (N σ)) Σ_n z_n ε_n        (``scale="textbook"``: the Gaussian-smoothing gradient estimate of
+                                             Salimans et al. 2017)
+
+The update goes through :meth:`ESOptimizer.step` because Lightning counts optimizer steps in manual optimization:
+``trainer.global_step``, ``max_steps``, checkpoint cadence and the GRPO→ES switch all follow it (DESIGN.md). The
+optimizer keeps no state — the noise is regenerated from its keys — and the sum is accumulated in fp32 one tensor at a
+time and added once, whatever the parameter dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from es_lightning.es.noise import param_noise
+
+NORMALIZATIONS = ("zscore", "rank", "centered", "none")
+
+
+def normalize_rewards(rewards: Tensor, method: str = "zscore", eps: float = 0.0) -> Tensor:
+    """Population reward normalisation. Rewards with zero spread give all-zero weights (a zero update).
+
+    - ``zscore``: (r − mean) / std, the normalisation of Qiu et al. 2025 and Ba et al. 2026;
+    - ``rank``: centred ranks in [−0.5, 0.5] (Salimans et al. 2017, fitness shaping); ties share their mean rank;
+    - ``centered``: r − mean;
+    - ``none``: r as it is.
+    """
+    r = rewards.double()
+    if method == "none":
+        return r.float()
+    if r.numel() < 2 or bool((r == r[0]).all()):
+        return torch.zeros_like(rewards, dtype=torch.float32)
+    if method == "zscore":
+        return ((r - r.mean()) / (r.std(unbiased=False) + eps)).float()
+    if method == "centered":
+        return (r - r.mean()).float()
+    if method == "rank":
+        order = r.argsort()
+        ranks = torch.empty_like(r)
+        ranks[order] = torch.arange(len(r), dtype=r.dtype)
+        for value in r.unique():  # ties share the mean of their ranks
+            tie = r == value
+            ranks[tie] = ranks[tie].mean()
+        return (ranks / (len(r) - 1) - 0.5).float()
+    raise ValueError(f"unknown reward_normalization {method!r}; use one of {NORMALIZATIONS}")
+
+
+class ESOptimizer(torch.optim.Optimizer):
+    """Applies ``θ += scale · Σ_n w_n ε_n`` for the member weights set by :meth:`set_update`.
+
+    It holds the parameters by name (the name is part of each noise key) and no per-parameter state.
+    ``lr`` lives in ``param_groups`` so Lightning's LR schedulers act on α.
+    """
+
+    def __init__(self, named_params: Sequence[tuple[str, Tensor]], lr: float, sigma: float, scale: str = "alpha"):
+        if scale not in ("alpha", "textbook"):
+            raise ValueError(f"update scale must be 'alpha' or 'textbook', got {scale!r}")
+        self.names = [n for n, _ in named_params]
+        super().__init__([p for _, p in named_params], dict(lr=lr, sigma=sigma, scale=scale))
+        self._pending: tuple[int, int, Tensor, Tensor] | None = None
+        self.last_update_norm = 0.0
+
+    def set_update(self, seed: int, step: int, noise_ids: Tensor, weights: Tensor) -> None:
+        """The next ``step()`` applies ``Σ_m weights[m] · ε(seed, step, noise_ids[m])`` (antithetic pairs share ids)."""
+        self._pending = (seed, step, noise_ids.clone(), weights.detach().float().cpu().clone())
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            closure()
+        if self._pending is None:
+            raise RuntimeError("ESOptimizer.step() called without set_update(); ESModule sets it every step")
+        seed, step, noise_ids, weights = self._pending
+        self._pending = None
+        group = self.param_groups[0]
+        n = len(weights)
+        coef = group["lr"] / n / (group["sigma"] if group["scale"] == "textbook" else 1.0)
+        active = [(int(i), float(w)) for i, w in zip(noise_ids, weights) if w != 0.0]
+        sq = 0.0
+        if coef == 0.0 or not active:
+            self.last_update_norm = 0.0
+            return None
+        for name, p in zip(self.names, group["params"]):
+            acc = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)  # [numel] fp32 accumulator
+            for member, w in active:
+                acc.add_(param_noise(seed, step, member, name, p.numel(), device=p.device), alpha=w)
+            acc.mul_(coef)
+            sq += float(acc.square().sum())
+            p.copy_((p.float() + acc.view_as(p)).to(p.dtype))
+        self.last_update_norm = sq**0.5
+        return None
