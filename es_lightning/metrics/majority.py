@@ -1,0 +1,101 @@
+"""Maj@k (self-consistency): is the most common final answer among k samples a correct one?
+
+Majority voting over sampled reasoning paths is the self-consistency decoding of Wang et al. 2023 ("Self-Consistency
+Improves Chain of Thought Reasoning in Language Models"); maj@k is how reasoning papers report it (Lewkowycz et al.
+2022, Minerva). Pass@k asks whether *some* sample is right (an oracle picks); maj@k asks whether the policy's
+*consensus* is right, which needs no verifier at inference time. A policy that sharpens onto one answer keeps maj@k
+while losing pass@k, so the two together tell coverage from confidence.
+
+Conventions (document-level choices; change them and results are not comparable):
+
+* **First k samples.** maj@k of a problem votes over its first k samples (columns ``0..k-1``), the standard report
+  (lm-evaluation-harness ``take_first_k`` + ``majority_vote`` filters, Minerva); samples are i.i.d., so this is an
+  unbiased (if noisier) estimate of the expected maj@k over random k-subsets, without averaging over all of them.
+* **Unparseable answers abstain.** ``None`` (the task's ``extract_answer`` failed) never wins a vote; if all k samples
+  are ``None`` the problem counts as wrong.
+* **Ties go to the answer seen first** among the k samples (deterministic, matches ``collections.Counter.most_common``,
+  which keeps insertion order among equal counts).
+* **The vote is right** when the verifier accepted the first sample that gave the winning answer (equal answer strings
+  get the same verdict from a deterministic verifier, so which one we read does not matter in practice).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Hashable, Sequence
+
+import torch
+from torchmetrics import Metric
+
+from es_lightning.metrics.pass_at_k import _check_k_le_n, _validate_correctness, _validate_ks
+
+__all__ = ["MajorityAtK", "majority_vote_correct"]
+
+
+def majority_vote_correct(answers: Sequence[Hashable | None], correct: Sequence[bool], k: int) -> bool:
+    """Whether the majority answer among the first ``k`` samples is correct (conventions in the module docstring).
+
+    Args:
+        answers: the extracted answer of each sample (``None`` = unparseable), length ``n >= k``.
+        correct: the verifier's verdict for each sample, same length.
+        k: how many leading samples vote.
+    """
+    votes = Counter(answer for answer in answers[:k] if answer is not None)
+    if not votes:
+        return False
+    winner, _ = votes.most_common(1)[0]  # ties: first inserted = first seen
+    return bool(correct[list(answers).index(winner)])
+
+
+class MajorityAtK(Metric):
+    """Maj@k averaged over problems (self-consistency, Wang et al. 2023), with sum states that sync across processes.
+
+    ``update(answers, correct)``: ``answers`` is a list with one entry per problem, each a list of the ``n`` extracted
+    answer strings (or ``None``) of that problem's samples, in sampling order; ``correct`` is the ``[num_problems, n]``
+    bool (or 0/1 int) correctness matrix of the same samples. ``compute()`` returns ``{"maj@1": tensor, "maj@4": ...}``;
+    NaN for every k when no problem was seen (torchmetrics warns). maj@1 equals pass@1 on the first sample.
+
+    Args:
+        ks: the vote sizes k to report; positive integers, each at most the ``n`` of every update.
+    """
+
+    is_differentiable = False
+    higher_is_better = True
+    full_state_update = False
+
+    maj_at_k_sum: torch.Tensor
+    num_problems: torch.Tensor
+
+    def __init__(self, ks: Sequence[int] = (1, 4, 16), **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.ks = _validate_ks(ks)
+        self.add_state(
+            "maj_at_k_sum", default=torch.zeros(len(self.ks), dtype=torch.get_default_dtype()), dist_reduce_fx="sum"
+        )
+        self.add_state("num_problems", default=torch.zeros((), dtype=torch.long), dist_reduce_fx="sum")
+
+    def update(self, answers: Sequence[Sequence[Hashable | None]], correct: torch.Tensor) -> None:
+        correct = _validate_correctness(correct)
+        num_problems, num_samples = correct.shape
+        if isinstance(answers, (str, bytes)) or len(answers) != num_problems:
+            raise ValueError(
+                f"answers must hold one list of answers per problem: correct has {num_problems} rows but answers has "
+                f"{len(answers) if not isinstance(answers, (str, bytes)) else 'a string, not a list'}"
+            )
+        _check_k_le_n(max(self.ks), num_samples)
+        verdicts = correct.cpu().tolist()
+        hits = [0] * len(self.ks)
+        for problem, (problem_answers, problem_correct) in enumerate(zip(answers, verdicts)):
+            if isinstance(problem_answers, (str, bytes)) or len(problem_answers) != num_samples:
+                raise ValueError(
+                    f"answers[{problem}] must list one answer per sample (n={num_samples}, the width of correct), "
+                    f"got {problem_answers!r:.80}"
+                )
+            for j, k in enumerate(self.ks):
+                hits[j] += majority_vote_correct(problem_answers, problem_correct, k)
+        self.maj_at_k_sum += torch.tensor(hits, dtype=self.maj_at_k_sum.dtype, device=self.maj_at_k_sum.device)
+        self.num_problems += num_problems
+
+    def compute(self) -> dict[str, torch.Tensor]:
+        mean = self.maj_at_k_sum / self.num_problems  # NaN when no problem was seen
+        return {f"maj@{k}": mean[j] for j, k in enumerate(self.ks)}

@@ -1,0 +1,171 @@
+"""Pass@k: the probability that at least one of k sampled completions is correct.
+
+We use the unbiased estimator of Chen et al. 2021 ("Evaluating Large Language Models Trained on Code", §2.1, eq. 1):
+draw ``n >= k`` samples per problem, count the ``c`` correct ones, and estimate
+
+    pass@k = E_problems[ 1 - C(n - c, k) / C(n, k) ]
+
+Computing ``1 - pass@k`` as a ratio of binomial coefficients overflows floats for realistic ``n`` (C(200, 100) ~ 1e59),
+so we use the numerically stable product form from the paper's reference code (Figure 3):
+
+    C(n - c, k) / C(n, k) = prod_{i = n - c + 1}^{n} (1 - k / i)
+
+and pass@k = 1 exactly when ``n - c < k`` (every k-subset contains a correct sample). The naive estimator
+``1 - (1 - c/n)^k`` is biased low and is deliberately not offered.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable, Sequence
+
+import torch
+from torchmetrics import Metric
+
+__all__ = ["PassAtK", "pass_at_k"]
+
+
+def _as_int(value: object, name: str) -> int:
+    try:
+        return operator.index(value)  # accepts int, numpy ints, 0-d integer tensors; rejects floats and bools' cousins
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})") from None
+
+
+def _check_k_le_n(k: int, num_samples: int) -> None:
+    if k > num_samples:
+        raise ValueError(
+            f"pass@{k} needs at least k={k} samples per problem but got n={num_samples}: sample more completions "
+            f"per problem (n >= {k}) or drop k={k} from ks"
+        )
+
+
+def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
+    """Unbiased pass@k estimate for one problem (Chen et al. 2021, eq. 1, stable product form).
+
+    Args:
+        num_samples: ``n``, completions sampled for the problem.
+        num_correct: ``c``, how many of them the verifier accepted (``0 <= c <= n``).
+        k: the budget; must satisfy ``1 <= k <= n``.
+
+    Returns:
+        ``1 - C(n-c, k)/C(n, k)`` as a Python float in ``[0, 1]``; ``1.0`` when ``n - c < k``.
+    """
+    n = _as_int(num_samples, "num_samples")
+    c = _as_int(num_correct, "num_correct")
+    k = _as_int(k, "k")
+    if k < 1:
+        raise ValueError(f"k must be a positive integer, got k={k}")
+    if not 0 <= c <= n:
+        raise ValueError(f"num_correct must lie in [0, num_samples], got num_correct={c}, num_samples={n}")
+    _check_k_le_n(k, n)
+    if n - c < k:
+        return 1.0
+    prob_all_wrong = 1.0
+    for i in range(n - c + 1, n + 1):
+        prob_all_wrong *= 1.0 - k / i
+    return 1.0 - prob_all_wrong
+
+
+def _pass_at_k_table(num_samples: int, ks: Sequence[int]) -> list[list[float]]:
+    """``table[j][c]`` = pass@ks[j] for a problem with ``c`` of ``num_samples`` correct, for every ``c`` in 0..n.
+
+    One pass of running products per k (O(n) each) instead of O(n) per problem: the estimate depends on a problem only
+    through ``c``, so a batch of problems becomes a table lookup.
+    """
+    table = []
+    for k in ks:
+        row = [0.0] * (num_samples + 1)
+        prob_all_wrong = 1.0
+        for c in range(1, num_samples + 1):
+            if num_samples - c < k:
+                row[c] = 1.0
+            else:
+                prob_all_wrong *= 1.0 - k / (num_samples - c + 1)
+                row[c] = 1.0 - prob_all_wrong
+        table.append(row)
+    return table
+
+
+def _validate_ks(ks: Iterable[int]) -> tuple[int, ...]:
+    if isinstance(ks, int):
+        ks = (ks,)
+    ks = tuple(ks)
+    if not ks:
+        raise ValueError("ks must name at least one k, e.g. ks=(1, 4, 16)")
+    for k in ks:
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"every k in ks must be a positive integer, got ks={ks}")
+    if len(set(ks)) != len(ks):
+        raise ValueError(f"ks has duplicates: {ks}")
+    return ks
+
+
+def _validate_correctness(correct: torch.Tensor, name: str = "correct") -> torch.Tensor:
+    """Check a ``[num_problems, n]`` correctness matrix (bool, or integers that are all 0/1) and return it as bool."""
+    if not isinstance(correct, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape [num_problems, n], got {type(correct).__name__}")
+    if correct.ndim != 2:
+        raise ValueError(
+            f"{name} must be 2-D [num_problems, n] (one row per problem, one column per sample), got shape "
+            f"{tuple(correct.shape)}; for a single problem use correct.unsqueeze(0)"
+        )
+    if correct.dtype == torch.bool:
+        return correct
+    if correct.is_floating_point() or correct.is_complex():
+        raise TypeError(f"{name} must be bool or 0/1 integers, got dtype {correct.dtype}; use (reward == 1) or .bool()")
+    if correct.numel() and not bool(((correct == 0) | (correct == 1)).all()):
+        raise ValueError(f"{name} as integers must contain only 0 and 1")
+    return correct.bool()
+
+
+class PassAtK(Metric):
+    """Pass@k averaged over problems, with the unbiased estimator of Chen et al. 2021 (eq. 1).
+
+    Each ``update`` takes the verifier's correctness matrix ``[num_problems, n]``; the per-problem estimate depends only
+    on that problem's ``n`` and ``c``, so it is computed in ``update`` and the states are plain sums
+    (``dist_reduce_fx="sum"``): DDP/FSDP ranks that see different problems sync exactly, and ``n`` may differ between
+    calls.
+
+    Sums are kept in the default float dtype (float32, as torchmetrics' own aggregators; fine on MPS); call
+    ``set_dtype(torch.float64)`` for very large evaluations.
+
+    ``compute()`` returns ``{"pass@1": tensor, "pass@4": tensor, ...}``. With no problems seen it returns NaN for every
+    k (torchmetrics also warns that ``compute`` ran before ``update``), so an empty sanity-check epoch logs NaN rather
+    than crashing a run.
+
+    Args:
+        ks: the budgets k to report; positive integers, each at most the ``n`` of every update.
+    """
+
+    is_differentiable = False
+    higher_is_better = True
+    full_state_update = False
+
+    pass_at_k_sum: torch.Tensor
+    num_problems: torch.Tensor
+
+    def __init__(self, ks: Sequence[int] = (1, 4, 16), **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.ks = _validate_ks(ks)
+        self.add_state(
+            "pass_at_k_sum", default=torch.zeros(len(self.ks), dtype=torch.get_default_dtype()), dist_reduce_fx="sum"
+        )
+        self.add_state("num_problems", default=torch.zeros((), dtype=torch.long), dist_reduce_fx="sum")
+
+    def update(self, correct: torch.Tensor) -> None:
+        """Add problems; ``correct[i, j]``: did sample j of problem i pass (``[num_problems, n]``, bool/0-1)."""
+        correct = _validate_correctness(correct)
+        num_samples = correct.shape[1]
+        _check_k_le_n(max(self.ks), num_samples)
+        num_correct = correct.sum(dim=1)  # [P]
+        table = torch.tensor(
+            _pass_at_k_table(num_samples, self.ks), dtype=self.pass_at_k_sum.dtype, device=self.pass_at_k_sum.device
+        )  # [K, n + 1]
+        estimates = table[:, num_correct.to(table.device)]  # [K, P]
+        self.pass_at_k_sum += estimates.sum(dim=1)
+        self.num_problems += correct.shape[0]
+
+    def compute(self) -> dict[str, torch.Tensor]:
+        mean = self.pass_at_k_sum / self.num_problems  # NaN when no problem was seen
+        return {f"pass@{k}": mean[j] for j, k in enumerate(self.ks)}

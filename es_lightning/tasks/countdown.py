@@ -1,0 +1,230 @@
+"""Countdown: reach a target with each given number used once and ``+ - * /`` (TinyZero; Qiu et al. 2025, §4.1).
+
+Two prompt formats:
+
+* ``"compact"`` — for the built-in tiny character-level model, whose vocabulary is ``0-9 + - * / ( ) = > : .``, space
+  and ``a-z``. Prompt ``"c:3 5 7>22="``, completion the bare expression ``"3*5+7"``, ended by the model's EOS token.
+* ``"r1"`` — for instruct models, the TinyZero prompt (also used by Qiu et al. 2025): reasoning in ``<think>…</think>``,
+  the equation in ``<answer>…</answer>``. Generation stops at ``</answer>`` (the stop string stays in the text).
+
+Reward: ``correct_reward`` (1.0) for a correct equation, ``format_reward`` (0.1) for a well-formed but wrong one, 0
+otherwise — Qiu et al.'s "correctness + 0.1 × format", with the correct case capped at 1.0 (Ba et al. 2026 convention,
+see :mod:`es_lightning.tasks.base`). Examples follow the columns of the hub dataset ``Jiayi-Pan/Countdown-Tasks-3to4``:
+``nums`` (list of int) and ``target`` (int); procedural examples add ``solutions`` and ``num_solutions``.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from fractions import Fraction
+from typing import Any, ClassVar
+
+from es_lightning.tasks.base import Task
+from es_lightning.tasks.expressions import (
+    MAX_EXPRESSION_CHARS,
+    num_solutions,
+    parse_expression,
+    reachable_values,
+    solutions_by_value,
+    solve,
+)
+
+__all__ = ["CountdownTask", "solve", "num_solutions"]
+
+PROMPT_FORMATS = ("compact", "r1")
+#: default ``max_completion_chars`` for reasoning formats (~16k tokens); parsing only scans the tail, so it stays cheap
+LONG_COMPLETION_CHARS = 65536
+
+# TinyZero's Countdown prompt (examples/data_preprocess/countdown.py), base-model and instruct (chat) variants.
+_R1_INSTRUCTION = (
+    "Using the numbers {nums}, create an equation that equals {target}. You can use basic arithmetic operations "
+    "(+, -, *, /) and each number can only be used once. Show your work in <think> </think> tags. And return the "
+    "final answer in <answer> </answer> tags, for example <answer> (1 + 2) / 3 </answer>."
+)
+_R1_BASE_TEMPLATE = (
+    "A conversation between User and Assistant. The user asks a question, and the Assistant solves it. The assistant "
+    "first thinks about the reasoning process in the mind and then provides the user with the answer.\n"
+    "User: {instruction}\nAssistant: Let me solve this step by step.\n<think>"
+)
+
+
+class CountdownTask(Task):
+    """Countdown with an exact, ``eval``-free verifier and a procedural generator of solvable instances.
+
+    Args:
+        prompt_format: ``"compact"`` (built-in char model) or ``"r1"`` (TinyZero ``<think>/<answer>`` prompt).
+        num_numbers: how many numbers a procedural instance has (2–5; 3 is the tiny-model default, the hub set has 3–4).
+        min_number, max_number: range of the procedural numbers (default 1..20: two digits keep the prompt short
+            for a character-level model while leaving ~40–70 reachable targets per instance).
+        min_target, max_target: procedural targets are integers in this range (default 1..100). The target is drawn
+            uniformly among the *reachable* integers in range, like TinyZero's generator, which redraws unsolvable
+            instances; so every instance is solvable.
+        **task_kwargs: rewards, ``use_chat_template``, ``max_completion_chars`` (see :class:`Task`; 65536 by default
+            for ``"r1"``).
+
+    Solution normal form: answers equal up to commutativity/associativity of ``+``/``*`` and moving signs and
+    reciprocals through brackets are one solution (``3+2+1`` = ``1+(2+3)``), so ``extract_answer`` of a correct
+    completion is one of the example's ``solutions``, and maj@k groups such variants together.
+    """
+
+    name: ClassVar[str] = "countdown"
+    required_columns: ClassVar[tuple[str, ...]] = ("nums", "target")
+    hub_dataset: ClassVar[str | None] = "Jiayi-Pan/Countdown-Tasks-3to4"
+
+    def __init__(
+        self,
+        prompt_format: str = "compact",
+        num_numbers: int = 3,
+        min_number: int = 1,
+        max_number: int = 20,
+        min_target: int = 1,
+        max_target: int = 100,
+        **task_kwargs: Any,
+    ) -> None:
+        if prompt_format == "r1":  # long reasoning must not be cut by the compact-model default bound
+            task_kwargs.setdefault("max_completion_chars", LONG_COMPLETION_CHARS)
+        super().__init__(**task_kwargs)
+        if prompt_format not in PROMPT_FORMATS:
+            raise ValueError(f"prompt_format must be one of {PROMPT_FORMATS}, got {prompt_format!r}")
+        if not 2 <= num_numbers <= 5:
+            raise ValueError(f"num_numbers must be between 2 and 5 (the solver is exhaustive), got {num_numbers}")
+        if not 0 <= min_number <= max_number:
+            raise ValueError(f"need 0 <= min_number <= max_number, got {min_number}..{max_number}")
+        if not min_target <= max_target:
+            raise ValueError(f"need min_target <= max_target, got {min_target}..{max_target}")
+        self.prompt_format = prompt_format
+        self.num_numbers = int(num_numbers)
+        self.min_number, self.max_number = int(min_number), int(max_number)
+        self.min_target, self.max_target = int(min_target), int(max_target)
+
+    # ----------------------------------------------------------------- prompt and stop
+    def prompt(self, example: dict[str, Any]) -> str:
+        nums = [int(x) for x in example["nums"]]
+        target = example["target"]
+        if self.prompt_format == "compact":
+            return f"c:{' '.join(map(str, nums))}>{target}="
+        instruction = _R1_INSTRUCTION.format(nums=nums, target=target)
+        # with a chat template the module wraps the user turn itself; the completion then opens with <think>
+        return instruction if self.use_chat_template else _R1_BASE_TEMPLATE.format(instruction=instruction)
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return ["</answer>"] if self.prompt_format == "r1" else []
+
+    # ----------------------------------------------------------------- answer and verifier
+    def extract_answer(self, completion: str) -> str | None:
+        """Compact: the whole completion must be an expression. r1: the last ``<answer>`` after ``</think>``.
+
+        Returns the solution normal form when the expression is well-formed and evaluable, the expression with
+        spaces removed when it divides by zero, and for r1 the raw (stripped) answer text when it is not an
+        expression at all (the think/answer layout alone earns the format reward, as in Qiu et al.). ``None``: no
+        answer in the expected layout.
+        """
+        if self.prompt_format == "compact":
+            parsed = parse_expression(completion.strip())
+            if parsed is None:
+                return None
+            return _canonical(parsed, completion)
+        content = _r1_answer(completion)
+        if content is None:
+            return None
+        parsed = parse_expression(content)
+        return content if parsed is None else _canonical(parsed, content)
+
+    def check_answer(self, answer: str, example: dict[str, Any]) -> bool:
+        """Exact check: the literals are exactly the multiset ``nums`` and the value is exactly ``target``."""
+        parsed = parse_expression(answer)
+        if parsed is None or parsed.value is None:
+            return False
+        if Counter(parsed.literals) != Counter(int(x) for x in example["nums"]):
+            return False
+        target = example["target"]
+        target = Fraction(target) if isinstance(target, int) else Fraction(str(target))
+        return parsed.value == target
+
+    # ----------------------------------------------------------------- data
+    def preprocess(self, example: dict[str, Any]) -> dict[str, Any]:
+        nums = example["nums"]
+        if isinstance(nums, str):  # a jsonl/csv that stored the list as text, e.g. "[3, 5, 7]"
+            nums = [int(tok) for tok in nums.strip("[]() ").replace(",", " ").split()]
+        target = example["target"]
+        if isinstance(target, str) and target.strip().lstrip("-").isdigit():
+            target = int(target)  # other non-integers (e.g. "27.4") stay as they are; check_answer reads them exactly
+        return {**example, "nums": [int(x) for x in nums], "target": target}
+
+    def procedural(self, num_examples: int, seed: int) -> list[dict[str, Any]]:
+        """``num_examples`` solvable instances, a pure function of ``seed`` (``random.Random(seed)``).
+
+        Numbers are drawn i.i.d. uniform in ``[min_number, max_number]``, the target uniformly among the reachable
+        integers in ``[min_target, max_target]`` (numbers with none are redrawn). Each example lists all its
+        ``solutions``. Solutions are cached per multiset of numbers, so 20k three-number instances take seconds.
+        """
+        rng = random.Random(seed)
+        cache: dict[tuple[int, ...], dict[int, list[str]] | list[int]] = {}
+        examples: list[dict[str, Any]] = []
+        attempts = 0
+        while len(examples) < num_examples:
+            attempts += 1
+            if attempts > 100 * num_examples + 1000:
+                raise ValueError(
+                    f"could not generate solvable Countdown instances with numbers {self.min_number}..{self.max_number}"
+                    f" and targets {self.min_target}..{self.max_target}; widen the target range"
+                )
+            nums = [rng.randint(self.min_number, self.max_number) for _ in range(self.num_numbers)]
+            key = tuple(sorted(nums))
+            if key not in cache:
+                cache[key] = self._targets(key)
+            entry = cache[key]
+            if not entry:
+                continue
+            targets = sorted(entry)
+            target = targets[rng.randrange(len(targets))]
+            solutions = entry[target] if isinstance(entry, dict) else solve(key, target)
+            examples.append(
+                {"nums": nums, "target": target, "solutions": list(solutions), "num_solutions": len(solutions)}
+            )
+        return examples
+
+    def _targets(self, key: tuple[int, ...]) -> dict[int, list[str]] | list[int]:
+        """In-range integer targets of a multiset: with their solutions (≤ 3 numbers, cheap), else targets only."""
+
+        def in_range(v: Fraction) -> bool:
+            return v.denominator == 1 and self.min_target <= v <= self.max_target
+
+        if len(key) <= 3:
+            return {int(v): s for v, s in solutions_by_value(key).items() if in_range(v)}
+        return [int(v) for v in reachable_values(key) if in_range(v)]
+
+    def __repr__(self) -> str:
+        return (
+            f"CountdownTask(prompt_format={self.prompt_format!r}, num_numbers={self.num_numbers}, "
+            f"numbers={self.min_number}..{self.max_number}, targets={self.min_target}..{self.max_target})"
+        )
+
+
+def _canonical(parsed, original: str) -> str:
+    if parsed.value is None:  # keep the original: its normal form could hide a division by zero
+        return "".join(original.split())
+    return parsed.normal.text
+
+
+def _r1_answer(completion: str) -> str | None:
+    """The last ``<answer>…</answer>`` when it closes the completion and follows the ``</think>`` that ends the
+    reasoning; ``None`` otherwise. The completion may start inside ``<think>`` (the base prompt ends with it).
+    Any whitespace may separate ``</think>`` and ``<answer>`` (Qiu et al. require exactly one newline)."""
+    text = completion.rstrip()
+    if not text.endswith("</answer>"):
+        return None
+    start = text.rfind("<answer>")
+    if start < 0:
+        return None
+    head = text[:start].rstrip()
+    if not head.endswith("</think>") or head.count("</think>") != 1:
+        return None
+    if head.count("<think>") > 1:
+        return None
+    content = text[start + len("<answer>") : -len("</answer>")].strip()
+    if not content or len(content) > MAX_EXPRESSION_CHARS or "</answer>" in content:
+        return None
+    return content

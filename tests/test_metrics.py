@@ -1,0 +1,462 @@
+"""Metrics checked against independent computations: brute-force subset enumeration, exact binomials, a KL-based
+Jensen–Shannon divergence, hand-worked votes and entropies, and a real 2-process gloo sync."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+import time
+import warnings
+from datetime import timedelta
+from fractions import Fraction
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from es_lightning.metrics import (
+    MajorityAtK,
+    PassAtK,
+    PopulationDiversity,
+    TokenEntropy,
+    js_succ,
+    pass_at_k,
+    population_pass,
+    token_entropy,
+)
+
+# ---------------------------------------------------------------------------------------------------------- pass@k
+
+
+def brute_force_pass_at_k(row: list[bool], k: int) -> float:
+    """Fraction of all k-subsets of the n samples holding at least one correct sample (what the estimator estimates)."""
+    subsets = list(itertools.combinations(range(len(row)), k))
+    return sum(any(row[j] for j in subset) for subset in subsets) / len(subsets)
+
+
+def random_correctness(generator: torch.Generator, num_problems: int, num_samples: int) -> torch.Tensor:
+    # per-problem success probability, including all-wrong and all-right problems
+    rates = torch.rand(num_problems, 1, generator=generator)
+    rates[0], rates[-1] = 0.0, 1.0
+    return torch.rand(num_problems, num_samples, generator=generator) < rates  # [P, n]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_pass_at_k_matches_enumeration_of_all_k_subsets(seed):
+    generator = torch.Generator().manual_seed(seed)
+    for num_samples in range(1, 11):
+        correct = random_correctness(generator, 6, num_samples)
+        ks = tuple(range(1, num_samples + 1))
+        metric = PassAtK(ks=ks)
+        metric.update(correct)
+        result = metric.compute()
+        for k in ks:
+            expected = [brute_force_pass_at_k(row, k) for row in correct.tolist()]
+            for row, value in zip(correct.tolist(), expected):
+                assert pass_at_k(num_samples, sum(row), k) == pytest.approx(value, abs=1e-12)
+            assert result[f"pass@{k}"].item() == pytest.approx(sum(expected) / len(expected), abs=1e-6)
+
+
+def test_pass_at_k_matches_exact_binomial_form():
+    for n in range(1, 31):
+        for c in range(n + 1):
+            for k in range(1, n + 1):
+                exact = 1 - Fraction(math.comb(n - c, k), math.comb(n, k))
+                assert pass_at_k(n, c, k) == pytest.approx(float(exact), abs=1e-12), (n, c, k)
+
+
+def test_pass_at_k_edge_values():
+    assert pass_at_k(10, 0, 3) == 0.0
+    assert pass_at_k(10, 10, 3) == 1.0
+    assert pass_at_k(10, 8, 3) == 1.0  # n - c = 2 < k: every 3-subset holds a correct sample
+    assert pass_at_k(10, 3, 1) == pytest.approx(0.3)  # pass@1 = c / n
+    assert pass_at_k(torch.tensor(4), torch.tensor(2), 2) == pytest.approx(1 - 1 / 6)  # 0-d int tensors accepted
+
+
+@pytest.mark.parametrize("num_samples", [200, 2000])
+def test_pass_at_k_is_stable_for_large_n(num_samples):
+    if num_samples == 2000:
+        with pytest.raises(OverflowError):  # the textbook ratio in floats is not an option at this n
+            float(math.comb(num_samples, num_samples // 2))
+    for c in [0, 1, 3, 17, 100, 190, num_samples - 1]:
+        for k in [1, 10, 50, 100, num_samples // 2]:
+            value = pass_at_k(num_samples, c, k)
+            exact = 1 - Fraction(math.comb(num_samples - c, k), math.comb(num_samples, k))
+            assert math.isfinite(value) and 0.0 <= value <= 1.0
+            assert value == pytest.approx(float(exact), abs=1e-12), (c, k)
+    # and through the metric (float32 states)
+    generator = torch.Generator().manual_seed(7)
+    correct = random_correctness(generator, 5, num_samples)
+    metric = PassAtK(ks=(1, 16, 100))
+    metric.update(correct)
+    for k, value in metric.compute().items():
+        k = int(k.removeprefix("pass@"))
+        expected = (
+            sum(
+                float(1 - Fraction(math.comb(num_samples - c, k), math.comb(num_samples, k)))
+                for c in correct.sum(1).tolist()
+            )
+            / 5
+        )
+        assert value.item() == pytest.approx(expected, abs=1e-6)
+
+
+def test_pass_at_k_accumulates_across_updates_with_different_n():
+    generator = torch.Generator().manual_seed(11)
+    chunks = [random_correctness(generator, 4, 8) for _ in range(3)]
+    one_update, many_updates = PassAtK(ks=(1, 2, 8)), PassAtK(ks=(1, 2, 8))
+    one_update.update(torch.cat(chunks))
+    for chunk in chunks:
+        many_updates.update(chunk)
+    for key, value in one_update.compute().items():
+        torch.testing.assert_close(many_updates.compute()[key], value)
+
+    # n may change between calls: the result is the mean of per-problem estimates
+    mixed = PassAtK(ks=(1, 2))
+    wide, narrow = random_correctness(generator, 3, 9), random_correctness(generator, 5, 2)
+    mixed.update(wide)
+    mixed.update(narrow)
+    for k in (1, 2):
+        per_problem = [brute_force_pass_at_k(row, k) for row in wide.tolist() + narrow.tolist()]
+        assert mixed.compute()[f"pass@{k}"].item() == pytest.approx(sum(per_problem) / 8, abs=1e-6)
+
+
+def test_pass_at_k_accepts_0_1_integers():
+    correct = torch.tensor([[1, 0, 0, 1], [0, 0, 0, 0]])
+    from_ints, from_bools = PassAtK(ks=(1, 2)), PassAtK(ks=(1, 2))
+    from_ints.update(correct)
+    from_bools.update(correct.bool())
+    assert from_ints.compute() == from_bools.compute()
+    assert from_ints.compute()["pass@1"].item() == pytest.approx(0.25)
+    assert from_ints.compute()["pass@2"].item() == pytest.approx((1 - 1 / 6) / 2)
+
+
+def test_pass_at_k_rejects_k_above_n_with_the_fix():
+    metric = PassAtK(ks=(1, 16))
+    with pytest.raises(ValueError, match=r"k=16.*n=8.*sample more.*drop k=16"):
+        metric.update(torch.ones(3, 8, dtype=torch.bool))
+    with pytest.raises(ValueError, match="k=5.*n=4"):
+        pass_at_k(4, 1, 5)
+
+
+@pytest.mark.parametrize(
+    "correct, error",
+    [
+        (torch.ones(8, dtype=torch.bool), ValueError),  # 1-D
+        (torch.ones(2, 3, 4, dtype=torch.bool), ValueError),  # 3-D
+        (torch.full((2, 4), 0.5), TypeError),  # float rewards, not verdicts
+        (torch.tensor([[0, 1, 2, 1]]), ValueError),  # ints other than 0/1
+        ([[True, False]], TypeError),  # not a tensor
+    ],
+)
+def test_pass_at_k_rejects_bad_correctness_matrix(correct, error):
+    with pytest.raises(error, match="correct"):
+        PassAtK(ks=(1,)).update(correct)
+
+
+@pytest.mark.parametrize("ks", [(), (0,), (1, -4), (1.0,), ("4",), (True,), (4, 4)])
+def test_pass_at_k_rejects_bad_ks(ks):
+    with pytest.raises(ValueError, match="ks"):
+        PassAtK(ks=ks)
+
+
+def test_pass_at_k_rejects_bad_scalar_arguments():
+    with pytest.raises(ValueError, match="num_correct"):
+        pass_at_k(4, 5, 1)
+    with pytest.raises(ValueError, match="k must be a positive"):
+        pass_at_k(4, 1, 0)
+    with pytest.raises(TypeError, match="num_samples"):
+        pass_at_k(4.0, 1, 1)
+
+
+def test_empty_compute_is_nan_for_every_metric():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torchmetrics warns that compute ran before update
+        assert all(torch.isnan(v) for v in PassAtK(ks=(1, 4)).compute().values())
+        assert all(torch.isnan(v) for v in MajorityAtK(ks=(1,)).compute().values())
+        assert torch.isnan(TokenEntropy().compute())
+        assert all(torch.isnan(v) for v in PopulationDiversity().compute().values())
+
+
+def test_pass_at_k_reset_starts_over():
+    metric = PassAtK(ks=(1,))
+    metric.update(torch.ones(2, 3, dtype=torch.bool))
+    metric.reset()
+    metric.update(torch.zeros(1, 3, dtype=torch.bool))
+    assert metric.compute()["pass@1"].item() == 0.0
+
+
+# ---------------------------------------------------------------------------------------------------------- maj@k
+
+
+def reference_majority_correct(answers, correct, k):
+    """Independent maj@k: rank answers by (-count, first index); abstain on None; wrong when nobody votes."""
+    first = answers[:k]
+    candidates = {a for a in first if a is not None}
+    if not candidates:
+        return 0.0
+    winner = min(candidates, key=lambda a: (-first.count(a), first.index(a)))
+    return float(correct[first.index(winner)])
+
+
+def maj(answers, correct, ks):
+    metric = MajorityAtK(ks=ks)
+    metric.update(answers, torch.tensor(correct))
+    return {key: value.item() for key, value in metric.compute().items()}
+
+
+def test_majority_hand_cases():
+    # majority "4" is right; first sample right too
+    assert maj([["4", "5", "4"]], [[True, False, True]], ks=(1, 3)) == {"maj@1": 1.0, "maj@3": 1.0}
+    # first sample right but the majority "5" is wrong
+    assert maj([["4", "5", "5"]], [[True, False, False]], ks=(1, 2, 3)) == {"maj@1": 1.0, "maj@2": 1.0, "maj@3": 0.0}
+    # tie 1-1: the answer seen first wins
+    assert maj([["5", "4"]], [[False, True]], ks=(2,)) == {"maj@2": 0.0}
+    assert maj([["4", "5"]], [[True, False]], ks=(2,)) == {"maj@2": 1.0}
+    # unparseable answers abstain; all-None counts as wrong
+    assert maj([[None, None, "7"]], [[False, False, True]], ks=(1, 2, 3)) == {"maj@1": 0.0, "maj@2": 0.0, "maj@3": 1.0}
+    assert maj([[None, None, None, "3", "4", "4"]], [[False] * 3 + [False, True, True]], ks=(6,)) == {"maj@6": 1.0}
+    # averaged over problems
+    assert maj([["1", "1"], ["2", "3"]], [[True, True], [False, True]], ks=(2,)) == {"maj@2": 0.5}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_majority_matches_independent_vote_on_random_answers(seed):
+    rng = random.Random(seed)
+    num_samples, ks = 9, (1, 2, 5, 9)
+    answers, correct = [], []
+    for _ in range(40):
+        truth = str(rng.randint(0, 3))
+        row = [rng.choice(["0", "1", "2", "3", None]) for _ in range(num_samples)]
+        answers.append(row)
+        correct.append([answer == truth for answer in row])
+    got = maj(answers, correct, ks)
+    for k in ks:
+        expected = sum(reference_majority_correct(a, c, k) for a, c in zip(answers, correct)) / len(answers)
+        assert got[f"maj@{k}"] == pytest.approx(expected, abs=1e-6)
+    # maj@1 is pass@1 on the first sample
+    assert got["maj@1"] == pytest.approx(sum(row[0] for row in correct) / len(correct))
+
+
+def test_majority_rejects_mismatched_inputs():
+    metric = MajorityAtK(ks=(1, 2))
+    with pytest.raises(ValueError, match="one list of answers per problem"):
+        metric.update([["1", "2"]], torch.ones(2, 2, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"answers\[0\].*n=2"):
+        metric.update([["1", "2", "3"]], torch.ones(1, 2, dtype=torch.bool))
+    with pytest.raises(ValueError, match="k=2.*n=1"):
+        metric.update([["1"]], torch.ones(1, 1, dtype=torch.bool))
+
+
+# ---------------------------------------------------------------------------------------------------------- entropy
+
+
+def reference_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """H = log Z - E_p[z] with max-shifted logits, in float64 (a different route from -sum p log p)."""
+    z = logits.double() - logits.double().amax(dim=-1, keepdim=True)
+    partition = z.exp().sum(-1)
+    probs = z.exp() / partition.unsqueeze(-1)
+    return partition.log() - (probs * z).sum(-1)
+
+
+def test_token_entropy_hand_values():
+    vocab_size = 7
+    uniform = torch.full((2, 3, vocab_size), 4.2)  # [B, L, V]
+    torch.testing.assert_close(token_entropy(uniform), torch.full((2, 3), math.log(vocab_size)))
+
+    one_hot = torch.full((1, 2, vocab_size), float("-inf"))
+    one_hot[..., 3] = 0.0  # all mass on one token; -inf elsewhere must not give NaN
+    assert torch.equal(token_entropy(one_hot), torch.zeros(1, 2))
+
+    two_way = torch.tensor([[[0.0, 0.0, float("-inf")]]])  # fair coin over two tokens
+    torch.testing.assert_close(token_entropy(two_way), torch.tensor([[math.log(2)]]))
+
+
+def test_token_entropy_matches_reference_and_is_chunk_invariant():
+    logits = torch.randn(3, 5, 11, generator=torch.Generator().manual_seed(0)) * 4  # [B, L, V]
+    expected = reference_entropy(logits).float()
+    torch.testing.assert_close(token_entropy(logits), expected)
+    torch.testing.assert_close(token_entropy(logits, chunk_size=1), expected)
+    bf16 = token_entropy(logits.bfloat16())
+    assert bf16.dtype == torch.float32 and bf16.shape == (3, 5)
+    torch.testing.assert_close(bf16, reference_entropy(logits.bfloat16()).float(), atol=1e-4, rtol=1e-4)
+
+
+def test_token_entropy_mask_zeroes_positions():
+    logits = torch.randn(2, 4, 5, generator=torch.Generator().manual_seed(1))
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]])
+    out = token_entropy(logits, mask)
+    assert torch.equal(out[0, 2:], torch.zeros(2))
+    torch.testing.assert_close(out[1], token_entropy(logits)[1])
+
+
+def test_token_entropy_metric_is_token_weighted_and_ignores_masked_tokens():
+    entropy = torch.tensor([[1.0, 2.0, 100.0], [3.0, 100.0, 100.0]])  # [B, L]; 100 = padding, must not count
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    metric = TokenEntropy()
+    metric.update(entropy, mask)
+    assert metric.compute().item() == pytest.approx((1 + 2 + 3) / 3)  # token-weighted, not (1.5 + 3) / 2
+    metric.update(torch.tensor(10.0), 2)  # pre-reduced: sum 10 over 2 tokens
+    assert metric.compute().item() == pytest.approx((6 + 10) / 5)
+    metric.update(torch.tensor([[4.0]]))  # no mask: every token counts
+    assert metric.compute().item() == pytest.approx((6 + 10 + 4) / 6)
+
+
+def test_token_entropy_metric_errors():
+    metric = TokenEntropy()
+    with pytest.raises(ValueError, match="mask shape"):
+        metric.update(torch.ones(2, 3), torch.ones(2, 2, dtype=torch.bool))
+    with pytest.raises(ValueError, match="num_tokens"):
+        metric.update(torch.tensor(1.0))
+    with pytest.raises(TypeError, match="mask must be bool"):
+        metric.update(torch.ones(2, 3), torch.ones(2, 3))
+
+
+# ---------------------------------------------------------------------------------------------------------- diversity
+
+
+def bernoulli_kl(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """KL(B(p) || B(q)) in nats, with 0 log 0 = 0 written out by hand."""
+
+    def term(a, b):
+        return torch.where(a > 0, a * (a.log() - b.log()), torch.zeros_like(a))
+
+    return term(p, q) + term(1 - p, 1 - q)
+
+
+def js_via_kl_to_mixture(success: torch.Tensor) -> torch.Tensor:
+    """Equal-weight JS divergence of the members' Bernoullis as mean_i KL(B(p_i) || B(p_bar)), averaged over prompts."""
+    success = success.double()  # [N, P]
+    mixture = success.mean(0, keepdim=True).expand_as(success)  # [N, P]
+    return bernoulli_kl(success, mixture).mean(0).mean()
+
+
+def test_js_succ_identical_members_is_zero():
+    for rate in [0.0, 0.3, 0.5, 1.0]:
+        assert js_succ(torch.full((6, 4), rate)).item() == pytest.approx(0.0, abs=1e-7)
+
+
+def test_js_succ_split_population_is_ln2():
+    success = torch.tensor([[1.0], [1.0], [0.0], [0.0]])  # half always solve, half never
+    assert js_succ(success).item() == pytest.approx(math.log(2), abs=1e-6)
+    assert js_succ(torch.tensor([True, False])).item() == pytest.approx(math.log(2), abs=1e-6)  # 1-D = one prompt
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_js_succ_matches_kl_to_mixture(seed):
+    generator = torch.Generator().manual_seed(seed)
+    success = torch.randint(0, 9, (8, 12), generator=generator) / 8  # rates from 8 samples: exact 0s and 1s appear
+    assert (success == 0).any() and (success == 1).any()
+    assert js_succ(success).item() == pytest.approx(js_via_kl_to_mixture(success).item(), abs=1e-6)
+    per_prompt = js_succ(success, per_prompt=True)
+    assert per_prompt.shape == (12,) and bool((per_prompt >= 0).all()) and bool((per_prompt <= math.log(2)).all())
+
+
+def test_population_pass():
+    assert population_pass(torch.tensor([[0.5], [0.5]])).item() == pytest.approx(0.75)
+    # one sample per member: the population passes a prompt iff some member solved it
+    solved = torch.rand(5, 20, generator=torch.Generator().manual_seed(3)) < 0.2  # [N, P]
+    assert population_pass(solved).item() == pytest.approx(solved.any(0).float().mean().item())
+    assert population_pass(torch.zeros(3, 2)).item() == 0.0
+
+
+def test_diversity_rejects_bad_success():
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        js_succ(torch.tensor([[0.5, 1.5]]))
+    with pytest.raises(ValueError, match="num_members, num_prompts"):
+        population_pass(torch.zeros(2, 2, 2))
+
+
+def test_population_diversity_metric_averages_over_all_prompts():
+    generator = torch.Generator().manual_seed(5)
+    step_one, step_two = torch.rand(4, 3, generator=generator), torch.rand(6, 5, generator=generator)
+    metric = PopulationDiversity()
+    metric.update(step_one)
+    metric.update(step_two)  # population size may change between steps
+    result = metric.compute()
+    expected_js = torch.cat([js_succ(step_one, per_prompt=True), js_succ(step_two, per_prompt=True)]).mean()
+    expected_pass = torch.cat([population_pass(step_one, True), population_pass(step_two, True)]).mean()
+    torch.testing.assert_close(result["js_succ"], expected_js)
+    torch.testing.assert_close(result["population_pass"], expected_pass)
+
+
+# ---------------------------------------------------------------------------------------------------------- DDP sync
+
+
+def _sync_worker(rank, world_size, init_file, parts, out_dir):
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=timedelta(seconds=90)
+    )
+    try:
+        part = parts[rank]
+        pass_metric, maj_metric = PassAtK(ks=(1, 2, 4)), MajorityAtK(ks=(1, 3))
+        entropy_metric, diversity_metric = TokenEntropy(), PopulationDiversity()
+        for correct in part["correct"]:
+            pass_metric.update(correct)
+        maj_metric.update(part["answers"], part["maj_correct"])
+        entropy_metric.update(part["entropy"], part["mask"])
+        diversity_metric.update(part["success"])
+        results = {
+            **pass_metric.compute(),
+            **maj_metric.compute(),
+            "entropy": entropy_metric.compute(),
+            **diversity_metric.compute(),
+        }
+        torch.save(results, f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_metrics_sync_across_two_processes(tmp_path):
+    generator = torch.Generator().manual_seed(0)
+    rng = random.Random(0)
+
+    def make_part(num_problems, num_samples, num_sequences, num_prompts):
+        answers = [[rng.choice(["1", "2", None]) for _ in range(3)] for _ in range(num_problems)]
+        return {
+            # two updates with different n, and unequal problem counts between ranks
+            "correct": [random_correctness(generator, num_problems, num_samples), random_correctness(generator, 2, 4)],
+            "answers": answers,
+            "maj_correct": torch.tensor([[a == "1" for a in row] for row in answers]),
+            "entropy": torch.rand(num_sequences, 6, generator=generator),
+            "mask": torch.rand(num_sequences, 6, generator=generator) < 0.7,
+            "success": torch.rand(4, num_prompts, generator=generator),
+        }
+
+    parts = [make_part(3, 5, 2, 3), make_part(5, 7, 3, 6)]
+
+    pass_metric, maj_metric = PassAtK(ks=(1, 2, 4)), MajorityAtK(ks=(1, 3))
+    entropy_metric, diversity_metric = TokenEntropy(), PopulationDiversity()
+    for part in parts:
+        for correct in part["correct"]:
+            pass_metric.update(correct)
+        maj_metric.update(part["answers"], part["maj_correct"])
+        entropy_metric.update(part["entropy"], part["mask"])
+        diversity_metric.update(part["success"])
+    single = {
+        **pass_metric.compute(),
+        **maj_metric.compute(),
+        "entropy": entropy_metric.compute(),
+        **diversity_metric.compute(),
+    }
+
+    context = mp.spawn(_sync_worker, args=(2, str(tmp_path / "rendezvous"), parts, str(tmp_path)), nprocs=2, join=False)
+    deadline = time.monotonic() + 120
+    while not context.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail("distributed workers did not finish within 120 s")
+
+    for rank in range(2):
+        synced = torch.load(tmp_path / f"rank{rank}.pt")
+        assert synced.keys() == single.keys()
+        for key, value in single.items():
+            torch.testing.assert_close(synced[key], value, msg=f"rank {rank}, {key}")
+    # the parts really differ, so a missing sync would have been caught
+    local = PassAtK(ks=(1, 2, 4))
+    for correct in parts[0]["correct"]:
+        local.update(correct)
+    assert any(not torch.allclose(local.compute()[k], single[k]) for k in local.compute())

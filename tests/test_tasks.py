@@ -1,0 +1,279 @@
+"""Tasks: the Countdown solver against an independent brute force; verifiers on real and hostile completions."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import re
+import time
+from fractions import Fraction
+
+import pytest
+
+from es_lightning.tasks import (
+    TASKS,
+    AdditionTask,
+    CountdownTask,
+    GSM8KTask,
+    MathTask,
+    SortTask,
+    Task,
+    get_task,
+)
+from es_lightning.tasks.expressions import num_solutions, parse_expression, reachable_values, solve
+
+COMPACT_VOCAB = set("0123456789+-*/()=>:. abcdefghijklmnopqrstuvwxyz")
+OPS = "+-*/"
+
+
+# ------------------------------------------------------------------------------------------ independent brute force
+def _brute_force(nums: list[int]) -> dict[Fraction, list[str]]:
+    """Every fully parenthesised expression over ``nums``, by value (24-game style: merge an ordered pair, recurse)."""
+    out: dict[Fraction, list[str]] = {}
+
+    def rec(items: list[tuple[Fraction, str]]) -> None:
+        if len(items) == 1:
+            out.setdefault(items[0][0], []).append(items[0][1])
+            return
+        for i, j in itertools.permutations(range(len(items)), 2):
+            (a, sa), (b, sb) = items[i], items[j]
+            rest = [items[k] for k in range(len(items)) if k not in (i, j)]
+            for op in OPS:
+                if op == "/" and b == 0:
+                    continue
+                value = {"+": a + b, "-": a - b, "*": a * b, "/": a / b if b else None}[op]
+                rec([*rest, (value, f"({sa}{op}{sb})")])
+
+    rec([(Fraction(x), str(x)) for x in nums])
+    return out
+
+
+def _fraction_eval(expression: str) -> Fraction:
+    """Test-only evaluator of trusted solver output (the package itself never evals)."""
+    assert re.fullmatch(r"[0-9+\-*/()]+", expression), expression
+    return eval(re.sub(r"\d+", lambda m: f"Fraction({m.group()})", expression), {"Fraction": Fraction})
+
+
+def test_solver_hand_cases():
+    assert {"1+2+3", "1*2*3"} <= set(solve([1, 2, 3], 6))
+    assert solve([1, 2, 3], 6) == ["1*2*3", "1+2+3", "2*3/1"]  # ×1 and ÷1 are different uses of the 1
+    assert solve([3, 3, 8, 8], 24) == ["8/(3-8/3)"]  # the classic hard 24-game instance
+    assert solve([2, 2, 3], 1) == ["2*2-3", "2+2-3"]  # duplicate numbers: no duplicate solutions
+    assert solve([5, 7, 11], 1000) == [] and num_solutions([5, 7, 11], 1000) == 0
+    assert num_solutions([1, 2, 3], 6) == 3
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_solver_matches_brute_force(seed):
+    rng = random.Random(seed)
+    nums = [rng.randint(0 if seed == 0 else 1, 12) for _ in range(3)]
+    brute = _brute_force(nums)
+    assert reachable_values(nums) == set(brute)
+    for value, expressions in brute.items():
+        solutions = solve(nums, value)
+        # complete: every brute-force expression normalises to a listed solution
+        assert {parse_expression(e).normal.text for e in expressions} == set(solutions)
+        # sound: every listed solution is exact and uses each number once
+        for s in solutions:
+            assert _fraction_eval(s) == value
+            assert sorted(map(int, re.findall(r"\d+", s))) == sorted(nums)
+
+
+def test_solver_matches_brute_force_four_numbers():
+    nums = [2, 3, 5, 7]
+    brute = _brute_force(nums)
+    assert reachable_values(nums) == set(brute)
+    for target in (1, 24, 41, Fraction(7, 30)):
+        expected = {parse_expression(e).normal.text for e in brute.get(Fraction(target), [])}
+        assert set(solve(nums, target)) == expected and expected
+
+
+# ------------------------------------------------------------------------------------------ Countdown task
+def test_countdown_procedural_is_solvable_and_deterministic():
+    task = CountdownTask()
+    examples = task.procedural(300, seed=7)
+    assert examples == task.procedural(300, seed=7)
+    assert examples != task.procedural(300, seed=8)
+    for ex in examples:
+        assert len(ex["nums"]) == 3 and all(1 <= x <= 20 for x in ex["nums"])
+        assert isinstance(ex["target"], int) and 1 <= ex["target"] <= 100
+        assert ex["solutions"] == solve(ex["nums"], ex["target"]) and ex["num_solutions"] == len(ex["solutions"]) > 0
+        assert set(task.prompt(ex)) <= COMPACT_VOCAB
+        for s in ex["solutions"]:
+            assert task.reward([s], [ex]) == [1.0]
+
+
+def test_countdown_procedural_four_numbers():
+    task = CountdownTask(num_numbers=4, max_target=50)
+    for ex in task.procedural(5, seed=0):
+        assert len(ex["nums"]) == 4 and ex["solutions"]
+        assert all(task.is_correct(s, ex) for s in ex["solutions"])
+
+
+def test_countdown_compact_extraction_and_rewards():
+    task = CountdownTask()
+    ex = {"nums": [3, 5, 7], "target": 22}
+    assert task.prompt(ex) == "c:3 5 7>22="
+    assert task.stop_strings == []
+    assert task.extract_answer(" 7 + 3 * 5\n") == "7+3*5"  # normal form: numbers first, then products
+    assert task.extract_answer("5*3+7") == task.extract_answer("(3*5)+7") == "7+3*5"
+    assert task.extract_answer("3*5+7=22") is None
+    assert task.reward(["3*5+7", "(5*3)+7 ", "3+5+7", "3*5+7+1", "", "hello"], [ex] * 6) == [1.0, 1.0, 0.1, 0.1, 0, 0]
+    assert task.reward(["3*5+7"], [{"nums": [3, 5, 7, 7], "target": 22}]) == [0.1]  # every number must be used
+    assert task.reward(["5/(3/0)"], [{"nums": [5, 3, 0], "target": 0}]) == [0.1]  # a division by zero is never right
+    assert task.extract_answer("5/(3/0)") == "5/(3/0)"
+    assert task.reward(["7*(5-3)/2"], [{"nums": [7, 5, 3, 2], "target": 7}]) == [1.0]  # exact fractions
+
+
+def test_countdown_r1_extraction_and_rewards():
+    task = CountdownTask(prompt_format="r1")
+    ex = {"nums": [3, 5, 7], "target": 22}
+    prompt = task.prompt(ex)
+    assert "[3, 5, 7]" in prompt and "equals 22" in prompt and prompt.endswith("<think>")
+    assert not CountdownTask(prompt_format="r1", use_chat_template=True).prompt(ex).endswith("<think>")
+    assert task.stop_strings == ["</answer>"]
+    good = "3*5=15, 15+7=22</think>\n<answer> 3 * 5 + 7 </answer>"
+    assert task.extract_answer(good) == "7+3*5"
+    assert task.extract_answer("<think>ok</think><answer>5*3+7</answer>\n") == "7+3*5"
+    assert task.extract_answer("try <answer>3+5</answer></think>\n<answer>3*5+7</answer>") == "7+3*5"  # the last
+    assert task.extract_answer("<answer>3*5+7</answer>") is None  # no reasoning block
+    assert task.extract_answer("x</think><answer>3*5+7</answer> and more") is None  # not ended by the answer
+    assert task.extract_answer("x</think><answer>3*5+7") is None  # cut before </answer>
+    assert task.extract_answer("x</think><answer>  </answer>") is None
+    assert task.extract_answer("x</think><answer>3*5+7 = 22</answer>") == "3*5+7 = 22"  # layout right, not an equation
+    completions = [good, "x</think>\n<answer>3+5+7</answer>", "x</think><answer>3*5+7 = 22</answer>", "3*5+7", None]
+    assert task.reward(completions, [ex] * 5) == [1.0, 0.1, 0.1, 0.0, 0.0]
+
+
+def test_countdown_preprocess_hub_record():
+    task = CountdownTask()
+    record = task.preprocess({"nums": "[44, 19, 35]", "target": "98"})
+    assert record["nums"] == [44, 19, 35] and record["target"] == 98
+    assert task.is_correct("44+19+35", record)
+
+
+ADVERSARIAL = {
+    "huge power": "2**99999999",
+    "tower": "9**9**9",
+    "deep nesting": "(" * 10000 + "1" + ")" * 10000,
+    "unbalanced nesting": "(" * 100000,
+    "100 kB": "1+" * 50000 + "1",
+    "unicode digits": "٣+٣+٣",
+    "fullwidth digits": "１+２+３",
+    "import": "__import__('os').system('true')",
+    "dunder": "().__class__.__bases__[0].__subclasses__()",
+    "lambda": "(lambda: 1)()",
+    "float": "1e308*1e308",
+    "long product": "*".join(["9"] * 20000),
+    "long product under the cap": "*".join(["9"] * 120),
+    "floor division": "6//2+1",
+    "unary minus": "-3+5+7+13",
+    "null byte": "1+2\x00+3",
+    "string": "'1+2+3'",
+}
+
+
+@pytest.mark.parametrize("case", sorted(ADVERSARIAL))
+def test_countdown_adversarial_completions_score_zero_fast(case):
+    text = ADVERSARIAL[case]
+    ex = {"nums": [1, 2, 3], "target": 6}
+    for task in (CountdownTask(max_completion_chars=10**6), CountdownTask()):
+        start = time.perf_counter()
+        if case == "long product under the cap":  # well-formed, so it earns the format reward, never correctness
+            assert task.reward([text], [ex]) == [0.1]
+        else:
+            assert task.reward([text], [ex]) == [0.0]
+        assert task.check_answer(text, ex) is False
+        assert task.is_correct(text, ex) is False
+        assert time.perf_counter() - start < 0.5, case
+    r1 = CountdownTask(prompt_format="r1", max_completion_chars=10**6)
+    start = time.perf_counter()
+    assert r1.is_correct(f"x</think><answer>{text}</answer>", ex) is False
+    assert r1.reward([f"x</think><answer>{text}</answer>"], [ex])[0] in (0.0, 0.1)  # layout alone: format credit
+    assert time.perf_counter() - start < 0.5, case
+
+
+def test_reward_never_raises_on_non_strings():
+    ex = {"nums": [1, 2, 3], "target": 6}
+    for task in (CountdownTask(), CountdownTask(prompt_format="r1"), GSM8KTask(), AdditionTask(), SortTask()):
+        assert task.reward([None, 123, b"1+2+3", ["1+2+3"]], [ex] * 4) == [0.0] * 4
+    with pytest.raises(ValueError, match="one example per completion"):
+        CountdownTask().reward(["1+2+3"], [ex, ex])
+
+
+# ------------------------------------------------------------------------------------------ GSM8K
+def test_gsm8k_number_tolerance():
+    task = GSM8KTask()
+    ex = task.preprocess({"question": "How many?", "answer": "Some steps.\n#### 1,234"})
+    assert ex["gold"] == "1234" and ex["answer"].endswith("1,234")
+    assert task.prompt(ex).startswith("How many?\n") and "####" in task.prompt(ex)
+    for same in ("1,234", "$1234", "1234.0", "1234.00", "+1234", "$ 1,234.", "1234 dollars"):
+        assert task.reward([f"so... #### {same}"], [ex]) == [1.0], same
+    for other in ("1234.5", "-1234", "123", "12345"):
+        assert task.reward([f"#### {other}"], [ex]) == [0.1], other
+    assert task.reward(["the answer is 1234", "#### many", "#### 1 then #### 1234"], [ex] * 3) == [0.0, 0.0, 1.0]
+    assert task.extract_answer("#### -$5.50") == "-5.5"
+    with pytest.raises(ValueError, match="gold"):
+        task.preprocess({"question": "q", "answer": "no final number"})
+
+
+# ------------------------------------------------------------------------------------------ MATH
+def test_math_verify_rewards():
+    pytest.importorskip("math_verify")
+    task = MathTask()
+    half = {"problem": "What is 1/2?", "answer": "0.5"}
+    assert task.prompt(half).endswith("\\boxed{}.")
+    assert task.extract_answer("so \\boxed{\\frac{1}{2}} and \\boxed{ \\frac{3}{4} }") == "\\frac{3}{4}"
+    assert task.extract_answer("\\boxed{\\frac{1}{2}") is None  # unbalanced
+    completions = ["thus \\boxed{\\frac{1}{2}}", "\\boxed{\\frac12}", "\\boxed{3}", "1/2", "\\boxed{}"]
+    assert task.reward(completions, [half] * 5) == [1.0, 1.0, 0.1, 0.0, 0.0]
+    assert task.reward(["\\boxed{0.5}"], [{"problem": "p", "answer": "\\frac12"}]) == [1.0]
+    start = time.perf_counter()
+    assert task.reward(["\\boxed{" + "9" * 5000 + "}", "\\boxed{" + "{" * 3000 + "}"], [half] * 2) == [0.0, 0.0]
+    assert time.perf_counter() - start < 0.5
+
+
+# ------------------------------------------------------------------------------------------ addition and sorting
+def test_addition_task():
+    task = AdditionTask()
+    examples = task.procedural(200, seed=3)
+    assert examples == task.procedural(200, seed=3) and examples != task.procedural(200, seed=4)
+    assert {len(str(ex["x"])) for ex in examples} == {1, 2, 3}
+    ex = examples[0]
+    assert task.prompt(ex) == f"a:{ex['x']}+{ex['y']}=" and set(task.prompt(ex)) <= COMPACT_VOCAB
+    assert all(task.reward(e["solutions"], [e]) == [1.0] for e in examples)
+    wrong = str(ex["x"] + ex["y"] + 1)
+    assert task.reward([wrong, "12a", "", "1 2"], [ex] * 4) == [0.1, 0.0, 0.0, 0.0]
+
+
+def test_sort_task():
+    task = SortTask()
+    examples = task.procedural(200, seed=5)
+    assert examples == task.procedural(200, seed=5)
+    assert {len(ex["nums"]) for ex in examples} == {4, 5, 6}
+    ex = {"nums": [42, 7, 19, 7]}
+    assert task.prompt(ex) == "s:42 7 19 7=" and set(task.prompt(ex)) <= COMPACT_VOCAB
+    completions = ["7 7 19 42", " 07  7 19 42", "7 19 42", "42 19 7 7", "7,7,19,42"]
+    assert task.reward(completions, [ex] * 5) == [1.0, 1.0, 0.1, 0.1, 0.0]
+    assert all(task.reward(e["solutions"], [e]) == [1.0] for e in examples)
+
+
+# ------------------------------------------------------------------------------------------ registry
+def test_get_task():
+    assert set(TASKS) == {"countdown", "gsm8k", "math", "addition", "sort"}
+    task = get_task("countdown", prompt_format="r1")
+    assert isinstance(task, CountdownTask) and task.prompt_format == "r1"
+    assert get_task(task) is task
+    assert isinstance(get_task(SortTask), SortTask)
+    assert isinstance(get_task("es_lightning.tasks.AdditionTask", max_digits=2), AdditionTask)
+    assert all(issubclass(cls, Task) for cls in TASKS.values())
+    with pytest.raises(ValueError, match=r"known tasks: addition, countdown.*class_path"):
+        get_task("chess")
+    with pytest.raises(ValueError, match="instance"):
+        get_task(task, prompt_format="compact")
+    with pytest.raises(ValueError, match="cannot import"):
+        get_task("no_such_module.Task")
+    with pytest.raises(ValueError, match="not a subclass"):
+        get_task("collections.OrderedDict")
+    with pytest.raises(ValueError, match="prompt_format"):
+        CountdownTask(prompt_format="latex")
