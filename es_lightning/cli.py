@@ -13,7 +13,6 @@ a message naming the key, and a non-zero exit.
 from __future__ import annotations
 
 import os
-import sys
 
 import lightning as L
 from lightning.pytorch.cli import LightningCLI
@@ -34,12 +33,32 @@ class ESLightningCLI(LightningCLI):
         )
 
 
+class _ParseOnlyCLI(ESLightningCLI):
+    """Parses and validates a command line against the code's signatures without building or running anything."""
+
+    def instantiate_classes(self) -> None:
+        pass
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        pass
+
+
+def check_config(args: list[str]):
+    """Validate ``args`` (e.g. ``["fit", "--config", "recipes/es.yaml"]``) and return the parsed namespace.
+
+    Every key must exist in the signature it configures and every value must have the declared type; nothing is
+    instantiated (no model is loaded), so recipes for hub models are checked without downloading them.
+    """
+    cli = _ParseOnlyCLI(args=args)
+    return cli.config
+
+
 def cli_main(args: list[str] | None = None) -> None:
     """Entry point of the ``es-lightning`` console script."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import es_lightning  # noqa: F401  (registers the package's classes for short class_path names)
 
-    ESLightningCLI(args=args if args is not None else sys.argv[1:])
+    ESLightningCLI(args=args)
 
 
 if __name__ == "__main__":
