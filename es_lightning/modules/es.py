@@ -88,6 +88,25 @@ class ESModule(ReasoningModule):
             model=model, dtype=dtype, trust_remote_code=trust_remote_code, task=task, max_new_tokens=max_new_tokens,
             temperature=temperature, top_p=top_p, generation_backend=generation_backend, seed=seed,
         )
+        self.configure_es(
+            population_size=population_size, sigma=sigma, lr=lr, update_scale=update_scale,
+            reward_normalization=reward_normalization, antithetic=antithetic, samples_per_member=samples_per_member,
+            trainable=trainable, log_drift_every_n_steps=log_drift_every_n_steps,
+        )
+
+    def configure_es(
+        self,
+        population_size: int = 32,
+        sigma: float = 1.5e-3,
+        lr: float = 2.5e-4,
+        update_scale: str = "alpha",
+        reward_normalization: str = "zscore",
+        antithetic: bool = False,
+        samples_per_member: int = 1,
+        trainable: str | None = None,
+        log_drift_every_n_steps: int = 1,
+    ) -> None:
+        """Validate and set the ES settings (also used by :class:`~es_lightning.SequentialStrategy` at a switch)."""
         if population_size < 2:
             raise ValueError(f"population_size must be >= 2 (rewards are normalised across members), got {population_size}")
         if antithetic and population_size % 2:

@@ -1,0 +1,192 @@
+"""ES step cost against a plain ES loop, inference alone, and a GRPO-style AdamW step (issue: ESModule).
+
+To run (about 2 minutes on 2 CPU cores)::
+
+    python benchmarks/es_step.py                       # built-in model, N=16, B=32, 16 new tokens, greedy
+    python benchmarks/es_step.py --population 32 --batch 64 --model /path/to/hf_dir
+
+Each variant runs in a fresh process so that its peak memory (``ru_maxrss`` above the process's baseline after the
+model is loaded) is its own:
+
+(a) one ES step of :class:`es_lightning.ESModule` inside a real Lightning ``Trainer`` (timed per step by a callback);
+(b) a plain ES loop written the way the public reference code does it (Qiu et al. 2025): per member, seed → perturb
+    every tensor in place with ``torch.randn`` → ``model.generate`` → score → regenerate the noise and subtract it;
+    then the update, regenerating each member's noise again;
+(c) inference alone: the same N×B completions with unperturbed weights in the same shapes (N calls of B prompts);
+(d) the same N×B completions in a single batch — what a population-batched ES could reach;
+(e) one AdamW GRPO-style training step (forward + backward over the B×N sampled sequences, AdamW update).
+
+Prints a/b, a/c, a/d and each variant's peak memory; targets: a/c ≤ 1.15, a/b ≤ 0.8, ES memory ≤ 0.5 × (e).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+
+
+def _rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _setup(args):
+    import torch
+
+    from es_lightning.data import procedural_split
+    from es_lightning.policy import load_policy
+    from es_lightning.tasks import CountdownTask
+
+    torch.manual_seed(0)
+    task = CountdownTask()
+    examples = procedural_split(task, "train", args.batch, seed=0)
+    policy = load_policy(args.model)
+    prompts = [task.prompt(e) for e in examples]
+    return torch, task, examples, policy, prompts
+
+
+def _hf_generate(policy, prompts, max_new_tokens):
+    enc = policy.tokenizer(prompts, return_tensors="pt", padding=True)
+    out = policy.model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                                pad_token_id=policy.tokenizer.pad_token_id, eos_token_id=policy.tokenizer.eos_token_id)
+    return policy.tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def variant_a(args):
+    import lightning as L
+
+    from es_lightning import ESModule, ReasoningDataModule
+
+    class Timer(L.Callback):
+        def __init__(self):
+            self.times = []
+
+        def on_train_batch_start(self, *a):
+            self.t = time.perf_counter()
+
+        def on_train_batch_end(self, *a):
+            self.times.append(time.perf_counter() - self.t)
+
+    module = ESModule(model=args.model, population_size=args.population, sigma=5e-3, lr=1e-2,
+                      max_new_tokens=args.max_new_tokens, temperature=0.0, log_drift_every_n_steps=0)
+    module.configure_model()
+    base = _rss_mb()
+    dm = ReasoningDataModule(task="countdown", train_size=args.batch * (args.steps + 1), val_size=4, test_size=4,
+                             batch_size=args.batch)
+    timer = Timer()
+    trainer = L.Trainer(max_steps=args.steps, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        limit_val_batches=0, enable_progress_bar=False, enable_model_summary=False, callbacks=[timer])
+    trainer.fit(module, dm)
+    return {"s_per_step": sum(timer.times[1:]) / max(1, len(timer.times) - 1), "peak_mb": _rss_mb() - base}
+
+
+def variant_b(args):
+    torch, task, examples, policy, prompts = _setup(args)
+    model, sigma, lr, n = policy.model, 5e-3, 1e-2, args.population
+    base = _rss_mb()
+    times = []
+    with torch.no_grad():
+        for step in range(args.steps):
+            t = time.perf_counter()
+            rewards = []
+            for member in range(n):
+                torch.manual_seed(1000 * step + member)
+                for p in model.parameters():
+                    p.add_(sigma * torch.randn_like(p))
+                texts = _hf_generate(policy, prompts, args.max_new_tokens)
+                rewards.append(sum(task.reward(texts, examples)) / len(texts))
+                torch.manual_seed(1000 * step + member)
+                for p in model.parameters():
+                    p.sub_(sigma * torch.randn_like(p))
+            r = torch.tensor(rewards)
+            z = (r - r.mean()) / (r.std() + 1e-8)
+            for member in range(n):
+                torch.manual_seed(1000 * step + member)
+                for p in model.parameters():
+                    p.add_(lr / n * z[member] * torch.randn_like(p))
+            times.append(time.perf_counter() - t)
+    return {"s_per_step": sum(times[1:]) / max(1, len(times) - 1), "peak_mb": _rss_mb() - base}
+
+
+def variant_c(args, one_batch=False):
+    torch, task, examples, policy, prompts = _setup(args)
+    base = _rss_mb()
+    times = []
+    with torch.no_grad():
+        for _ in range(args.steps):
+            t = time.perf_counter()
+            if one_batch:
+                _hf_generate(policy, prompts * args.population, args.max_new_tokens)
+            else:
+                for _ in range(args.population):
+                    _hf_generate(policy, prompts, args.max_new_tokens)
+            times.append(time.perf_counter() - t)
+    return {"s_per_step": sum(times[1:]) / max(1, len(times) - 1), "peak_mb": _rss_mb() - base}
+
+
+def variant_e(args):
+    torch, task, examples, policy, prompts = _setup(args)
+    model = policy.model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    enc = policy.tokenizer(prompts * args.population, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        seqs = model.generate(**enc, max_new_tokens=args.max_new_tokens, do_sample=True,
+                              pad_token_id=policy.tokenizer.pad_token_id)
+    base = _rss_mb()
+    times = []
+    for _ in range(args.steps):
+        t = time.perf_counter()
+        logits = model(seqs).logits[:, :-1]
+        logp = torch.log_softmax(logits.float(), -1).gather(-1, seqs[:, 1:, None]).squeeze(-1)
+        loss = -logp[:, enc["input_ids"].shape[1] - 1:].mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        times.append(time.perf_counter() - t)
+    return {"s_per_step": sum(times[1:]) / max(1, len(times) - 1), "peak_mb": _rss_mb() - base}
+
+
+VARIANTS = {
+    "a": variant_a,
+    "b": variant_b,
+    "c": variant_c,
+    "d": lambda args: variant_c(args, one_batch=True),
+    "e": variant_e,
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="builtin:countdown-tiny")
+    parser.add_argument("--population", type=int, default=16)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per variant (the first is a warm-up)")
+    parser.add_argument("--variant", choices=sorted(VARIANTS))
+    args = parser.parse_args()
+    if args.variant:
+        print(json.dumps(VARIANTS[args.variant](args)))
+        return
+    results = {}
+    for name in VARIANTS:
+        cmd = [sys.executable, __file__, "--variant", name] + [
+            f"--model={args.model}", f"--population={args.population}", f"--batch={args.batch}",
+            f"--max-new-tokens={args.max_new_tokens}", f"--steps={args.steps}",
+        ]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
+        results[name] = json.loads(out)
+        print(f"({name}) {results[name]['s_per_step']:.3f} s/step, peak +{results[name]['peak_mb']:.1f} MB", flush=True)
+    a, b, c, d, e = (results[k] for k in "abcde")
+    print(f"\nN={args.population} B={args.batch} max_new_tokens={args.max_new_tokens} model={args.model}")
+    print(f"a/b (ESModule / plain ES loop)        = {a['s_per_step'] / b['s_per_step']:.2f}   target <= 0.80")
+    print(f"a/c (ESModule / inference, N calls)   = {a['s_per_step'] / c['s_per_step']:.2f}   target <= 1.15")
+    print(f"a/d (ESModule / inference, one batch) = {a['s_per_step'] / d['s_per_step']:.2f}   reported")
+    print(f"ES peak memory / AdamW step peak      = {a['peak_mb']:.1f} MB / {e['peak_mb']:.1f} MB"
+          f" = {a['peak_mb'] / max(e['peak_mb'], 1e-9):.2f}   target <= 0.50")
+
+
+if __name__ == "__main__":
+    main()
