@@ -1,5 +1,9 @@
 """Callbacks users compose in their own scripts."""
 
+from es_lightning.callbacks.export import HFExport
 from es_lightning.callbacks.pass_at_k import PassAtKCallback
+from es_lightning.callbacks.progress import StageProgressBar
+from es_lightning.callbacks.report import TrainingReport
+from es_lightning.callbacks.sequential import SequentialStrategy
 
-__all__ = ["PassAtKCallback"]
+__all__ = ["HFExport", "PassAtKCallback", "SequentialStrategy", "StageProgressBar", "TrainingReport"]

@@ -119,6 +119,19 @@ class PassAtKCallback(L.Callback):
             self._update(pl_module, examples[i : i + self.batch_size], i // self.batch_size)
         return self._compute()
 
+    def evaluate_at_step(self, trainer: L.Trainer, pl_module) -> dict[str, float]:
+        """The evaluation of the current weights at this global step: computed once, recorded in ``history``."""
+        step = trainer.global_step
+        for recorded_step, metrics in reversed(self.history):
+            if recorded_step == step:
+                return metrics
+        metrics = self.evaluate(trainer, pl_module)
+        self.history.append((step, metrics))
+        if trainer.is_global_zero:  # straight to the loggers: valid in any hook, on_fit_end included
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=step)
+        return metrics
+
     def _val_examples(self, trainer: L.Trainer) -> list[dict[str, Any]]:
         dm = trainer.datamodule
         if dm is None or not hasattr(dm, "splits"):
@@ -156,17 +169,13 @@ class PassAtKCallback(L.Callback):
     # ------------------------------------------------------------------ training-time evaluation
     def on_train_start(self, trainer, pl_module) -> None:
         if self.eval_at_start and trainer.global_step == 0:
-            metrics = self.evaluate(trainer, pl_module)
-            self.history.append((0, metrics))
-            pl_module.log_dict(metrics, rank_zero_only=True)
+            metrics = self.evaluate_at_step(trainer, pl_module)
             rank_zero_info("start: " + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items()))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         n = self.every_n_train_steps
         if n and trainer.global_step > 0 and trainer.global_step % n == 0:
-            metrics = self.evaluate(trainer, pl_module)
-            self.history.append((trainer.global_step, metrics))
-            pl_module.log_dict(metrics, rank_zero_only=True)
+            self.evaluate_at_step(trainer, pl_module)
 
     def state_dict(self) -> dict[str, Any]:
         return {"history": self.history}

@@ -78,6 +78,9 @@ class ReasoningModule(L.LightningModule):
         self.model: torch.nn.Module | None = None
         self.tokenizer = None
         self._generator: Generator | None = None
+        #: the weights at the start of training, for drift (kept on the CPU; saved in checkpoints so that a resumed
+        #: run — and a run whose algorithm switched stage — reports drift against the same reference)
+        self._theta0: dict[str, torch.Tensor] | None = None
 
     # ------------------------------------------------------------------ policy
     def configure_model(self) -> None:
@@ -194,3 +197,10 @@ class ReasoningModule(L.LightningModule):
 
     def configure_optimizers(self):
         return None
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self._theta0 is not None:
+            checkpoint["theta0"] = self._theta0
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._theta0 = checkpoint.get("theta0", self._theta0)

@@ -130,7 +130,6 @@ class ESModule(ReasoningModule):
         self.samples_per_member = samples_per_member
         self.trainable = trainable
         self.log_drift_every_n_steps = log_drift_every_n_steps
-        self._theta0: dict[str, torch.Tensor] | None = None
         #: (members evaluated on this rank so far, members this rank evaluates) — read by progress bars
         self.population_progress: tuple[int, int] = (0, 0)
         #: the N member rewards of the last step (after the cross-rank reduction)
@@ -198,6 +197,9 @@ class ESModule(ReasoningModule):
             t_score += time.perf_counter() - t1
             t_gen += t1 - t0
             self.population_progress = (i + 1, len(mine))
+            for cb in self.trainer.callbacks:  # e.g. es_lightning.callbacks.StageProgressBar
+                if hasattr(cb, "on_population_progress"):
+                    cb.on_population_progress(self.trainer, self, i + 1, len(mine))
         for (_, p), b in zip(named, base):
             p.copy_(b)  # bit-for-bit restore of the centre weights
         del base
@@ -265,11 +267,3 @@ class ESModule(ReasoningModule):
             num += float((p.detach().float().cpu() - t0).square().sum())
             den += float(t0.square().sum())
         return (num / max(den, 1e-30)) ** 0.5
-
-    # ------------------------------------------------------------------ checkpoint
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if self._theta0 is not None:
-            checkpoint["es_theta0"] = self._theta0
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self._theta0 = checkpoint.get("es_theta0")
