@@ -1,0 +1,109 @@
+"""HFExport: write the trained policy as a Hugging Face directory that ``from_pretrained`` (and vLLM, and
+``es_lightning.policy.load_policy``) read, without ever leaving a half-written model behind.
+
+Every es-lightning module exposes ``.model`` (a ``PreTrainedModel``) and ``.tokenizer``, so one callback serves the
+built-in pretraining, ES and GRPO alike.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import lightning as L
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
+
+
+class HFExport(L.Callback):
+    """Save ``pl_module.model`` and ``pl_module.tokenizer`` with ``save_pretrained`` at the end of fit (and optionally
+    every ``every_n_train_steps`` optimizer steps), on rank zero.
+
+    Atomic: the files are written into a temporary directory beside ``dirpath`` and swapped in by renames, so a crash
+    or a full disk mid-write leaves the previous export intact. (POSIX cannot ``rename`` over a non-empty directory, so
+    the swap is two renames; a crash exactly between them leaves the previous export at ``.<name>.old-*`` beside it.)
+
+    Sharded models (FSDP) must be gathered before ``save_pretrained``; this callback saves the module as rank zero
+    holds it, which is the whole model under single-device and DDP training.
+
+    Args:
+        dirpath: the directory to (re)write.
+        every_n_train_steps: also export every this many optimizer steps (``None``: only at the end of fit).
+        keep_files: files of a previous export to carry over into the new one (a hand-written model card, say).
+        safe_serialization: write ``model.safetensors`` (True) rather than a pickle.
+    """
+
+    def __init__(
+        self,
+        dirpath: str | os.PathLike,
+        every_n_train_steps: int | None = None,
+        keep_files: Sequence[str] = ("README.md",),
+        safe_serialization: bool = True,
+    ) -> None:
+        if every_n_train_steps is not None and every_n_train_steps < 1:
+            raise ValueError(f"every_n_train_steps must be a positive integer or None, got {every_n_train_steps}")
+        self.dirpath = Path(dirpath)
+        self.every_n_train_steps = every_n_train_steps
+        self.keep_files = tuple(keep_files)
+        self.safe_serialization = safe_serialization
+        self._last_exported_step: int | None = None
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step
+        if self.every_n_train_steps and step > 0 and step % self.every_n_train_steps == 0:
+            if step != self._last_exported_step:  # with gradient accumulation several batches end on one step
+                self.export(pl_module)
+                self._last_exported_step = step
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.export(pl_module)
+
+    @rank_zero_only
+    def export(self, pl_module: L.LightningModule) -> Path:
+        """Write the directory now (rank zero only); returns its path."""
+        model = getattr(pl_module, "model", None)
+        if model is None or not hasattr(model, "save_pretrained"):
+            raise AttributeError(
+                "HFExport needs the LightningModule to expose a Hugging Face model (with save_pretrained) as `.model`; "
+                f"{type(pl_module).__name__} has {type(model).__name__ if model is not None else 'none'}"
+            )
+        tokenizer = getattr(pl_module, "tokenizer", None)
+        target = self.dirpath.resolve()
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        try:
+            model.save_pretrained(tmp, safe_serialization=self.safe_serialization)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+            for name in self.keep_files:
+                old = target / name
+                if old.is_file() and not (tmp / name).exists():
+                    shutil.copy2(old, tmp / name)
+            os.chmod(tmp, 0o755)  # mkdtemp makes it 0700, safetensors files 0600: make the export readable
+            for path in tmp.iterdir():
+                if path.is_file():
+                    os.chmod(path, 0o644)
+            _swap_in(tmp, target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        rank_zero_info(f"HFExport: wrote {target}")
+        return target
+
+
+def _swap_in(new: Path, target: Path) -> None:
+    """Make ``new`` appear at ``target`` by renames (atomic when ``target`` does not exist yet)."""
+    if not target.exists():
+        os.replace(new, target)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+    os.rmdir(old)  # only the unique name is wanted
+    os.replace(target, old)
+    try:
+        os.replace(new, target)
+    except BaseException:
+        os.replace(old, target)  # put the previous export back
+        raise
+    shutil.rmtree(old, ignore_errors=True)
