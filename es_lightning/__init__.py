@@ -3,7 +3,7 @@
 Public API — everything else may change between releases.
 """
 
-from es_lightning.callbacks import PassAtKCallback
+from es_lightning.callbacks import HFExport, PassAtKCallback, SequentialStrategy, StageProgressBar, TrainingReport
 from es_lightning.data import ReasoningDataModule
 from es_lightning.generation import Generator, HFGenerator, Rollout, SamplingParams
 from es_lightning.metrics import MajorityAtK, PassAtK, PopulationDiversity, TokenEntropy, js_succ, pass_at_k
@@ -19,6 +19,7 @@ __all__ = [
     "CountdownTask",
     "ESModule",
     "GSM8KTask",
+    "HFExport",
     "Generator",
     "HFGenerator",
     "MajorityAtK",
@@ -31,9 +32,12 @@ __all__ = [
     "ReasoningModule",
     "Rollout",
     "SamplingParams",
+    "SequentialStrategy",
     "SortTask",
+    "StageProgressBar",
     "Task",
     "TokenEntropy",
+    "TrainingReport",
     "js_succ",
     "load_policy",
     "pass_at_k",
