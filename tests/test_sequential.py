@@ -95,3 +95,8 @@ def test_bad_arguments():
         SequentialStrategy(switch_step=1, es={}, grpo={})
     with pytest.raises(ValueError, match="switch_step"):
         SequentialStrategy(switch_step=-1, es={})
+
+
+def test_unknown_stage_setting_is_refused_up_front():
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['sigmaa'\]"):
+        SequentialStrategy(switch_step=1, es={"sigmaa": 0.1})

@@ -51,6 +51,7 @@ class SequentialStrategy(L.Callback):
         self.switch_step = int(switch_step)
         self.target = "es" if es is not None else "grpo"
         self.settings = dict(es if es is not None else grpo)
+        self._check_settings()
         self.switched = False
         self._module: L.LightningModule | None = None
         self._trainer: L.Trainer | None = None
@@ -61,6 +62,19 @@ class SequentialStrategy(L.Callback):
         from es_lightning.modules.grpo import GRPOModule
 
         return ESModule if self.target == "es" else GRPOModule
+
+    def _check_settings(self) -> None:
+        """Refuse unknown keys now, not at the switch step hours into a run."""
+        import inspect
+
+        target = self._target_class()
+        configure = target.configure_es if self.target == "es" else target.configure_grpo
+        known = set(inspect.signature(configure).parameters) - {"self"} | set(_SAMPLING_KEYS)
+        unknown = sorted(set(self.settings) - known)
+        if unknown:
+            raise ValueError(
+                f"SequentialStrategy {self.target}= has unknown key(s) {unknown}; accepted: {sorted(known)}"
+            )
 
     def _check_first_stage(self, pl_module) -> None:
         from es_lightning.modules.es import ESModule
@@ -78,14 +92,16 @@ class SequentialStrategy(L.Callback):
         target = self._target_class()
         settings = dict(self.settings)
         sampling = {k: settings.pop(k) for k in _SAMPLING_KEYS if k in settings}
+        # each algorithm's own default temperature unless set: greedy ES (Ba et al.), sampled GRPO
+        sampling.setdefault("temperature", 0.0 if self.target == "es" else 1.0)
+        for key, value in sampling.items():
+            setattr(pl_module.sampling, key, value)
+        pl_module.sampling.__post_init__()  # validate the new sampling values
         pl_module.__class__ = target
         if self.target == "es":
             pl_module.configure_es(**settings)
         else:
             pl_module.configure_grpo(**settings)
-        for key, value in sampling.items():
-            setattr(pl_module.sampling, key, value)
-        pl_module.sampling.__post_init__()  # validate the new sampling values
         pl_module.configure_model()  # e.g. a GRPO reference model when beta > 0
         self.switched = True
 
