@@ -1,0 +1,174 @@
+"""The built-in model: it loads through the real loading path, it answers Countdown, and the recipe that made it trains
+and exports a directory that loads back bit for bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen2ForCausalLM
+
+from es_lightning.builtin import CHARSET, build_char_tokenizer
+from es_lightning.builtin.pretrain import IGNORE_INDEX, PretrainDataModule, SFTModule
+from es_lightning.callbacks.export import HFExport
+from es_lightning.data import in_heldout_pool, procedural_split
+from es_lightning.generation import HFGenerator, SamplingParams
+from es_lightning.policy import load_policy
+from es_lightning.tasks import CountdownTask
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """These models are tiny: intra-op threads only add synchronisation, which a busy shared CPU turns into
+    seconds per step (measured: 20 SFT steps take 17 s with 2 threads under load, 0.8 s with one)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_module(**overrides) -> SFTModule:
+    kwargs = dict(
+        hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64, lr=3e-3, warmup_steps=2
+    )
+    return SFTModule(**{**kwargs, **overrides})
+
+
+def test_builtin_model_loads_through_load_policy():
+    policy = load_policy("builtin:countdown-tiny")
+    assert isinstance(policy.model, Qwen2ForCausalLM)
+    assert policy.model.config.model_type == "qwen2"
+    assert policy.model.config.vocab_size == len(policy.tokenizer) == len(build_char_tokenizer())
+    assert policy.tokenizer.eos_token_id == policy.model.generation_config.eos_token_id == 1
+    assert policy.tokenizer.pad_token_id == 0
+    # the loaded tokenizer (transformers picks Qwen2Tokenizer for a qwen2 config) must give the char tokenizer's ids
+    assert policy.tokenizer(CHARSET)["input_ids"] == build_char_tokenizer()(CHARSET)["input_ids"]
+    prompt = "c:3 5 7>22="
+    ids = policy.tokenizer(prompt)["input_ids"]
+    assert len(ids) == len(prompt)  # one token per character (spaces included), no special tokens added
+    assert policy.tokenizer.decode(ids + [policy.tokenizer.eos_token_id], skip_special_tokens=True) == prompt
+    assert sum(p.numel() for p in policy.model.parameters()) < 2_000_000
+
+
+def test_builtin_model_answers_heldout_countdown_greedily():
+    policy = load_policy("builtin:countdown-tiny")
+    task = CountdownTask(prompt_format="compact")
+    problems = procedural_split(task, "test", 16, seed=123)
+    rollout = HFGenerator(policy).generate(
+        [task.prompt(p) for p in problems], num_samples=1, params=SamplingParams(max_new_tokens=24, temperature=0.0)
+    )
+    extractable = sum(task.extract_answer(t) is not None for t in rollout.texts)
+    assert extractable >= len(problems) // 2, rollout.texts
+    assert not rollout.truncated.any(), "the model should end its answers with EOS"
+
+
+def test_pretrain_data_uses_train_pool_and_masks_the_prompt():
+    dm = PretrainDataModule(tasks={"countdown": 0.5, "addition": 0.25, "sort": 0.25}, num_examples=64, val_size=4,
+                            batch_size=16)
+    dm.setup()
+    assert {task.name for task, _ in dm.train_items} == {"countdown", "addition", "sort"}
+    assert all(not in_heldout_pool(task.prompt(ex)) for task, ex in dm.train_items)
+    assert all(in_heldout_pool(task.prompt(ex)) for items in dm.val_items.values() for task, ex in items)
+    batch = next(iter(dm.train_dataloader()))
+    tok = dm.collate.tokenizer
+    for ids, labels, mask in zip(batch["input_ids"], batch["labels"], batch["attention_mask"]):
+        text = tok.decode(ids[mask.bool()], skip_special_tokens=True)
+        completion = tok.decode(labels[labels != IGNORE_INDEX], skip_special_tokens=True)
+        assert text.endswith("=" + completion)  # loss on the completion only …
+        assert labels[labels != IGNORE_INDEX][-1] == tok.eos_token_id  # … which ends with EOS
+
+
+def test_countdown_targets_are_redrawn_among_solutions():
+    dm = PretrainDataModule(tasks=["countdown"], num_examples=400, val_size=0, batch_size=8)
+    dm.setup()
+    index = next(i for i, (_, ex) in enumerate(dm.train_items) if ex["num_solutions"] >= 3)
+    dataset = dm.train_dataloader().dataset
+    served = {dataset[index][2] for _ in range(40)}
+    assert len(served) >= 2 and served <= set(dm.train_items[index][1]["solutions"])
+
+
+class _LossRecorder(L.Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny SFT run with a real Trainer, exported by HFExport."""
+    out = tmp_path_factory.mktemp("export") / "tiny"
+    torch.manual_seed(0)
+    module = tiny_module()
+    dm = PretrainDataModule(tasks={"countdown": 0.5, "addition": 0.5}, num_examples=512, val_size=0, batch_size=32)
+    recorder = _LossRecorder()
+    trainer = L.Trainer(
+        max_steps=20,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[recorder, HFExport(out)],
+    )
+    trainer.fit(module, dm)
+    return module, out, recorder.losses
+
+
+def test_sft_loss_drops(trained):
+    _, _, losses = trained
+    assert len(losses) == 20
+    assert sum(losses[-3:]) / 3 < 0.8 * sum(losses[:3]) / 3, losses
+
+
+def test_hf_export_loads_back_with_identical_logits(trained):
+    module, out, _ = trained
+    assert not list(out.parent.glob(".tiny.*")), "no temporary directories left behind"
+    texts = ["c:3 5 7>22=3*5+7", "s:42 7 19=7 19 42"]
+    policy = load_policy(str(out))
+    batch = policy.tokenizer(texts, return_tensors="pt", padding=True)
+    assert torch.equal(batch["input_ids"], module.tokenizer(texts, return_tensors="pt", padding=True)["input_ids"])
+    module.eval()
+    with torch.no_grad():
+        expected = module(batch["input_ids"], batch["attention_mask"])
+        hf = AutoModelForCausalLM.from_pretrained(out).eval()
+        assert torch.equal(hf(**batch).logits, expected)
+        assert torch.equal(policy.model(**batch).logits, expected)
+
+
+def test_hf_export_replaces_atomically_and_keeps_the_model_card(tmp_path):
+    target = tmp_path / "model"
+    first, second = tiny_module(seed=1), tiny_module(seed=2)
+    HFExport(target).export(first)
+    (target / "README.md").write_text("card")
+    HFExport(target).export(second)
+    assert (target / "README.md").read_text() == "card"
+    reloaded = AutoModelForCausalLM.from_pretrained(target)
+    assert torch.equal(reloaded.model.embed_tokens.weight, second.model.model.embed_tokens.weight)
+
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+
+    second.model.save_pretrained = broken  # a crash mid-export must leave the previous export untouched
+    with pytest.raises(OSError, match="disk full"):
+        HFExport(target).export(second)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+    assert torch.equal(AutoModelForCausalLM.from_pretrained(target).model.embed_tokens.weight,
+                       reloaded.model.embed_tokens.weight)
+
+
+def test_pretrain_recipe_parses():
+    from es_lightning.cli import ESLightningCLI
+
+    cli = ESLightningCLI(
+        args=["--config", str(ROOT / "recipes/builtin/pretrain.yaml"), "--trainer.logger", "false"], run=False
+    )
+    assert isinstance(cli.model, SFTModule) and isinstance(cli.datamodule, PretrainDataModule)
+    assert any(isinstance(c, HFExport) for c in cli.trainer.callbacks)
+    assert cli.model.num_parameters < 2_000_000
