@@ -9,6 +9,7 @@ from es_lightning.generation import Generator, HFGenerator, Rollout, SamplingPar
 from es_lightning.metrics import MajorityAtK, PassAtK, PopulationDiversity, TokenEntropy, js_succ, pass_at_k
 from es_lightning.modules.base import ReasoningModule
 from es_lightning.modules.es import ESModule
+from es_lightning.modules.grpo import GRPOModule
 from es_lightning.policy import Policy, load_policy
 from es_lightning.tasks import AdditionTask, CountdownTask, GSM8KTask, MathTask, SortTask, Task
 
@@ -20,6 +21,7 @@ __all__ = [
     "ESModule",
     "GSM8KTask",
     "HFExport",
+    "GRPOModule",
     "Generator",
     "HFGenerator",
     "MajorityAtK",

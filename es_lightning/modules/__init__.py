@@ -2,5 +2,6 @@
 
 from es_lightning.modules.base import EvalBatch, ReasoningModule
 from es_lightning.modules.es import ESModule
+from es_lightning.modules.grpo import GRPOModule
 
-__all__ = ["ESModule", "EvalBatch", "ReasoningModule"]
+__all__ = ["ESModule", "EvalBatch", "GRPOModule", "ReasoningModule"]

@@ -21,7 +21,9 @@ One training step (one batch of prompts from the data module):
 
 π_old is the log-prob the generator recorded while sampling (same weights, same temperature): no extra forward pass, and
 for ``num_iterations > 1`` the importance ratio measures the drift of the later passes. It equals the training forward
-to float tolerance (tested), so the first pass has ratio 1.
+to float tolerance (tested), so the first pass has ratio 1. The training forward runs each prompt once and shares its
+key/value cache with the G completions of its group (``share_prompt_prefix``; gradients flow through the cache), so the
+prompt's FLOPs are paid once per group instead of G times.
 
 Features: DDP and FSDP through the Trainer's strategy (groups stay on one rank; the ``dapo`` token count and the
 ``batch`` reward std are global); resume from checkpoint (weights, AdamW and scheduler state, step, sampling seeds); a
@@ -32,6 +34,8 @@ resume, so the prompts after a resume may differ from an uninterrupted run.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import time
 from collections.abc import Sequence
 from contextlib import nullcontext
@@ -42,6 +46,7 @@ import torch
 from torch import Tensor
 
 from es_lightning.generation import Rollout
+from es_lightning.metrics import token_entropy
 from es_lightning.modules.base import ReasoningModule
 from es_lightning.modules.grpo_loss import LOSS_TYPES, SCALE_REWARDS, group_advantages, grpo_loss
 from es_lightning.policy import load_policy
@@ -62,7 +67,8 @@ class GRPOModule(ReasoningModule):
     Args:
         model, dtype, trust_remote_code, task, generation_backend: see :class:`ReasoningModule`.
         group_size: completions per prompt, G (Ba et al. 2026 use 8; GRPO needs at least 2 for a baseline).
-        lr: AdamW learning rate (Ba et al. 2026: 1e-6 for 0.5–7B models; the tiny built-in model wants ~1e-4).
+        lr: AdamW learning rate (Ba et al. 2026: 1e-6 for 0.5–7B models; the 1M-parameter built-in model wants ~3e-4,
+            see ``recipes/grpo.yaml``).
         betas: AdamW betas.
         weight_decay: AdamW decoupled weight decay.
         warmup_steps: linear LR warmup over this many optimizer steps, then constant.
@@ -81,6 +87,9 @@ class GRPOModule(ReasoningModule):
         scale_rewards: ``"group"`` (GRPO), ``"batch"`` (std of the whole batch), ``"none"`` (Dr. GRPO).
         mask_truncated_completions: drop completions that hit ``max_new_tokens`` from the loss (DAPO's overlong
             filtering).
+        share_prompt_prefix: in the training forward, run each prompt once and share its key/value cache across its G
+            completions (same log-probs and gradients to float tolerance, fewer FLOPs); ``false`` runs every
+            prompt + completion row in full, as TRL does (for models whose cache cannot be reordered).
         max_new_tokens, temperature, top_p: training rollout settings (temperature 1.0 samples the policy as it is).
         seed: base seed of the rollout streams.
     """
@@ -107,6 +116,7 @@ class GRPOModule(ReasoningModule):
         loss_type: str = "dapo",
         scale_rewards: str = "group",
         mask_truncated_completions: bool = False,
+        share_prompt_prefix: bool = True,
         max_new_tokens: int = 32,
         temperature: float = 1.0,
         top_p: float = 1.0,
@@ -118,8 +128,39 @@ class GRPOModule(ReasoningModule):
             temperature=temperature, top_p=top_p, generation_backend=generation_backend, seed=seed,
         )
         self.save_hyperparameters(ignore=["task"])
+        self._reference: _Frozen | None = None
+        self.configure_grpo(
+            group_size=group_size, lr=lr, betas=betas, weight_decay=weight_decay, warmup_steps=warmup_steps,
+            max_grad_norm=max_grad_norm, num_iterations=num_iterations, mini_batch_size=mini_batch_size,
+            epsilon_low=epsilon_low, epsilon_high=epsilon_high, beta=beta,
+            kl_importance_correction=kl_importance_correction, entropy_coef=entropy_coef, loss_type=loss_type,
+            scale_rewards=scale_rewards, mask_truncated_completions=mask_truncated_completions,
+            share_prompt_prefix=share_prompt_prefix,
+        )
+
+    def configure_grpo(
+        self,
+        group_size: int = 8,
+        lr: float = 1e-6,
+        betas: tuple[float, float] = (0.9, 0.999),
+        weight_decay: float = 0.0,
+        warmup_steps: int = 0,
+        max_grad_norm: float | None = 1.0,
+        num_iterations: int = 1,
+        mini_batch_size: int | None = None,
+        epsilon_low: float = 0.2,
+        epsilon_high: float = 0.2,
+        beta: float = 0.0,
+        kl_importance_correction: bool = True,
+        entropy_coef: float = 0.0,
+        loss_type: str = "dapo",
+        scale_rewards: str = "group",
+        mask_truncated_completions: bool = False,
+        share_prompt_prefix: bool = True,
+    ) -> None:
+        """Validate and set the GRPO settings (also used by :class:`~es_lightning.SequentialStrategy` at a switch)."""
         _check_config(group_size, lr, epsilon_low, epsilon_high, beta, loss_type, scale_rewards, num_iterations,
-                      mini_batch_size, warmup_steps, temperature)
+                      mini_batch_size, warmup_steps, self.sampling.temperature)
         self.group_size = group_size
         self.lr, self.betas, self.weight_decay, self.warmup_steps = lr, tuple(betas), weight_decay, warmup_steps
         self.max_grad_norm = max_grad_norm
@@ -132,7 +173,9 @@ class GRPOModule(ReasoningModule):
         self.loss_type = loss_type
         self.scale_rewards = scale_rewards
         self.mask_truncated_completions = mask_truncated_completions
-        self._reference: _Frozen | None = None
+        self.share_prompt_prefix = share_prompt_prefix
+        if not hasattr(self, "_reference"):  # a module switched from ES by SequentialStrategy
+            self._reference = None
 
     # ------------------------------------------------------------------ models and optimizer
     def configure_model(self) -> None:
@@ -174,7 +217,7 @@ class GRPOModule(ReasoningModule):
         G = self.group_size
         with torch.no_grad():
             rollout, rewards = self.rollout(batch, G, seed=self.rollout_seed(self.global_step), return_logprobs=True)
-            correct = [self.task.is_correct(t, e) for t, e in zip(rollout.texts, (e for e in batch for _ in range(G)))]
+            correct = self._correct(rollout, rewards, batch)  # [B*G] bool
         rewards = rewards.to(self.device)  # [B*G]
         advantages, group_std = self._advantages(rewards)  # [B*G] each
         t1 = time.perf_counter()
@@ -185,18 +228,29 @@ class GRPOModule(ReasoningModule):
         metrics = {
             "train/reward_mean": rewards.mean(),
             "train/reward_std": rewards.std(),
-            "train/accuracy": torch.tensor(correct, dtype=torch.float32).mean(),
+            "train/accuracy": correct.float().mean(),
             "train/frac_reward_zero_std": torch.isclose(group_std, torch.zeros_like(group_std)).float().mean(),
             "train/completions/mean_length": lengths.mean(),
             "train/completions/clipped_ratio": rollout.truncated.float().mean(),
             "train/time/generate_s": torch.tensor(t1 - t0),
             "train/time/update_s": torch.tensor(t2 - t1),
+            "train/lr": torch.tensor(self.optimizers().param_groups[0]["lr"]),
             **{f"train/{k}": v for k, v in stats.items()},
         }
         metrics = {k: torch.as_tensor(v, dtype=torch.float32, device=self.device) for k, v in metrics.items()}
+        sync = self.trainer.world_size > 1  # rank means; a no-op reduction costs real time per key on one device
         self.log("train/reward_mean", metrics.pop("train/reward_mean"), prog_bar=True, on_step=True, on_epoch=False,
-                 sync_dist=True, batch_size=len(batch))
-        self.log_dict(metrics, on_step=True, on_epoch=False, sync_dist=True, batch_size=len(batch))
+                 sync_dist=sync, batch_size=len(batch))
+        self.log_dict(metrics, on_step=True, on_epoch=False, sync_dist=sync, batch_size=len(batch))
+
+    def _correct(self, rollout: Rollout, rewards: Tensor, batch: Sequence[dict[str, Any]]) -> Tensor:
+        """Which completions are correct. Under the standard reward (correct > format ≥ 0, see Task.reward) that is
+        read off the rewards; a task with its own reward is asked again."""
+        task = self.task
+        if type(task).reward is Task.reward and task.correct_reward > max(task.format_reward, 0.0):
+            return rewards == task.correct_reward
+        repeated = [e for e in batch for _ in range(rollout.num_samples)]
+        return torch.tensor([task.is_correct(t, e) for t, e in zip(rollout.texts, repeated)])
 
     def _advantages(self, rewards: Tensor) -> tuple[Tensor, Tensor]:
         """Group advantages; with ``scale_rewards="batch"`` under DDP the std is that of every rank's rewards (TRL)."""
@@ -253,11 +307,14 @@ class GRPOModule(ReasoningModule):
     ) -> tuple[Tensor, dict[str, Tensor]]:
         T = self.sampling.temperature
         with_entropy_grad = self.entropy_coef != 0.0
-        logps, entropy = completion_logprobs(self.model, rollout, rows, T, entropy_grad=with_entropy_grad)
+        share = self.share_prompt_prefix
+        logps, entropy = completion_logprobs(self.model, rollout, rows, T, entropy_grad=with_entropy_grad,
+                                             share_prompt=share)
         ref_logps = None
         if self.beta > 0:
             with torch.no_grad():
-                ref_logps, _ = completion_logprobs(self.reference_model, rollout, rows, T, entropy=False)
+                ref_logps, _ = completion_logprobs(self.reference_model, rollout, rows, T, entropy=False,
+                                                   share_prompt=share)
         return grpo_loss(
             logps, rollout.logprobs[rows].to(logps), advantages, loss_mask,
             loss_type=self.loss_type, epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high,
@@ -279,28 +336,70 @@ class GRPOModule(ReasoningModule):
 
 def completion_logprobs(
     model: torch.nn.Module, rollout: Rollout, rows: slice, temperature: float, entropy: bool = True,
-    entropy_grad: bool = False,
+    entropy_grad: bool = False, share_prompt: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Per-token log π(o_t | q, o_<t) at ``temperature`` of the completion tokens of ``rollout[rows]``, and optionally
     the per-token entropy — the same quantities the generator recorded while sampling.
 
-    Position ids count real tokens only (left-padded prompts), as ``generate`` does; only the completion logits are
-    computed (``logits_to_keep``).
+    Position ids count real tokens only (left-padded prompts), as ``generate`` does; only completion logits are
+    computed. With ``share_prompt`` each distinct prompt is run once and its key/value cache is shared by the
+    completions of its group (gradients flow through the cache), instead of running every prompt G times: the same
+    numbers (tested) for (B + B·G·C/(P+C)) / (B·G) of the tokens.
     """
+    completion_ids = rollout.completion_ids[rows]  # [n, C]
+    logits = (_shared_prompt_logits if share_prompt else _full_logits)(model, rollout, rows)  # [n, C, V]
+    logits = logits.float() / temperature
+    logp_all = torch.log_softmax(logits, -1)  # [n, C, V]
+    logps = logp_all.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)  # [n, C]
+    ent = None
+    if entropy_grad:
+        ent = -(logp_all.exp() * logp_all).sum(-1)  # [n, C]
+    elif entropy:  # a diagnostic: chunked, no graph
+        with torch.no_grad():
+            ent = token_entropy(logits)  # [n, C]
+    return logps, ent
+
+
+def _full_logits(model: torch.nn.Module, rollout: Rollout, rows: slice) -> Tensor:
+    """Logits predicting each completion token, from one forward pass over prompt + completion."""
     prompt_ids, completion_ids = rollout.prompt_ids[rows], rollout.completion_ids[rows]  # [n, P], [n, C]
     ids = torch.cat([prompt_ids, completion_ids], 1)  # [n, P+C]
     attn = torch.cat([rollout.prompt_mask[rows], rollout.completion_mask[rows]], 1)  # [n, P+C]
     pos = (attn.cumsum(-1) - 1).clamp(min=0)  # [n, P+C]
     C = completion_ids.shape[1]
     out = model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=C + 1, use_cache=False)
-    logits = out.logits[:, :-1].float() / temperature  # [n, C, V]
-    logp_all = torch.log_softmax(logits, -1)  # [n, C, V]
-    logps = logp_all.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)  # [n, C]
-    ent = None
-    if entropy:
-        with nullcontext() if entropy_grad else torch.no_grad():
-            ent = -(logp_all.exp() * logp_all).sum(-1)  # [n, C]
-    return logps, ent
+    return out.logits[:, :-1]  # [n, C, V]
+
+
+def _shared_prompt_logits(model: torch.nn.Module, rollout: Rollout, rows: slice) -> Tensor:
+    """As :func:`_full_logits`, running each distinct prompt once and reusing its KV cache for its G completions."""
+    n_total, G = rollout.completion_ids.shape[0], rollout.num_samples
+    start, stop, _ = rows.indices(n_total)
+    first = start // G
+    prompt_rows = torch.arange(first, (stop - 1) // G + 1, device=rollout.prompt_ids.device) * G  # one per prompt
+    prompt_mask = rollout.prompt_mask[prompt_rows]  # [b, P]
+    out = model(input_ids=rollout.prompt_ids[prompt_rows], attention_mask=prompt_mask,
+                position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0), use_cache=True, logits_to_keep=1)
+    cache_kwarg = _cache_kwarg(type(model))
+    group_of_row = torch.arange(start, stop, device=prompt_mask.device) // G - first  # [n] row -> its prompt
+    first_logits = out.logits[:, -1][group_of_row].unsqueeze(1)  # [n, 1, V] predicts completion token 0
+    completion_ids = rollout.completion_ids[rows]  # [n, C]
+    if completion_ids.shape[1] == 1:
+        return first_logits
+    cache = getattr(out, cache_kwarg)
+    cache.reorder_cache(group_of_row)  # [b, ...] -> [n, ...], differentiable (index_select)
+    attn = torch.cat([rollout.prompt_mask[rows], rollout.completion_mask[rows][:, :-1]], 1)  # [n, P+C-1]
+    offsets = torch.arange(completion_ids.shape[1] - 1, device=attn.device)  # [C-1]
+    pos = prompt_mask.sum(-1)[group_of_row].unsqueeze(1) + offsets  # [n, C-1] continue after the real prompt
+    rest = model(input_ids=completion_ids[:, :-1], attention_mask=attn, position_ids=pos, use_cache=True,
+                 **{cache_kwarg: cache})
+    return torch.cat([first_logits, rest.logits], 1)  # [n, C, V]
+
+
+@functools.cache
+def _cache_kwarg(model_type: type) -> str:
+    """transformers 5.x names the KV cache ``cache`` (``past_key_values`` before, deprecated since)."""
+    return "cache" if "cache" in inspect.signature(model_type.forward).parameters else "past_key_values"
 
 
 def _check_config(group_size, lr, epsilon_low, epsilon_high, beta, loss_type, scale_rewards, num_iterations,
