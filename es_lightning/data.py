@@ -185,13 +185,8 @@ class ReasoningDataModule(L.LightningDataModule):
                 f"source {self.source!r} has no split {self.train_split!r} (it has {sorted(dsets)}); set data.train_split"
             )
         out: dict[str, Any] = {"train": dsets[self.train_split]}
-        for split, name, size in (("val", self.val_split, self.val_size), ("test", self.test_split, self.test_size)):
-            if name is not None and name in dsets:
-                out[split] = dsets[name]
-            elif name is not None and split == "test" and name not in dsets:
-                out[split] = None  # carved below
-            else:
-                out[split] = None
+        for split, name in (("val", self.val_split), ("test", self.test_split)):
+            out[split] = dsets[name] if name is not None and name in dsets else None  # None: carved off train below
         for split, size in (("test", self.test_size), ("val", self.val_size)):
             if out[split] is None:
                 n = size if size is not None else max(1, len(out["train"]) // 10)

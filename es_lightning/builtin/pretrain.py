@@ -28,12 +28,11 @@ from typing import Any
 
 import lightning as L
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, get_worker_info
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from es_lightning.builtin.tokenizer import EOS, PAD, UNK, build_char_tokenizer
+from es_lightning.builtin.tokenizer import build_char_tokenizer
 from es_lightning.data import procedural_split
 from es_lightning.tasks import Task, get_task
 
@@ -41,36 +40,6 @@ IGNORE_INDEX = -100  # label of positions that carry no loss (prompt, padding): 
 
 
 # ---------------------------------------------------------------------------------------------------- the tokenizer
-def build_exportable_char_tokenizer() -> PreTrainedTokenizerFast:
-    """The char tokenizer of :func:`~es_lightning.builtin.tokenizer.build_char_tokenizer` (same ids for every
-    character), stored in byte-level form so that *every* loader reads it back identically.
-
-    Why: transformers 5 forces ``Qwen2Tokenizer`` on any directory whose config says ``model_type: qwen2``
-    (``MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS`` in ``tokenization_auto.py``), whatever ``tokenizer_class`` the
-    tokenizer config names. ``Qwen2Tokenizer`` keeps only the vocabulary of ``tokenizer.json`` and installs its own
-    byte-level pre-tokenizer, under which a space is ``"Ġ"`` and a newline ``"Ċ"``: with a plain ``" "`` entry every
-    space of a prompt silently disappears. Spelling the vocabulary in the byte-level alphabet (BPE without merges,
-    one token per character) makes ``AutoTokenizer``, ``Qwen2Tokenizer``, ``PreTrainedTokenizerFast`` and vLLM agree.
-    A character outside ``CHARSET`` becomes ``<unk>`` here and is dropped by ``Qwen2Tokenizer``.
-    """
-    base = build_char_tokenizer()
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    specials = {PAD, EOS, UNK}
-
-    def spell(token: str) -> str:
-        return token if token in specials else "".join(piece for piece, _ in byte_level.pre_tokenize_str(token))
-
-    vocab = {spell(token): i for token, i in base.get_vocab().items()}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated"), byte_level]
-    )
-    tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token=PAD, eos_token=EOS, unk_token=UNK, padding_side="left"
-    )
-
-
 # ---------------------------------------------------------------------------------------------------- the module
 class SFTModule(L.LightningModule):
     """Next-token cross-entropy on completions for a freshly initialised ``Qwen2ForCausalLM`` with the char tokenizer.
@@ -120,7 +89,7 @@ class SFTModule(L.LightningModule):
                 f"need hidden_size % num_heads == 0 and num_heads % num_kv_heads == 0, got hidden_size={hidden_size}, "
                 f"num_heads={num_heads}, num_kv_heads={num_kv_heads}"
             )
-        self.tokenizer = build_exportable_char_tokenizer()
+        self.tokenizer = build_char_tokenizer()
         config = Qwen2Config(
             vocab_size=len(self.tokenizer),
             hidden_size=hidden_size,
@@ -257,12 +226,13 @@ class PretrainDataModule(L.LightningDataModule):
         tasks: ``{name: weight}`` (weights need not sum to 1), or a list of task names / :class:`Task` objects mixed
             equally. Every task needs a procedural generator whose examples carry ``solutions``.
         task_kwargs: ``{name: {arg: value}}`` constructor arguments for tasks given by name, e.g.
-            ``{countdown: {max_number: 30}}``. Countdown always uses the ``compact`` prompt format.
+            ``{countdown: {max_number: 30}}``. Countdown defaults to the ``compact`` prompt format.
         num_examples: distinct training problems (one epoch), split between tasks by weight. The default Countdown
             (3 numbers in 1..20, targets 1..100) has only ~87.5k distinct problems, ~79k of them in the train pool:
             ask for at most ~60k Countdown problems, or :func:`~es_lightning.data.procedural_split` spends minutes
             hunting for the last unseen ones (and fails past the pool size).
-        val_size: held-out problems per task for the teacher-forced validation loss (0: no validation).
+        val_size: held-out problems per task for the teacher-forced validation loss (0: none; then also set
+            ``trainer.limit_val_batches: 0``).
         batch_size: sequences per optimizer step.
         random_solution: serve a random valid solution each time (True) or always the first one (False, an ablation).
         seed: seeds the problems, the shuffling and the solution draws.
@@ -273,7 +243,7 @@ class PretrainDataModule(L.LightningDataModule):
         self,
         tasks: Mapping[str, float] | Sequence[str | Task] = ("countdown",),
         task_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
-        num_examples: int = 100_000,
+        num_examples: int = 50_000,
         val_size: int = 256,
         batch_size: int = 128,
         random_solution: bool = True,
@@ -303,7 +273,7 @@ class PretrainDataModule(L.LightningDataModule):
         self.random_solution = random_solution
         self.seed = seed
         self.num_workers = num_workers
-        self.collate = _Collate(build_exportable_char_tokenizer())
+        self.collate = _Collate(build_char_tokenizer())
         self.train_items: list[tuple[Task, dict[str, Any]]] = []
         self.val_items: dict[str, list[tuple[Task, dict[str, Any]]]] = {}
 
@@ -316,8 +286,7 @@ class PretrainDataModule(L.LightningDataModule):
             return
         for i, ((task, _), size) in enumerate(zip(self.tasks, self._task_sizes())):
             train = procedural_split(task, "train", size, self.seed * 1000 + 10 * i)
-            missing = [k for k in ("solutions",) if k not in train[0]]
-            if missing or not all(ex["solutions"] for ex in train):
+            if not all(ex.get("solutions") for ex in train):
                 raise ValueError(
                     f"task {task.name!r} gives procedural examples without a non-empty 'solutions' list; "
                     "pretraining needs the target strings — add them in the task's procedural()"

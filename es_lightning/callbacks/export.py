@@ -32,7 +32,6 @@ class HFExport(L.Callback):
         dirpath: the directory to (re)write.
         every_n_train_steps: also export every this many optimizer steps (``None``: only at the end of fit).
         keep_files: files of a previous export to carry over into the new one (a hand-written model card, say).
-        safe_serialization: write ``model.safetensors`` (True) rather than a pickle.
     """
 
     def __init__(
@@ -40,14 +39,12 @@ class HFExport(L.Callback):
         dirpath: str | os.PathLike,
         every_n_train_steps: int | None = None,
         keep_files: Sequence[str] = ("README.md",),
-        safe_serialization: bool = True,
     ) -> None:
         if every_n_train_steps is not None and every_n_train_steps < 1:
             raise ValueError(f"every_n_train_steps must be a positive integer or None, got {every_n_train_steps}")
         self.dirpath = Path(dirpath)
         self.every_n_train_steps = every_n_train_steps
         self.keep_files = tuple(keep_files)
-        self.safe_serialization = safe_serialization
         self._last_exported_step: int | None = None
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
@@ -74,7 +71,7 @@ class HFExport(L.Callback):
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
         try:
-            model.save_pretrained(tmp, safe_serialization=self.safe_serialization)
+            model.save_pretrained(tmp)  # weights as model.safetensors (the only format transformers 5 writes)
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)
             for name in self.keep_files:
