@@ -23,7 +23,7 @@ eval: setup                  ## evaluate the built-in model: Pass@1/4/16 table
 	$(BIN)/es-lightning validate --config recipes/eval.yaml
 
 pretrain: setup              ## re-make the built-in model (see es_lightning/builtin/countdown-tiny/README.md)
-	$(BIN)/es-lightning fit --config recipes/builtin/pretrain.yaml
+	OMP_NUM_THREADS=1 $(BIN)/es-lightning fit --config recipes/builtin/pretrain.yaml
 
 lint: setup
 	$(BIN)/ruff check es_lightning tests benchmarks
