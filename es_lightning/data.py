@@ -70,7 +70,7 @@ class EpochBatches(IterableDataset):
     ``r`` of ``W`` takes the ``r``-th of ``W`` consecutive batches (data parallel, as GRPO wants).
     """
 
-    def __init__(self, examples, batch_size: int, seed: int, start: int = 0, rank: int = 0, world_size: int = 1,
+    def __init__(self, examples, batch_size: int, seed: int, start=0, rank: int = 0, world_size: int = 1,
                  shared: bool = True) -> None:
         self.examples = examples
         self.batch_size = batch_size
@@ -84,12 +84,17 @@ class EpochBatches(IterableDataset):
                 "or raise data.train_size"
             )
         self.batches_per_epoch = per_epoch
-        self.cursor = start  # global index (in this rank's batches) of the next batch to yield
+        #: global index (in this rank's batches) of the next batch; a callable is asked at each ``iter()`` — the
+        #: trainer's count of completed batches, which is final only once the epoch loop has restarted
+        self.start = start
+        self.cursor = start if isinstance(start, int) else 0
 
     def __len__(self) -> int:
         return self.batches_per_epoch
 
     def __iter__(self):
+        if callable(self.start):
+            self.cursor = int(self.start())
         epoch, position = divmod(self.cursor, self.batches_per_epoch)
         order = torch.randperm(len(self.examples), generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
         for b in range(position, self.batches_per_epoch):
@@ -274,7 +279,9 @@ class ReasoningDataModule(L.LightningDataModule):
         start, rank, world = 0, 0, 1
         shared = True
         if trainer is not None:
-            start = trainer.fit_loop.epoch_loop.batch_progress.total.completed
+            def start() -> int:  # read when iteration starts: after a resume the count is final only then
+                return trainer.fit_loop.epoch_loop.batch_progress.total.completed
+
             rank, world = trainer.global_rank, trainer.world_size
             shared = bool(getattr(trainer.lightning_module, "shares_batch_across_ranks", False))
         stream = EpochBatches(self.splits["train"], self.batch_size, self.seed, start, rank, world, shared)

@@ -311,9 +311,9 @@ EXPECTED_METRICS = [
 
 def test_fit_logs_and_resumes_exactly(tiny_model_dir, tmp_path):
     """3 real steps; resuming from the step-2 checkpoint restores step, AdamW state and sampling, and ends on the same
-    weights as the uninterrupted run. The data set holds exactly one batch (train_size == batch_size), so every step
-    sees the same prompts whatever the loader does on resume (Lightning restarts a mid-epoch loader from its start)."""
-    data = dict(train_size=1, batch_size=1)
+    weights as the uninterrupted run. Three batches per epoch, so the resume lands mid-epoch: the data module's stream
+    must continue with the batch the uninterrupted run saw next."""
+    data = dict(train_size=3, batch_size=1)
     module = _module(tiny_model_dir, mini_batch_size=4, warmup_steps=1)
     module.configure_model()
     start = _params(module)

@@ -28,8 +28,8 @@ prompt's FLOPs are paid once per group instead of G times.
 Features: DDP and FSDP through the Trainer's strategy (groups stay on one rank; the ``dapo`` token count and the
 ``batch`` reward std are global); resume from checkpoint (weights, AdamW and scheduler state, step, sampling seeds); a
 frozen reference for the KL term loaded only when ``beta > 0`` and kept out of checkpoints. Limits: the reference is
-not sharded by FSDP (it is a plain module on each rank); Lightning restarts the data loader's epoch on a mid-epoch
-resume, so the prompts after a resume may differ from an uninterrupted run.
+not sharded by FSDP (it is a plain module on each rank). A mid-epoch resume sees the same prompts as an uninterrupted run
+(the data module's training stream is positioned by the trainer's batch count).
 """
 
 from __future__ import annotations
