@@ -39,8 +39,9 @@ def procedural_split(task: Task, split: str, num_examples: int, seed: int) -> li
     want_heldout = split != "train"
     out: list[dict[str, Any]] = []
     seen: set[str] = set()
-    round_seed = seed
-    for _ in range(1000):
+    round_seed, dry_rounds = seed, 0
+    while dry_rounds < 3:  # three rounds without a new problem: the pool is exhausted
+        before = len(out)
         batch = task.procedural(max(64, 2 * (num_examples - len(out)) * (10 if want_heldout else 1)), round_seed)
         for ex in batch:
             p = task.prompt(ex)
@@ -50,8 +51,12 @@ def procedural_split(task: Task, split: str, num_examples: int, seed: int) -> li
             out.append(ex)
             if len(out) == num_examples:
                 return out
+        dry_rounds = dry_rounds + 1 if len(out) == before else 0
         round_seed += 7919
-    raise RuntimeError(f"could not generate {num_examples} distinct {split} problems for task {task.name!r}")
+    raise ValueError(
+        f"task {task.name!r} has only about {len(out)} distinct {split} problems, fewer than the {num_examples} asked "
+        f"for; lower data.{split}_size (or widen the task's generator, e.g. its number ranges)"
+    )
 
 
 def _collate(examples: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -109,3 +109,10 @@ def test_bad_sources_fail_clearly(tmp_path):
 def test_procedural_split_rejects_tasks_without_generator():
     with pytest.raises(NotImplementedError, match="no procedural generator"):
         procedural_split(GSM8KTask(), "train", 4, 0)
+
+
+def test_asking_for_more_problems_than_exist_fails_fast():
+    from es_lightning.tasks import AdditionTask
+
+    with pytest.raises(ValueError, match="distinct val problems"):
+        procedural_split(AdditionTask(max_digits=1), "val", 50, 0)  # 100 sums exist, ~10 in the held-out pool
