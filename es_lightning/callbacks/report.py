@@ -91,7 +91,7 @@ def format_table(rows: list[tuple[str, int, dict[str, float]]]) -> str:
     if not rows:
         return "(no evaluations)"
     names = [k for k in rows[0][2] if not k.endswith("reward_mean")] + [k for k in rows[0][2] if k.endswith("reward_mean")]
-    width = max(14, *(len(label) + 8 for label, _, _ in rows))
+    width = max(14, *(len(f"{label} (step {step})") + 3 for label, step, _ in rows))
     head = f"{'metric':<18}" + "".join(f"{f'{label} (step {step})':>{width}}" for label, step, _ in rows)
     lines = [head, "-" * len(head)]
     for name in names:
