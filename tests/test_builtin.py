@@ -45,8 +45,10 @@ def test_builtin_model_loads_through_load_policy():
     assert policy.model.config.vocab_size == len(policy.tokenizer) == len(build_char_tokenizer())
     assert policy.tokenizer.eos_token_id == policy.model.generation_config.eos_token_id == 1
     assert policy.tokenizer.pad_token_id == 0
-    # the loaded tokenizer (transformers picks Qwen2Tokenizer for a qwen2 config) must give the char tokenizer's ids
-    assert policy.tokenizer(CHARSET)["input_ids"] == build_char_tokenizer()(CHARSET)["input_ids"]
+    # the loaded tokenizer (transformers picks Qwen2Tokenizer for a qwen2 config) must give the char tokenizer's ids:
+    # <pad> <eos> <unk>, then one id per character of CHARSET in order (a dropped space would shift them)
+    expected_ids = list(range(3, 3 + len(CHARSET)))
+    assert policy.tokenizer(CHARSET)["input_ids"] == build_char_tokenizer()(CHARSET)["input_ids"] == expected_ids
     prompt = "c:3 5 7>22="
     ids = policy.tokenizer(prompt)["input_ids"]
     assert len(ids) == len(prompt)  # one token per character (spaces included), no special tokens added

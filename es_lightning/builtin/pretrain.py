@@ -39,7 +39,6 @@ from es_lightning.tasks import Task, get_task
 IGNORE_INDEX = -100  # label of positions that carry no loss (prompt, padding): PyTorch cross-entropy's ignore_index
 
 
-# ---------------------------------------------------------------------------------------------------- the tokenizer
 # ---------------------------------------------------------------------------------------------------- the module
 class SFTModule(L.LightningModule):
     """Next-token cross-entropy on completions for a freshly initialised ``Qwen2ForCausalLM`` with the char tokenizer.
