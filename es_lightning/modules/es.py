@@ -180,6 +180,8 @@ class ESModule(ReasoningModule):
         success = torch.zeros(self.population_size, len(examples))  # [N, B] success rate per member and prompt
         t_gen = t_score = 0.0
         task = self.task
+        prompts = self.prompts(examples)  # the same for every member: render once per step
+        repeated = [e for e in examples for _ in range(self.samples_per_member)]
         self.population_progress = (0, len(mine))
         for i, member in enumerate(mine):
             noise_id, sign = self.member_noise(member)
@@ -187,9 +189,8 @@ class ESModule(ReasoningModule):
                 eps = param_noise(self.seed, step, noise_id, name, p.numel(), device=p.device).view_as(p)
                 p.copy_((b.float() + (sign * self.sigma) * eps).to(p.dtype))
             t0 = time.perf_counter()
-            rollout = self.generator.generate(self.prompts(examples), self.samples_per_member, params, seed=rollout_seed)
+            rollout = self.generator.generate(prompts, self.samples_per_member, params, seed=rollout_seed)
             t1 = time.perf_counter()
-            repeated = [e for e in examples for _ in range(self.samples_per_member)]
             r = torch.tensor(task.reward(rollout.texts, repeated), dtype=torch.float32)
             ok = torch.tensor([task.is_correct(t, e) for t, e in zip(rollout.texts, repeated)], dtype=torch.float32)
             rewards[member] = r.mean()
