@@ -277,3 +277,22 @@ def test_get_task():
         get_task("collections.OrderedDict")
     with pytest.raises(ValueError, match="prompt_format"):
         CountdownTask(prompt_format="latex")
+
+
+def test_grade_parses_once_and_agrees_with_reward_and_is_correct():
+    task = CountdownTask()
+    example = {"nums": [3, 5, 7], "target": 22}
+    texts = ["3*5+7", "3+5+7", "junk((", "7+5*3", ""]
+    answers, correct, rewards = task.grade(texts, [example] * len(texts))
+    assert correct == [True, False, False, True, False]
+    assert rewards == [1.0, 0.1, 0.0, 1.0, 0.0]
+    assert answers[2] is None and answers[0] == answers[3]  # one normal form for equal solutions (maj@k)
+    assert correct == [task.is_correct(t, example) for t in texts]
+    with pytest.raises(ValueError, match="one example per completion"):
+        task.grade(texts, [example])
+
+    class LengthShaped(CountdownTask):  # a user's custom reward is what training sees
+        def reward(self, completions, examples):
+            return [len(c) / 10 for c in completions]
+
+    assert LengthShaped().grade(texts, [example] * len(texts))[2] == [0.5, 0.5, 0.6, 0.5, 0.0]

@@ -28,9 +28,16 @@ class _Sampler(LogitsProcessor):
     """
 
     def __init__(
-        self, temperature: float, top_p: float, generator: torch.Generator | None, track: bool, banned: list[int]
+        self,
+        temperature: float,
+        top_p: float,
+        generator: torch.Generator | None,
+        track: bool,
+        banned: list[int],
+        blocks: int = 1,
     ) -> None:
         self.banned = banned
+        self.blocks = blocks
         self.temperature = temperature if temperature > 0 else 1.0
         self.greedy = temperature == 0
         self.top_p = top_p
@@ -57,7 +64,10 @@ class _Sampler(LogitsProcessor):
             probs = sorted_scores.softmax(-1)
             remove = probs.cumsum(-1) - probs > self.top_p  # keep the smallest set reaching top_p
             scores = scores.scatter(-1, order, sorted_scores.masked_fill(remove, float("-inf")))
-        u = torch.rand(scores.shape, generator=self.generator, device=self.generator.device)
+        rows, vocab = scores.shape
+        # blocks of rows that are the same prompts for different ES members draw the same numbers (CRN)
+        u = torch.rand(rows // self.blocks, vocab, generator=self.generator, device=self.generator.device)
+        u = u.repeat(self.blocks, 1) if self.blocks > 1 else u
         gumbel = -torch.log(-torch.log(u.clamp(min=1e-20, max=1.0 - 1e-7)))
         return scores + gumbel.to(scores.device)
 
@@ -93,8 +103,19 @@ class HFGenerator(Generator):
         params: SamplingParams | None = None,
         seed: int | None = None,
         return_logprobs: bool = False,
+        common_random_blocks: int = 1,
     ) -> Rollout:
+        """See :meth:`Generator.generate`.
+
+        ``common_random_blocks=k``: the prompts are ``k`` copies of one list (member-major, as ES's population-batched
+        evaluation lays them out); each copy draws exactly the random numbers a call with that list alone and the same
+        seed would draw, so batched members sample with common random numbers, as sequential ones do.
+        """
         self._check(prompts, num_samples)
+        if common_random_blocks < 1 or len(prompts) % common_random_blocks:
+            raise ValueError(
+                f"common_random_blocks={common_random_blocks} must be >= 1 and divide the {len(prompts)} prompts"
+            )
         params = params or SamplingParams()
         model, tokenizer = self.policy.model, self.policy.tokenizer
         device = next(model.parameters()).device
@@ -107,7 +128,9 @@ class HFGenerator(Generator):
             gen = torch.Generator(device="cpu").manual_seed(default_seed() if seed is None else int(seed))
         # the pad token marks finished rows; when it is not an EOS it is never a real token, so it is never sampled
         banned = [] if tokenizer.pad_token_id in self.eos_token_ids else [tokenizer.pad_token_id]
-        sampler = _Sampler(params.temperature, params.top_p, gen, track=return_logprobs, banned=banned)
+        sampler = _Sampler(
+            params.temperature, params.top_p, gen, track=return_logprobs, banned=banned, blocks=common_random_blocks
+        )
         config = GenerationConfig(
             max_new_tokens=params.max_new_tokens,
             do_sample=False,

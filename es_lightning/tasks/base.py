@@ -96,23 +96,40 @@ class Task(ABC):
 
     def reward(self, completions: Sequence[str], examples: Sequence[dict[str, Any]]) -> list[float]:
         """One float per completion: ``correct_reward`` / ``format_reward`` / 0 (Ba et al. convention)."""
+        return self.grade(completions, examples)[2]
+
+    def grade(
+        self, completions: Sequence[str], examples: Sequence[dict[str, Any]]
+    ) -> tuple[list[str | None], list[bool], list[float]]:
+        """``(answers, correct, rewards)`` per completion, each completion parsed and verified once.
+
+        ``answers`` are the extracted answers (``None`` when the format is wrong; what maj@k votes on), ``correct``
+        what :meth:`is_correct` says, ``rewards`` what :meth:`reward` says. Training and evaluation call this so that a
+        completion is never parsed twice. Subclasses customise :meth:`reward` / :meth:`is_correct` and this follows.
+        """
         if len(completions) != len(examples):
             raise ValueError(
-                f"reward() got {len(completions)} completions but {len(examples)} examples; pass one example per "
+                f"grade() got {len(completions)} completions but {len(examples)} examples; pass one example per "
                 "completion (repeat each example n times for n samples)"
             )
-        rewards = []
+        answers, correct, rewards = [], [], []
         for completion, example in zip(completions, examples):
             answer = self._safe_extract(completion)
-            if answer is None:
-                rewards.append(0.0)
-                continue
-            try:
-                ok = bool(self.check_answer(answer, example))
-            except Exception:
-                ok = False
-            rewards.append(self.correct_reward if ok else self.format_reward)
-        return rewards
+            ok = False
+            if answer is not None:
+                try:
+                    ok = bool(self.check_answer(answer, example))
+                except Exception:  # a verifier bug or hostile input must cost a sample, not a run
+                    ok = False
+            answers.append(answer)
+            correct.append(ok)
+            rewards.append(self.correct_reward if ok else self.format_reward if answer is not None else 0.0)
+        # a subclass that overrides reward() or is_correct() (a custom reward, e.g. length shaping) is obeyed
+        if type(self).reward is not Task.reward:
+            rewards = [float(r) for r in self.reward(completions, examples)]
+        if type(self).is_correct is not Task.is_correct:
+            correct = [bool(self.is_correct(c, e)) for c, e in zip(completions, examples)]
+        return answers, correct, rewards
 
     def _safe_extract(self, completion: str) -> str | None:
         if not isinstance(completion, str) or len(completion) > self.max_completion_chars:

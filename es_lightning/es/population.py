@@ -1,0 +1,131 @@
+"""Population-batched forward passes: ``k`` ES members with different weights in one batched call.
+
+An ES step evaluates N perturbed copies of one model on the *same* prompts. Calling ``generate`` once per member runs
+N small batches; on a small model (and on a GPU with a large one) most of that time is per-call overhead, not
+arithmetic. Here ``k`` members run as one batch of ``k × rows``: the batch is laid out member-major (rows
+``[j·R, (j+1)·R)`` belong to member ``j``) and every module that owns parameters computes each member's block with
+that member's weights:
+
+- ``nn.Linear``: one ``torch.baddbmm`` over the stacked weights ``[k, out, in]`` — the same arithmetic as ``k``
+  separate matmuls, one kernel call;
+- ``nn.Embedding``: one lookup in the stacked tables ``[k·V, d]`` with member offsets added to the token ids;
+- anything else with parameters (RMSNorm, LayerNorm, …): ``torch.func.vmap`` of ``functional_call`` over the members.
+
+Modules without parameters (attention, rotary embeddings, activations) act row by row and need nothing. This is the
+population-batched evaluation that EvoX/"ES at scale" implementations use on accelerators; it trades memory — the
+``k`` perturbed copies of the perturbed tensors live at once — for speed, so it is opt-in
+(``ESModule(members_per_batch=k)``) and ``k = 1`` keeps the one-model-sized-buffer invariant of DESIGN.md.
+
+The centre weights are never written: each member's weights are separate tensors, so the exact-restore invariant holds
+trivially in batched mode.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class PopulationForward:
+    """Context manager: while active, ``model``'s forward treats its batch as ``k`` member-major blocks.
+
+    Args:
+        model: the policy (any ``nn.Module``).
+        stacked: ``{parameter name: tensor [k, *param.shape]}`` — each member's value of the parameters that differ
+            between members. Parameters not listed are shared by all members (their modules run unchanged when none of
+            their parameters is listed).
+    """
+
+    def __init__(self, model: nn.Module, stacked: Mapping[str, Tensor]) -> None:
+        sizes = {t.shape[0] for t in stacked.values()}
+        if len(sizes) != 1:
+            raise ValueError(f"every stacked parameter needs the same number of members, got {sorted(sizes)}")
+        self.k = sizes.pop()
+        self.model = model
+        by_id: dict[int, Tensor] = {}
+        params = dict(model.named_parameters(remove_duplicate=False))
+        for name, value in stacked.items():
+            if name not in params:
+                raise KeyError(f"{name!r} is not a parameter of the model")
+            p = params[name]
+            if tuple(value.shape[1:]) != tuple(p.shape):
+                raise ValueError(f"stacked {name!r} has shape {tuple(value.shape)}, expected (k, *{tuple(p.shape)})")
+            by_id[id(p)] = value
+        self._by_id = by_id
+        self._patched: list[nn.Module] = []
+
+    # ------------------------------------------------------------------ context
+    def __enter__(self) -> PopulationForward:
+        for module in self.model.modules():
+            own = dict(module.named_parameters(recurse=False))
+            if not own or not any(id(p) in self._by_id for p in own.values()):
+                continue
+            members = {n: self._by_id.get(id(p), p.unsqueeze(0).expand(self.k, *p.shape)) for n, p in own.items()}
+            module.forward = types.MethodType(_batched_forward(module, members, self.k), module)
+            self._patched.append(module)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for module in self._patched:
+            del module.forward  # the class's forward again
+        self._patched.clear()
+
+
+def _split(x: Tensor, k: int) -> Tensor:
+    if x.shape[0] % k:
+        raise ValueError(f"a population-batched forward got {x.shape[0]} rows, not a multiple of {k} members")
+    return x.reshape(k, x.shape[0] // k, *x.shape[1:])
+
+
+def _batched_forward(module: nn.Module, members: dict[str, Tensor], k: int):
+    """The replacement ``forward`` of one module: each member's block of rows through that member's parameters."""
+    if type(module) is nn.Linear:
+        weight_t = members["weight"].transpose(1, 2)  # [k, in, out]
+        bias = members.get("bias")
+
+        def linear(self, x: Tensor) -> Tensor:  # x [k·R, ..., in]
+            xs = _split(x, k)  # [k, R, ..., in]
+            flat = xs.reshape(k, -1, xs.shape[-1])  # [k, R·…, in]
+            out = torch.bmm(flat, weight_t) if bias is None else torch.baddbmm(bias.unsqueeze(1), flat, weight_t)
+            return out.reshape(*x.shape[:-1], out.shape[-1])  # [k·R, ..., out]
+
+        return linear
+    if type(module) is nn.Embedding and module.max_norm is None:
+        table = members["weight"]  # [k, V, d]
+        vocab = table.shape[1]
+        flat_table = table.reshape(k * vocab, table.shape[-1])  # [k·V, d]
+
+        def embedding(self, ids: Tensor) -> Tensor:  # ids [k·R, T]
+            offset = (torch.arange(k, device=ids.device) * vocab).view(k, *([1] * ids.dim()))
+            return F.embedding(_split(ids, k) + offset, flat_table).reshape(*ids.shape, flat_table.shape[-1])
+
+        return embedding
+
+    cls_forward = type(module).forward
+
+    def generic(self, x: Tensor, *args, **kwargs) -> Tensor:  # x [k·R, ...]; other arguments shared by all members
+        def one(params: dict[str, Tensor], xi: Tensor) -> Tensor:
+            return torch.func.functional_call(module, params, (xi, *args), kwargs, strict=False)
+
+        with _unpatched(module, cls_forward):
+            out = torch.func.vmap(one)(members, _split(x, k))  # [k, R, ...]
+        return out.reshape(x.shape[0], *out.shape[2:])
+
+    return generic
+
+
+class _unpatched:
+    """Inside ``functional_call`` the module must run its class ``forward``, not the batched replacement."""
+
+    def __init__(self, module: nn.Module, cls_forward) -> None:
+        self.module, self.cls_forward = module, cls_forward
+
+    def __enter__(self) -> None:
+        self.saved = self.module.__dict__.pop("forward")
+
+    def __exit__(self, *exc) -> None:
+        self.module.forward = self.saved
