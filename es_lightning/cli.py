@@ -8,11 +8,26 @@ To run::
 
 ``--config`` stacks (later files override earlier ones). Unknown keys and wrong types are refused by jsonargparse with
 a message naming the key, and a non-zero exit.
+
+The analysis commands (:mod:`es_lightning.analysis`) are plain functions whose signatures and docstrings become the
+options and ``--help`` (as litgpt's ``__main__``)::
+
+    es-lightning eval --checkpoints builtin:countdown-tiny runs/es/last.ckpt --tasks countdown addition sort
+    es-lightning analyze drift --tuned runs/es/last.ckpt
+    es-lightning analyze ablation --tuned runs/es/last.ckpt --top_percent 50 10 1
+    es-lightning analyze forgetting --tuned runs/es/last.ckpt --tasks addition sort
+    es-lightning analyze sweep --config recipes/es.yaml --populations 8 16 32 64 --steps 10
+
+List options take space-separated values (``--tasks addition sort``) or a YAML list (``--tasks [addition, sort]``).
 """
 
 from __future__ import annotations
 
 import os
+import sys
+import types
+import typing
+from collections.abc import Callable
 
 import lightning as L
 from lightning.pytorch.cli import LightningCLI
@@ -53,11 +68,86 @@ def check_config(args: list[str]):
     return cli.config
 
 
+def analysis_commands() -> dict[str, Callable | dict[str, Callable]]:
+    """``es-lightning <command>`` beyond Lightning's fit/validate/test: one function per (sub)command."""
+    from es_lightning.analysis import ablation_command, drift_command, eval_command, forgetting_command, sweep_command
+
+    return {
+        "eval": eval_command,
+        "analyze": {"drift": drift_command, "ablation": ablation_command, "forgetting": forgetting_command,
+                    "sweep": sweep_command},
+    }
+
+
+def _list_options(function: Callable) -> set[str]:
+    """Names of a function's list-typed parameters (``list[int]``, ``list[str] | None``, ...)."""
+    names = set()
+    for name, hint in typing.get_type_hints(function).items():
+        options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+        if any(typing.get_origin(o) is list or o is list for o in options):
+            names.add(name)
+    return names
+
+
+def _yaml_scalar(value: str) -> str:
+    try:
+        float(value)
+        return value
+    except ValueError:
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def join_list_values(args: list[str], list_options: set[str]) -> list[str]:
+    """``--tasks addition sort`` → ``--tasks [\"addition\", \"sort\"]`` for list-typed options (jsonargparse wants one
+    value per option); a value already written as a YAML list, or ``null``, is left as it is."""
+    out, i = [], 0
+    while i < len(args):
+        arg = args[i]
+        if arg.startswith("--") and "=" not in arg and arg[2:] in list_options:
+            j = i + 1
+            while j < len(args) and not args[j].startswith("--"):
+                j += 1
+            values = args[i + 1 : j]
+            if len(values) == 1 and (values[0].lstrip().startswith("[") or values[0] in ("null", "None")):
+                out += [arg, values[0]]
+            elif values:
+                out += [arg, "[" + ", ".join(_yaml_scalar(v) for v in values) + "]"]
+            else:
+                out.append(arg)
+            i = j
+        else:
+            out.append(arg)
+            i += 1
+    return out
+
+
+def run_analysis(args: list[str]):
+    """Run ``eval`` or ``analyze <name>`` with jsonargparse over the command's function signature."""
+    from jsonargparse import CLI
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one bar per analysis, not one per model load
+    commands = analysis_commands()
+    target = commands.get(args[0])
+    if isinstance(target, dict) and len(args) > 1:
+        target = target.get(args[1])
+    if callable(target):
+        args = join_list_values(args, _list_options(target))
+    return CLI(commands, args=args, as_positional=False, prog="es-lightning")
+
+
 def cli_main(args: list[str] | None = None) -> None:
     """Entry point of the ``es-lightning`` console script."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import es_lightning  # noqa: F401  (registers the package's classes for short class_path names)
 
+    argv = sys.argv[1:] if args is None else list(args)
+    if argv and argv[0] in ("eval", "analyze"):
+        run_analysis(argv)
+        return
+    if argv and argv[0] in ("-h", "--help"):
+        print("es-lightning eval | analyze {drift,ablation,forgetting,sweep}: see `es-lightning eval --help`, "
+              "`es-lightning analyze --help`\n")
     ESLightningCLI(args=args)
 
 

@@ -11,7 +11,7 @@ Qwen2.5; see ``recipes/qwen2.5-1.5b-instruct``), unbiased Pass@K of Chen et al. 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import lightning as L
@@ -94,7 +94,7 @@ class PassAtKCallback(L.Callback):
             m.reset()
         self.reward_sum, self.reward_count = 0.0, 0
 
-    def _update(self, pl_module, examples: list[dict[str, Any]], batch_idx: int) -> None:
+    def _update(self, pl_module, examples: list[dict[str, Any]], batch_idx: int):
         result = pl_module.evaluate_batch(examples, self.num_samples, self._params(pl_module), self.seed + batch_idx)
         device = self.pass_at_k.device
         self.pass_at_k.update(result.correct.to(device))
@@ -102,6 +102,7 @@ class PassAtKCallback(L.Callback):
         self.entropy.update(result.entropy.to(device), result.mask.to(device))
         self.reward_sum += float(result.rewards.sum())
         self.reward_count += result.rewards.numel()
+        return result
 
     def _compute(self) -> dict[str, float]:
         out = {f"{self.prefix}/{k}": float(v) for k, v in self.pass_at_k.compute().items()}
@@ -113,10 +114,23 @@ class PassAtKCallback(L.Callback):
     def evaluate(self, trainer: L.Trainer, pl_module) -> dict[str, float]:
         """Evaluate the current weights on the validation problems (this rank's share) and return the figures."""
         examples = self._val_examples(trainer)
-        examples = examples[trainer.global_rank :: trainer.world_size]
+        return self.evaluate_examples(pl_module, examples[trainer.global_rank :: trainer.world_size])
+
+    def evaluate_examples(
+        self, pl_module, examples: Sequence[dict[str, Any]], on_batch: Callable[[Sequence[dict], Any], None] | None = None
+    ) -> dict[str, float]:
+        """Evaluate ``pl_module``'s current weights on ``examples``, ``batch_size`` problems per generation call.
+
+        No trainer needed: ``es-lightning eval`` and the analyses call this with a
+        :class:`~es_lightning.modules.base.ReasoningModule` around any policy. ``on_batch(examples, eval_batch)`` is
+        called after each batch (progress bars, extra counts).
+        """
         self._reset(pl_module.device)
         for i in range(0, len(examples), self.batch_size):
-            self._update(pl_module, examples[i : i + self.batch_size], i // self.batch_size)
+            chunk = examples[i : i + self.batch_size]
+            result = self._update(pl_module, chunk, i // self.batch_size)
+            if on_batch is not None:
+                on_batch(chunk, result)
         return self._compute()
 
     def evaluate_at_step(self, trainer: L.Trainer, pl_module) -> dict[str, float]:

@@ -1,0 +1,274 @@
+"""Sparsity ablation: how much of an update matters? (Ba et al. 2026, Tables 4, 11 and 12.)
+
+Reset every weight whose update is small, |Δθ| ≤ τ, to its base value — or keep only the top p % of weights by |Δθ| —
+and evaluate the result again. If Pass@1/Pass@K barely move while most of the update is gone, the update is
+functionally sparse.
+
+The ablated weight is chosen, not computed: θ_abl = θ where |Δθ| > τ, θ₀ elsewhere (``torch.where``, no arithmetic), so
+τ = 0 gives back the tuned model and τ = ∞ the base model *bit for bit*, and a weight is either exactly tuned or
+exactly base. |Δθ| is computed in float64, as in :mod:`es_lightning.analysis.drift`, so the fraction reset at τ is that
+report's s_τ.
+
+Top-p % is an ablation at the threshold τ_p that keeps at most p % of all weights (global, not per tensor), found by
+bisection on the bit patterns of float64 (each probe is one counting pass over the update; ~60 passes at most).
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from es_lightning.analysis.drift import CHUNK, _base_of, check_taus, paired_weights, update_chunks
+from es_lightning.analysis.output import Signed, format_table, write_json
+
+Weights = Mapping[str, torch.Tensor]
+
+
+def check_top_percents(top_percent: Sequence[float] | None) -> list[float]:
+    """Percentages in (0, 100], largest first."""
+    values = list(top_percent or [])
+    bad = [p for p in values if not 0 < p <= 100]
+    if bad:
+        raise ValueError(f"top-p percentages must lie in (0, 100] (100 keeps the whole update), got {bad}")
+    return sorted(set(float(p) for p in values), reverse=True)
+
+
+def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A CPU copy of a model's parameters (tied tensors once), the reference an ablation chooses from."""
+    return {name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters()}
+
+
+@torch.no_grad()
+def ablate_(model: torch.nn.Module, base: Weights, tuned: Weights, tau: float) -> float:
+    """Set ``model``'s parameters to θ where |θ − θ₀| > τ and θ₀ elsewhere; returns the fraction reset to θ₀.
+
+    ``model`` is the working copy (any device); ``base`` and ``tuned`` are CPU snapshots with the same names.
+    """
+    if not tau >= 0:
+        raise ValueError(f"tau must be >= 0, got {tau}")
+    params = dict(model.named_parameters())
+    paired_weights(base, tuned)  # same names and shapes, or a clear error
+    if params.keys() != tuned.keys():
+        raise ValueError("the model to ablate must have the parameters of the tuned model")
+    reset = total = 0
+    for name, p in params.items():
+        b, t = base[name].reshape(-1), tuned[name].reshape(-1)
+        flat = p.view(-1)  # [numel], a view: writes go into the parameter
+        for start in range(0, b.numel(), CHUNK):
+            b_chunk, t_chunk = b[start : start + CHUNK], t[start : start + CHUNK]  # [chunk]
+            keep = (t_chunk.double() - b_chunk.double()).abs() > tau  # [chunk] bool
+            flat[start : start + CHUNK].copy_(torch.where(keep, t_chunk, b_chunk))
+            reset += int(keep.numel() - keep.sum())
+            total += keep.numel()
+    return reset / max(1, total)
+
+
+def _count_above(pairs: list[tuple[str, torch.Tensor, torch.Tensor]], tau: float) -> int:
+    return sum(int((d64.abs() > tau).sum()) for _, b, t in pairs for _, d64 in update_chunks(b, t))
+
+
+def _bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", x))[0]
+
+
+def _float(bits: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", bits))[0]
+
+
+def top_percent_threshold(base: Weights, tuned: Weights, percent: float) -> float:
+    """The smallest τ such that at most ``percent`` % of all weights have |Δθ| > τ (keeping top-p % by magnitude).
+
+    Non-negative float64 values order as their bit patterns do, so the search is an integer bisection — exact, with
+    at most ~64 counting passes. Ties at the threshold are all reset, so slightly fewer than p % may be kept.
+    """
+    check_top_percents([percent])
+    pairs = paired_weights(base, tuned)
+    numel = sum(t.numel() for _, _, t in pairs)
+    budget = math.floor(numel * percent / 100)
+    if _count_above(pairs, 0.0) <= budget:
+        return 0.0
+    lo, hi = 0, _bits(max(float((t.double() - b.double()).abs().max()) for _, b, t in pairs))  # count(>lo) > budget
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if _count_above(pairs, _float(mid)) <= budget:
+            hi = mid
+        else:
+            lo = mid
+    return _float(hi)
+
+
+@dataclass
+class AblationSetting:
+    """One ablated model: reset |Δθ| ≤ ``tau`` (``top_percent`` when it was chosen as a top-p % threshold)."""
+
+    label: str
+    tau: float
+    top_percent: float | None = None
+
+
+def ablation_settings(
+    taus: Sequence[float] | None, top_percent: Sequence[float] | None, base: Weights, tuned: Weights
+) -> list[AblationSetting]:
+    """The base (τ = ∞), the tuned model (τ = 0), then every τ and every top-p %."""
+    settings = [AblationSetting("base", math.inf), AblationSetting("tuned", 0.0)]
+    settings += [AblationSetting(f"tau={t:g}", t) for t in (check_taus(taus) if taus else []) if t not in (0.0, math.inf)]
+    for p in check_top_percents(top_percent):
+        settings.append(AblationSetting(f"top {p:g}%", top_percent_threshold(base, tuned, p), top_percent=p))
+    return settings
+
+
+@dataclass
+class AblationReport:
+    """Scores of the ablated models; ``rows[i]`` holds the setting, sparsity and metrics (Ba et al. Tables 4/11/12)."""
+
+    rows: list[dict[str, Any]]
+    ks: list[int]
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    def row(self, label: str) -> dict[str, Any]:
+        return next(r for r in self.rows if r["label"] == label)
+
+    def table(self) -> str:
+        tuned = self.row("tuned")
+        headers = ["setting", "τ", "sparsity", "kept", *(h for k in self.ks for h in (f"pass@{k}", f"Δ pass@{k}"))]
+        body = [
+            [r["label"], "inf" if math.isinf(r["tau"]) else f"{r['tau']:.3g}", r["sparsity"], 1 - r["sparsity"],
+             *(v for k in self.ks for v in (r[f"pass@{k}"], Signed(r[f"pass@{k}"] - tuned[f"pass@{k}"])))]
+            for r in self.rows
+        ]
+        return format_table(headers, body, digits=3)
+
+    def to_json(self) -> dict[str, Any]:
+        rows = [{**r, "tau": "inf" if math.isinf(r["tau"]) else r["tau"]} for r in self.rows]
+        return {"settings": self.settings, "ks": self.ks, "rows": rows}
+
+
+def sparsity_ablation(
+    tuned_model: torch.nn.Module,
+    base_weights: Weights,
+    evaluate,
+    taus: Sequence[float] | None = None,
+    top_percent: Sequence[float] | None = None,
+    save_dir: str | Path | None = None,
+    tokenizer=None,
+) -> list[dict[str, Any]]:
+    """Ablate ``tuned_model`` in place at each setting, call ``evaluate()`` (→ metrics) on it, restore it at the end.
+
+    Returns one row per setting: ``{"label", "tau", "top_percent", "sparsity", **metrics}``. With ``save_dir`` every
+    ablated model (not the base or tuned reference) is written there with ``save_pretrained``.
+    """
+    tuned_weights = snapshot(tuned_model)
+    rows = []
+    try:
+        for setting in ablation_settings(taus, top_percent, base_weights, tuned_weights):
+            sparsity = ablate_(tuned_model, base_weights, tuned_weights, setting.tau)
+            rows.append({"label": setting.label, "tau": setting.tau, "top_percent": setting.top_percent,
+                         "sparsity": sparsity, **evaluate()})
+            if save_dir is not None and setting.label not in ("base", "tuned"):
+                target = Path(save_dir) / setting.label.replace(" ", "").replace("%", "pct")
+                tuned_model.save_pretrained(target)
+                if tokenizer is not None:
+                    tokenizer.save_pretrained(target)
+                rows[-1]["path"] = str(target)
+    finally:
+        ablate_(tuned_model, base_weights, tuned_weights, 0.0)  # the tuned weights again, bit for bit
+    return rows
+
+
+def ablation_command(
+    tuned: str,
+    base: str | None = None,
+    taus: list[float] | None = None,
+    top_percent: list[float] | None = None,
+    task: str = "countdown",
+    num_problems: int = 100,
+    num_samples: int = 32,
+    ks: list[int] | None = None,
+    temperature: float = 0.6,
+    top_p: float = 1.0,
+    max_new_tokens: int = 32,
+    seed: int = 0,
+    batch_size: int = 64,
+    dtype: str | None = None,
+    device: str = "auto",
+    save_models: bool = False,
+    out_dir: str = "ablation",
+    plot: bool = True,
+    progress: bool = True,
+) -> AblationReport:
+    """Sparsity ablation: reset small updates to the base and re-evaluate Pass@k (Ba et al. 2026, Tables 4, 11, 12).
+
+    Args:
+        tuned: the tuned model: a .ckpt of an es-lightning run, an exported HF directory, a hub id or builtin:<name>.
+        base: the model it started from (default: a .ckpt's 'model' hyperparameter).
+        taus: reset every weight with |Δθ| <= τ to its base value, for each τ (default: 1e-7 ... 1e-2 when no
+            --top_percent is given).
+        top_percent: keep only the top p % of weights by |Δθ| (global), for each p in (0, 100].
+        task: the task to re-evaluate on (held-out problems).
+        num_problems: held-out problems.
+        num_samples: samples per problem (n).
+        ks: the k of Pass@k (default 1 and n).
+        temperature: sampling temperature (Ba et al.: 0.6).
+        top_p: nucleus threshold of the sampling.
+        max_new_tokens: completion length cap.
+        seed: seeds the problems and the sampling (the same for every setting).
+        batch_size: problems per generation call.
+        dtype: parameter dtype (default: the checkpoint's own).
+        device: auto, cpu, cuda, ...
+        save_models: also write every ablated model (save_pretrained) under out_dir/models/.
+        out_dir: where ablation.json and ablation.png go.
+        plot: write ablation.png.
+        progress: show a progress bar.
+    """
+    from tqdm.auto import tqdm
+
+    from es_lightning.analysis.checkpoints import load_model
+    from es_lightning.analysis.evaluate import check_ks, evaluate_policy, heldout_problems, resolve_device
+    from es_lightning.analysis.plots import plot_ablation
+    from es_lightning.tasks import get_task
+
+    start = time.perf_counter()
+    if taus is None and not top_percent:
+        taus = [t for t in check_taus(None) if t > 0]
+    taus = check_taus(taus) if taus else []
+    top_percent = check_top_percents(top_percent)
+    ks = check_ks(ks if ks is not None else sorted({1, num_samples}), num_samples)
+    task_obj = get_task(task)
+    problems = heldout_problems(task_obj, num_problems, seed)
+    tuned_model = load_model(tuned, dtype=dtype)
+    base = base or _base_of(tuned_model, "ablation")
+    base_weights = snapshot(load_model(base, dtype=dtype or tuned_model.hyperparameters.get("dtype")).policy.model)
+    dev = resolve_device(device)
+    policy = tuned_model.policy
+    bar = tqdm(total=(2 + len(taus) + len(top_percent)) * len(problems), desc="ablation", unit="problem", disable=not progress,
+               leave=False)
+
+    def evaluate() -> dict[str, float]:
+        return evaluate_policy(policy, task_obj, problems, num_samples=num_samples, ks=ks, temperature=temperature,
+                               top_p=top_p, max_new_tokens=max_new_tokens, seed=seed, batch_size=batch_size,
+                               device=dev, progress=bar)
+
+    out = Path(out_dir)
+    try:
+        rows = sparsity_ablation(policy.model, base_weights, evaluate, taus=taus, top_percent=top_percent,
+                                 save_dir=out / "models" if save_models else None, tokenizer=policy.tokenizer)
+    finally:
+        bar.close()
+    settings = dict(base=base, tuned=tuned, task=task_obj.name, num_problems=num_problems, num_samples=num_samples,
+                    temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
+    report = AblationReport(rows=rows, ks=ks, settings=settings)
+    print(f"sparsity ablation of {tuned} against {base} on {task_obj.name}: {num_problems} problems, n={num_samples}, "
+          f"T={temperature} ({time.perf_counter() - start:.0f}s)")
+    print(report.table())
+    written = [write_json(out / "ablation.json", report.to_json())]
+    if plot:
+        written.append(plot_ablation(rows, ks, out / "ablation.png"))
+    print("wrote " + ", ".join(map(str, written)))
+    return report

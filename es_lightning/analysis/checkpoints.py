@@ -1,0 +1,122 @@
+"""Load any model an analysis compares: a Lightning ``.ckpt`` of an es-lightning module, an exported Hugging Face
+directory, a hub id or ``builtin:<name>``.
+
+A ``.ckpt`` written by ``es-lightning fit`` (ES, GRPO, GRPO→ES) holds the policy's weights under ``state_dict`` keys
+prefixed ``model.`` and, in ``hyper_parameters``, the name of the base model it started from (``model``) and its
+``dtype``. :func:`load_model` rebuilds the base through :func:`~es_lightning.policy.load_policy` — the same code path a
+training run takes — and loads those weights into it. Everything else goes to ``load_policy`` unchanged.
+
+A ``.ckpt`` is a pickle (as for Lightning's own ``load_from_checkpoint``): load only files you trust.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from es_lightning.policy import Policy, load_policy
+
+STATE_PREFIX = "model."
+
+
+@dataclass
+class LoadedModel:
+    """A policy plus where it came from."""
+
+    policy: Policy
+    spec: str  #: what the user named (path, hub id, ``builtin:…``)
+    base: str | None = None  #: the base model a ``.ckpt`` was trained from (its ``model`` hyperparameter)
+    hyperparameters: dict[str, Any] = field(default_factory=dict)  #: a ``.ckpt``'s module hyperparameters
+    global_step: int | None = None  #: a ``.ckpt``'s training step
+
+    @property
+    def label(self) -> str:
+        """A short name for tables and legends: the file or directory name, or the hub/builtin id."""
+        return checkpoint_label(self.spec)
+
+
+def checkpoint_label(spec: str) -> str:
+    """``runs/es/last.ckpt`` → ``es/last.ckpt``; ``/tmp/export`` → ``export``; ids stay as they are."""
+    path = Path(os.path.expanduser(spec))
+    if path.exists():
+        parts = path.resolve().parts
+        return "/".join(parts[-2:]) if path.is_file() else parts[-1]
+    return spec
+
+
+def is_lightning_checkpoint(spec: str) -> bool:
+    """Whether ``spec`` names a file (a Lightning checkpoint) rather than a model directory, hub id or built-in."""
+    return spec.endswith(".ckpt") or Path(os.path.expanduser(spec)).is_file()
+
+
+def read_checkpoint(path: str) -> dict[str, Any]:
+    """The checkpoint dictionary of an es-lightning module, checked: a clear error for anything else."""
+    file = Path(os.path.expanduser(path))
+    if not file.is_file():
+        raise FileNotFoundError(
+            f"checkpoint {path!r} does not exist; pass a .ckpt written by `es-lightning fit` (e.g. "
+            "lightning_logs/es/version_0/checkpoints/last.ckpt), an exported Hugging Face directory, a hub id, or "
+            "builtin:countdown-tiny"
+        )
+    try:
+        checkpoint = torch.load(file, map_location="cpu", weights_only=False)
+    except Exception as err:  # not a torch file at all
+        raise ValueError(f"{path!r} is not a PyTorch Lightning checkpoint ({type(err).__name__}: {err})") from err
+    hparams = checkpoint.get("hyper_parameters") if isinstance(checkpoint, dict) else None
+    state = checkpoint.get("state_dict") if isinstance(checkpoint, dict) else None
+    if not isinstance(state, dict) or not isinstance(hparams, dict) or "model" not in hparams:
+        raise ValueError(
+            f"{path!r} is not a checkpoint of an es-lightning module (ESModule, GRPOModule, ReasoningModule): it needs "
+            f"'state_dict' and 'hyper_parameters' with the base 'model'; it has keys "
+            f"{sorted(checkpoint) if isinstance(checkpoint, dict) else type(checkpoint).__name__}. For a Hugging Face "
+            "model pass its directory instead."
+        )
+    if not any(k.startswith(STATE_PREFIX) for k in state):
+        raise ValueError(
+            f"{path!r} holds no policy weights (no state_dict key starts with {STATE_PREFIX!r}); was it saved by an "
+            "es-lightning module?"
+        )
+    return checkpoint
+
+
+def load_model(spec: str, dtype: str | torch.dtype | None = None, trust_remote_code: bool = False) -> LoadedModel:
+    """Load a ``.ckpt`` (base rebuilt from its hyperparameters, then its weights), or anything ``load_policy`` reads.
+
+    Args:
+        spec: ``path/to/last.ckpt``, an exported HF directory, a hub id, or ``builtin:<name>``.
+        dtype: parameter dtype; ``None`` takes the checkpoint's ``dtype`` hyperparameter for a ``.ckpt`` and float32
+            otherwise.
+        trust_remote_code: allow custom modelling code (also taken from a ``.ckpt``'s hyperparameters).
+    """
+    if not is_lightning_checkpoint(spec):
+        return LoadedModel(policy=load_policy(spec, dtype=dtype or "float32", trust_remote_code=trust_remote_code), spec=spec)
+    checkpoint = read_checkpoint(spec)
+    hparams = dict(checkpoint["hyper_parameters"])
+    base = str(hparams["model"])
+    policy = load_policy(
+        base,
+        dtype=dtype or hparams.get("dtype", "float32"),
+        trust_remote_code=trust_remote_code or bool(hparams.get("trust_remote_code", False)),
+    )
+    state = {k[len(STATE_PREFIX):]: v for k, v in checkpoint["state_dict"].items() if k.startswith(STATE_PREFIX)}
+    load_weights(policy.model, state, source=spec)
+    return LoadedModel(policy=policy, spec=spec, base=base, hyperparameters=hparams, global_step=checkpoint.get("global_step"))
+
+
+def load_weights(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str = "checkpoint") -> None:
+    """Load ``state`` into ``model`` strictly, except for tied weights (transformers leaves ``lm_head.weight`` of a
+    tied model out of its state dict: it is the embedding)."""
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    own = model.state_dict()
+    loaded_storage = {own[k].data_ptr() for k in state if k in own}
+    really_missing = [k for k in missing if own[k].data_ptr() not in loaded_storage]
+    if unexpected or really_missing:
+        raise ValueError(
+            f"the weights in {source!r} do not fit its base model: missing {really_missing[:5]}"
+            f"{'…' if len(really_missing) > 5 else ''}, unexpected {unexpected[:5]}{'…' if len(unexpected) > 5 else ''}. "
+            "Is the checkpoint's 'model' hyperparameter the model it was trained from?"
+        )

@@ -1,0 +1,278 @@
+"""Parameter drift and functional sparsity of an update (Ba et al. 2026, §4): which weights moved, and how far.
+
+For a base θ₀ and a tuned θ, with Δθ = θ − θ₀:
+
+* **relative drift** D_rel = ‖Δθ‖ / ‖θ₀‖ (Frobenius norms over all parameters), overall and per module kind —
+  embeddings, attention, MLP, norms, LM head (and ``other`` for anything unrecognised);
+* **share of the update**: the fraction of ‖Δθ‖² that lies in each kind (where the update's mass is);
+* **sparsity** s_τ = the fraction of weights with |Δθ| ≤ τ, over a grid of τ. s_0 counts bit-identical weights;
+  resetting every weight with |Δθ| ≤ τ to its base value (:mod:`es_lightning.analysis.ablation`) makes exactly this
+  fraction of the update zero.
+
+Ba et al. §4 report that ES spreads its update with the largest relative changes in norms and attention, while GRPO's
+concentrates in the embeddings and LM head; the ``largest`` ranking of :class:`DriftReport` is that comparison.
+
+Parameters are taken from ``named_parameters()`` (shared tensors once: a model with tied input/output embeddings has
+no separate LM head — its head is the embedding, counted under ``embeddings``). Sums are in float64, chunk by chunk,
+so a billion-parameter model needs no model-sized float64 buffer.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from es_lightning.analysis.output import format_table, write_json
+
+KINDS = ("embeddings", "attention", "mlp", "norms", "lm_head", "other")
+#: default τ grid: 0 (bit-identical weights) and decades from 1e-7 to 1e-2
+DEFAULT_TAUS = (0.0, 1e-7, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2)
+#: elements per float64 chunk (128 MiB)
+CHUNK = 1 << 24
+
+_LM_HEAD = re.compile(r"(^|\.)(lm_head|embed_out|output_layer)(\.|$)")
+_EMBED = re.compile(r"embed|(^|\.)(wte|wpe)(\.|$)")
+_NORM = re.compile(r"norm|(^|\.)ln(_\w+|\d*)(\.|$)")
+_ATTN = re.compile(r"attn|attention|(^|\.)(q|k|v|o|qkv|query|key|value)(_proj)?(\.|$)")
+_MLP = re.compile(r"mlp|ffn|feed_forward|(^|\.)(gate|up|down|gate_up)_proj(\.|$)|(^|\.)(fc\d|c_fc|w[123])(\.|$)|experts")
+
+
+def module_kind(name: str) -> str:
+    """The module kind of a parameter name (Hugging Face naming: Qwen2/Llama, GPT-2, GPT-NeoX, …).
+
+    Norms are recognised before attention, so ``post_attention_layernorm`` is a norm.
+    """
+    n = name.lower()
+    for kind, pattern in (("lm_head", _LM_HEAD), ("embeddings", _EMBED), ("norms", _NORM), ("attention", _ATTN),
+                          ("mlp", _MLP)):
+        if pattern.search(n):
+            return kind
+    return "other"
+
+
+def named_weights(model: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``{name: tensor}`` of a model's parameters (tied tensors once) or of a state-dict-like mapping."""
+    if isinstance(model, torch.nn.Module):
+        return {name: p.detach() for name, p in model.named_parameters()}
+    return {name: t.detach() for name, t in model.items()}
+
+
+def paired_weights(
+    base: torch.nn.Module | Mapping[str, torch.Tensor], tuned: torch.nn.Module | Mapping[str, torch.Tensor]
+) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """``[(name, θ₀, θ)]`` for every parameter; a clear error when the two models do not have the same parameters."""
+    b, t = named_weights(base), named_weights(tuned)
+    if b.keys() != t.keys():
+        only_b, only_t = sorted(b.keys() - t.keys()), sorted(t.keys() - b.keys())
+        raise ValueError(
+            f"base and tuned models have different parameters (only in base: {only_b[:5]}, only in tuned: {only_t[:5]}); "
+            "compare a checkpoint with the model it was trained from"
+        )
+    bad = [(n, tuple(b[n].shape), tuple(t[n].shape)) for n in b if b[n].shape != t[n].shape]
+    if bad:
+        raise ValueError(f"base and tuned parameters differ in shape: {bad[:5]}; are they the same architecture?")
+    return [(n, b[n], t[n]) for n in t]
+
+
+def update_chunks(base: torch.Tensor, tuned: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """``(θ₀, Δθ)`` in float64 on the CPU, ``CHUNK`` elements at a time (flattened)."""
+    b, t = base.reshape(-1), tuned.reshape(-1)
+    for start in range(0, b.numel(), CHUNK):
+        b64 = b[start : start + CHUNK].to("cpu", torch.float64)  # [chunk]
+        d64 = t[start : start + CHUNK].to("cpu", torch.float64) - b64  # [chunk]
+        yield b64, d64
+
+
+def check_taus(taus: Sequence[float] | None) -> list[float]:
+    """Sorted, deduplicated τ ≥ 0 (``inf`` allowed)."""
+    taus = list(DEFAULT_TAUS if taus is None else taus)
+    if not taus:
+        raise ValueError("give at least one tau, e.g. --taus 0 1e-6 1e-5 1e-4")
+    bad = [t for t in taus if not t >= 0]  # also catches NaN
+    if bad:
+        raise ValueError(f"every tau must be >= 0 (|Δθ| <= tau counts as unchanged), got {bad}")
+    return sorted(set(float(t) for t in taus))
+
+
+@dataclass
+class _Sums:
+    num_params: int = 0
+    sq_delta: float = 0.0
+    sq_base: float = 0.0
+    abs_delta: float = 0.0
+    max_abs_delta: float = 0.0
+    at_most: list[int] = field(default_factory=list)  # count of |Δθ| <= τ per τ
+
+    def add(self, other: _Sums) -> None:
+        self.num_params += other.num_params
+        self.sq_delta += other.sq_delta
+        self.sq_base += other.sq_base
+        self.abs_delta += other.abs_delta
+        self.max_abs_delta = max(self.max_abs_delta, other.max_abs_delta)
+        self.at_most = [a + b for a, b in zip(self.at_most, other.at_most)] if self.at_most else list(other.at_most)
+
+    def summary(self, taus: Sequence[float], total_sq_delta: float) -> dict[str, Any]:
+        n = self.num_params
+        return {
+            "num_params": n,
+            "relative_drift": (self.sq_delta / self.sq_base) ** 0.5 if self.sq_base > 0 else float("nan"),
+            "update_norm": self.sq_delta**0.5,
+            "base_norm": self.sq_base**0.5,
+            "update_share": self.sq_delta / total_sq_delta if total_sq_delta > 0 else 0.0,
+            "mean_abs_update": self.abs_delta / n if n else float("nan"),
+            "max_abs_update": self.max_abs_delta,
+            "sparsity": {str(t): (c / n if n else float("nan")) for t, c in zip(taus, self.at_most or [0] * len(taus))},
+        }
+
+
+def _tensor_sums(base: torch.Tensor, tuned: torch.Tensor, taus: Sequence[float]) -> _Sums:
+    s = _Sums(at_most=[0] * len(taus))
+    for b64, d64 in update_chunks(base, tuned):
+        mag = d64.abs()  # [chunk]
+        s.num_params += mag.numel()
+        s.sq_delta += float(d64.square().sum())
+        s.sq_base += float(b64.square().sum())
+        s.abs_delta += float(mag.sum())
+        s.max_abs_delta = max(s.max_abs_delta, float(mag.max()) if mag.numel() else 0.0)
+        for j, tau in enumerate(taus):
+            s.at_most[j] += int((mag <= tau).sum())
+    return s
+
+
+@dataclass
+class DriftReport:
+    """Drift of a tuned model from its base: overall, per module kind, per parameter; sparsity over ``taus``."""
+
+    taus: list[float]
+    overall: dict[str, Any]
+    per_kind: dict[str, dict[str, Any]]
+    per_parameter: list[dict[str, Any]]
+    tied_embeddings: bool = False
+    sources: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def relative_drift(self) -> float:
+        return self.overall["relative_drift"]
+
+    def sparsity(self, tau: float) -> float:
+        """s_τ over all parameters (τ must be on the grid)."""
+        return self.overall["sparsity"][str(float(tau))]
+
+    @property
+    def largest(self) -> list[str]:
+        """Kinds with any parameters, by relative drift, largest first (Ba et al. §4's comparison)."""
+        kinds = [k for k, v in self.per_kind.items() if v["num_params"]]
+        return sorted(kinds, key=lambda k: -self.per_kind[k]["relative_drift"])
+
+    def table(self) -> str:
+        rows = [
+            [k, v["num_params"], v["relative_drift"], v["update_share"], v["mean_abs_update"], v["max_abs_update"]]
+            for k, v in [*((k, self.per_kind[k]) for k in self.largest), ("all", self.overall)]
+        ]
+        return format_table(["module kind", "params", "D_rel", "share ‖Δθ‖²", "mean |Δθ|", "max |Δθ|"], rows, digits=4)
+
+    def sparsity_table(self) -> str:
+        kinds = self.largest
+        rows = [[f"{t:g}", self.overall["sparsity"][str(t)], *(self.per_kind[k]["sparsity"][str(t)] for k in kinds)]
+                for t in self.taus]
+        return format_table(["τ", "s_τ all", *kinds], rows, digits=4)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "sources": self.sources, "taus": self.taus, "overall": self.overall, "per_kind": self.per_kind,
+            "largest_relative_drift": self.largest, "tied_embeddings": self.tied_embeddings,
+            "per_parameter": self.per_parameter,
+        }
+
+
+def parameter_drift(
+    base: torch.nn.Module | Mapping[str, torch.Tensor],
+    tuned: torch.nn.Module | Mapping[str, torch.Tensor],
+    taus: Sequence[float] | None = None,
+) -> DriftReport:
+    """D_rel overall and per module kind, the share of ‖Δθ‖² per kind, and s_τ over ``taus`` (Ba et al. §4)."""
+    taus = check_taus(taus)
+    pairs = paired_weights(base, tuned)
+    per_param: list[tuple[str, str, _Sums]] = [(n, module_kind(n), _tensor_sums(b, t, taus)) for n, b, t in pairs]
+    total = _Sums(at_most=[0] * len(taus))
+    kinds = {k: _Sums(at_most=[0] * len(taus)) for k in KINDS}
+    for _, kind, sums in per_param:
+        total.add(sums)
+        kinds[kind].add(sums)
+    tied = isinstance(tuned, torch.nn.Module) and _has_tied_head(tuned)
+    return DriftReport(
+        taus=taus,
+        overall=total.summary(taus, total.sq_delta),
+        per_kind={k: s.summary(taus, total.sq_delta) for k, s in kinds.items()},
+        per_parameter=[
+            {"name": n, "kind": kind, **{k: v for k, v in s.summary(taus, total.sq_delta).items() if k != "sparsity"}}
+            for n, kind, s in per_param
+        ],
+        tied_embeddings=tied,
+    )
+
+
+def _has_tied_head(model: torch.nn.Module) -> bool:
+    get_out, get_in = getattr(model, "get_output_embeddings", None), getattr(model, "get_input_embeddings", None)
+    if get_out is None or get_in is None:
+        return False
+    out, inp = get_out(), get_in()
+    return out is not None and inp is not None and out.weight is inp.weight
+
+
+def drift_command(
+    tuned: str,
+    base: str | None = None,
+    taus: list[float] | None = None,
+    dtype: str | None = None,
+    out_dir: str = "drift",
+    plot: bool = True,
+) -> DriftReport:
+    """Parameter drift and sparsity of a tuned model against its base (Ba et al. 2026, §4).
+
+    Args:
+        tuned: the tuned model: a .ckpt of an es-lightning run, an exported HF directory, a hub id or builtin:<name>.
+        base: the model it started from (default: a .ckpt's 'model' hyperparameter).
+        taus: the τ grid of the sparsity s_τ = fraction of weights with |Δθ| <= τ (default 0, 1e-7, ..., 1e-2).
+        dtype: load both models in this dtype (default: the checkpoint's own).
+        out_dir: where drift.json and drift.png go.
+        plot: write drift.png.
+    """
+    from es_lightning.analysis.checkpoints import load_model
+    from es_lightning.analysis.plots import plot_drift
+
+    start = time.perf_counter()
+    taus = check_taus(taus)
+    tuned_model = load_model(tuned, dtype=dtype)
+    base = base or _base_of(tuned_model, "drift")
+    base_model = load_model(base, dtype=dtype or tuned_model.hyperparameters.get("dtype"))
+    report = parameter_drift(base_model.policy.model, tuned_model.policy.model, taus)
+    report.sources = {"base": base, "tuned": tuned}
+    print(f"drift of {tuned} from {base} ({time.perf_counter() - start:.0f}s)")
+    print(report.table())
+    if report.tied_embeddings:
+        print("(input and output embeddings are tied: the LM head is counted under embeddings)")
+    print(f"largest relative drift: {', '.join(report.largest[:2])}\n")
+    print(report.sparsity_table())
+    out = Path(out_dir)
+    written = [write_json(out / "drift.json", report.to_json())]
+    if plot:
+        overall = [report.overall["sparsity"][str(t)] for t in report.taus]
+        written.append(plot_drift(report.per_kind, report.taus, overall, out / "drift.png"))
+    print("wrote " + ", ".join(map(str, written)))
+    return report
+
+
+def _base_of(loaded, analysis: str) -> str:
+    if loaded.base is None:
+        raise ValueError(
+            f"{analysis}: {loaded.spec!r} is not a .ckpt, so its base model is unknown; pass --base (the model it was "
+            "trained from, e.g. builtin:countdown-tiny)"
+        )
+    return loaded.base

@@ -1,0 +1,317 @@
+"""``es-lightning eval``: Pass@k curves, Maj@k and token entropy of one or more models on one or more tasks.
+
+To run::
+
+    es-lightning eval --checkpoints builtin:countdown-tiny runs/grpo/last.ckpt runs/es/last.ckpt --tasks countdown
+    es-lightning eval --checkpoints Qwen/Qwen2.5-1.5B-Instruct --tasks countdown --max_new_tokens 1024 --device cuda
+
+Every model is scored on the *same* held-out problems with the *same* sampling seeds (common random numbers), so
+differences between rows come from the weights. Defaults follow Ba et al. 2026's evaluation (§3: n = 32 samples per
+problem at T = 0.6, Pass@k for k = 1, 2, 4, …, n by the unbiased estimator of Chen et al. 2021). The sampling and
+scoring are :meth:`PassAtKCallback.evaluate_examples <es_lightning.callbacks.PassAtKCallback.evaluate_examples>` —
+the very code that measures Pass@K during training — on a :class:`~es_lightning.modules.base.ReasoningModule` around
+the loaded policy.
+
+Output: a table on the terminal, ``eval.json``, ``eval.md`` and ``pass_at_k.png`` (one panel per task, one line per
+model) in ``--out_dir``.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from es_lightning.analysis.checkpoints import LoadedModel, load_model
+from es_lightning.analysis.output import format_table, markdown_table, write_json
+from es_lightning.data import ReasoningDataModule, procedural_split
+from es_lightning.policy import Policy
+from es_lightning.tasks import Task, get_task
+
+#: Ba et al. 2026's evaluation: n = 32 samples per problem at temperature 0.6
+DEFAULT_NUM_SAMPLES = 32
+DEFAULT_TEMPERATURE = 0.6
+
+
+def default_ks(num_samples: int) -> list[int]:
+    """1, 2, 4, … up to ``num_samples`` (and ``num_samples`` itself when it is not a power of two)."""
+    ks = [1 << i for i in range(num_samples.bit_length()) if 1 << i <= num_samples]
+    return ks if ks[-1] == num_samples else ks + [num_samples]
+
+
+def check_ks(ks: Sequence[int] | None, num_samples: int) -> list[int]:
+    """Validate the k of Pass@k against ``n``: a clear error when some k exceeds it."""
+    if num_samples < 1:
+        raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+    if ks is None:
+        return default_ks(num_samples)
+    ks = sorted({int(k) for k in ks})
+    if not ks or ks[0] < 1:
+        raise ValueError(f"every k must be a positive integer, got ks={ks}")
+    if ks[-1] > num_samples:
+        raise ValueError(
+            f"k={ks[-1]} exceeds num_samples={num_samples}: Pass@k needs n >= k samples per problem. Raise "
+            f"--num_samples to at least {ks[-1]} or drop the larger ks."
+        )
+    return ks
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto`` → CUDA when available, else CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def heldout_problems(task: Task, num_problems: int, seed: int = 0, source: str = "procedural") -> list[dict[str, Any]]:
+    """``num_problems`` evaluation problems of ``task``.
+
+    Procedural tasks draw from the held-out pool (``procedural_split(task, "test", …)``: never in training data nor in
+    the built-in model's pretraining); other sources read the test split of a :class:`ReasoningDataModule` (a hub
+    dataset name, ``hub`` for the task's default, or a local file).
+    """
+    if num_problems < 1:
+        raise ValueError(f"num_problems must be >= 1, got {num_problems}")
+    if source == "procedural":
+        return procedural_split(task, "test", num_problems, seed)
+    dm = ReasoningDataModule(task, source=source, train_size=None, val_size=None, test_size=num_problems, seed=seed)
+    dm.setup("test")
+    return dm.splits["test"]
+
+
+def evaluation_module(policy: Policy, task: Task, max_new_tokens: int, device: torch.device | str = "cpu"):
+    """A :class:`ReasoningModule` around an already loaded policy (nothing is loaded again)."""
+    from es_lightning.modules.base import ReasoningModule
+
+    module = ReasoningModule(model="(loaded)", task=task, max_new_tokens=max_new_tokens)
+    module.model, module.tokenizer = policy.model, policy.tokenizer
+    module.model.eval()
+    return module.to(device)
+
+
+def evaluate_policy(
+    policy: Policy,
+    task: Task | str,
+    problems: Sequence[dict[str, Any]],
+    num_samples: int = DEFAULT_NUM_SAMPLES,
+    ks: Sequence[int] | None = None,
+    temperature: float = DEFAULT_TEMPERATURE,
+    top_p: float = 1.0,
+    max_new_tokens: int = 32,
+    seed: int = 0,
+    batch_size: int = 64,
+    device: torch.device | str = "cpu",
+    progress=None,
+) -> dict[str, float]:
+    """Pass@k, Maj@k, mean token entropy, mean reward and answer-format rate of ``policy`` on ``problems``.
+
+    Returns ``{"pass@1": …, …, "maj@1": …, …, "entropy": …, "reward_mean": …, "format": …}``; ``format`` is the
+    fraction of samples whose answer the task could extract at all. ``progress`` (a tqdm bar) advances per problem.
+    """
+    from es_lightning.callbacks.pass_at_k import PassAtKCallback
+
+    task = get_task(task)
+    ks = check_ks(ks, num_samples)
+    module = evaluation_module(policy, task, max_new_tokens, device)
+    evaluator = PassAtKCallback(
+        num_samples=num_samples, ks=ks, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
+        batch_size=batch_size, seed=seed, prefix="eval",
+    )
+    extracted = [0, 0]  # answers extracted, samples
+
+    def on_batch(examples, result) -> None:
+        extracted[0] += sum(answer is not None for row in result.answers for answer in row)
+        extracted[1] += result.correct.numel()
+        if progress is not None:
+            progress.update(len(examples))
+
+    metrics = evaluator.evaluate_examples(module, list(problems), on_batch=on_batch)
+    out = {name.split("/", 1)[1]: value for name, value in metrics.items()}
+    out["format"] = extracted[0] / max(1, extracted[1])
+    return out
+
+
+@dataclass
+class EvalReport:
+    """``results[label][task]`` = metrics of :func:`evaluate_policy`; the settings they were measured with."""
+
+    results: dict[str, dict[str, dict[str, float]]]
+    settings: dict[str, Any]
+    sources: dict[str, str] = field(default_factory=dict)  #: label → what was loaded
+
+    @property
+    def ks(self) -> list[int]:
+        return list(self.settings["ks"])
+
+    def table(self, markdown: bool = False) -> str:
+        top = max(self.ks)
+        headers = ["model", "task", *(f"pass@{k}" for k in self.ks), f"maj@{top}", "entropy", "format"]
+        rows = [
+            [label, task, *(m[f"pass@{k}"] for k in self.ks), m[f"maj@{top}"], m["entropy"], m["format"]]
+            for label, per_task in self.results.items()
+            for task, m in per_task.items()
+        ]
+        return (markdown_table if markdown else format_table)(headers, rows)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"settings": self.settings, "sources": self.sources, "results": self.results}
+
+
+def evaluate_models(
+    models: Sequence[str | LoadedModel],
+    tasks: Sequence[str | Task] = ("countdown",),
+    labels: Sequence[str] | None = None,
+    num_problems: int = 100,
+    num_samples: int = DEFAULT_NUM_SAMPLES,
+    ks: Sequence[int] | None = None,
+    temperature: float = DEFAULT_TEMPERATURE,
+    top_p: float = 1.0,
+    max_new_tokens: int = 32,
+    seed: int = 0,
+    batch_size: int = 64,
+    source: str = "procedural",
+    dtype: str | None = None,
+    device: str = "auto",
+    progress: bool = True,
+) -> EvalReport:
+    """Evaluate every model on every task, on the same problems with the same seeds; models are loaded one at a time."""
+    if not models:
+        raise ValueError("name at least one model to evaluate (a .ckpt, an HF directory, a hub id or builtin:<name>)")
+    if labels is not None and len(labels) != len(models):
+        raise ValueError(f"got {len(labels)} labels for {len(models)} models; give one label per model or none")
+    ks = check_ks(ks, num_samples)
+    task_objs = [get_task(t) for t in tasks]
+    if not task_objs:
+        raise ValueError("name at least one task, e.g. --tasks countdown addition sort")
+    problems = {t.name: heldout_problems(t, num_problems, seed, source) for t in task_objs}
+    dev = resolve_device(device)
+    names = list(labels) if labels is not None else [_label(m) for m in models]
+    names = _unique(names)
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=len(models) * sum(map(len, problems.values())), desc="eval", unit="problem", disable=not progress,
+               leave=False)
+    results: dict[str, dict[str, dict[str, float]]] = {}
+    sources: dict[str, str] = {}
+    try:
+        for name, model in zip(names, models):
+            loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype)
+            sources[name] = loaded.spec
+            results[name] = {}
+            for task in task_objs:
+                bar.set_description(f"eval {name} · {task.name}")
+                results[name][task.name] = evaluate_policy(
+                    loaded.policy, task, problems[task.name], num_samples=num_samples, ks=ks, temperature=temperature,
+                    top_p=top_p, max_new_tokens=max_new_tokens, seed=seed, batch_size=batch_size, device=dev,
+                    progress=bar,
+                )
+            if not isinstance(model, LoadedModel):
+                del loaded
+                gc.collect()
+    finally:
+        bar.close()
+    settings = dict(
+        tasks=[t.name for t in task_objs], num_problems=num_problems, num_samples=num_samples, ks=ks,
+        temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed, source=source,
+    )
+    return EvalReport(results=results, settings=settings, sources=sources)
+
+
+def _label(model: str | LoadedModel) -> str:
+    from es_lightning.analysis.checkpoints import checkpoint_label
+
+    return model.label if isinstance(model, LoadedModel) else checkpoint_label(model)
+
+
+def _unique(names: list[str]) -> list[str]:
+    seen: dict[str, int] = {}
+    out = []
+    for n in names:
+        seen[n] = seen.get(n, 0) + 1
+        out.append(n if seen[n] == 1 else f"{n} ({seen[n]})")
+    return out
+
+
+def write_eval_report(report: EvalReport, out_dir: str | Path, plot: bool = True) -> list[Path]:
+    """``eval.json``, ``eval.md`` and (with ``plot``) ``pass_at_k.png`` in ``out_dir``."""
+    from es_lightning.analysis.plots import plot_pass_at_k_curves
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = [write_json(out / "eval.json", report.to_json())]
+    s = report.settings
+    header = (
+        f"# Pass@k evaluation\n\n{s['num_problems']} held-out problems per task, n = {s['num_samples']} samples per "
+        f"problem, T = {s['temperature']}, top-p = {s['top_p']}, max {s['max_new_tokens']} new tokens, seed {s['seed']}."
+        "\n\n"
+    )
+    (out / "eval.md").write_text(header + report.table(markdown=True) + "\n")
+    written.append(out / "eval.md")
+    if plot:
+        written.append(plot_pass_at_k_curves(report.results, report.ks, out / "pass_at_k.png"))
+    return written
+
+
+def eval_command(
+    checkpoints: list[str],
+    tasks: list[str] = ["countdown"],  # noqa: B006  (jsonargparse shows the default in --help)
+    labels: list[str] | None = None,
+    num_problems: int = 100,
+    num_samples: int = DEFAULT_NUM_SAMPLES,
+    ks: list[int] | None = None,
+    temperature: float = DEFAULT_TEMPERATURE,
+    top_p: float = 1.0,
+    max_new_tokens: int = 32,
+    seed: int = 0,
+    batch_size: int = 64,
+    source: str = "procedural",
+    dtype: str | None = None,
+    device: str = "auto",
+    out_dir: str = "eval",
+    plot: bool = True,
+    progress: bool = True,
+) -> EvalReport:
+    """Evaluate models on held-out problems: Pass@k curves, Maj@k and token entropy (Ba et al. 2026, §3).
+
+    Args:
+        checkpoints: models to compare: Lightning ``.ckpt`` files of es-lightning runs, exported Hugging Face
+            directories, hub ids or ``builtin:<name>``.
+        tasks: task names (``countdown``, ``addition``, ``sort``, ``gsm8k``, ``math``) or Task import paths.
+        labels: one name per checkpoint for tables and the plot (default: from the paths).
+        num_problems: held-out problems per task.
+        num_samples: samples per problem, the n of the Pass@k estimator (Ba et al.: 32).
+        ks: the k of Pass@k and Maj@k (default 1, 2, 4, ... n); each at most num_samples.
+        temperature: sampling temperature (Ba et al.: 0.6).
+        top_p: nucleus sampling threshold.
+        max_new_tokens: completion length cap (the built-in tasks need ~16; reasoning models ~1024).
+        seed: seeds the choice of problems and the sampling (the same for every model).
+        batch_size: problems per generation call.
+        source: where problems come from: ``procedural`` (held-out pool), ``hub``, a hub dataset or a local file.
+        dtype: parameter dtype (default: a .ckpt's own, else float32).
+        device: ``auto``, ``cpu``, ``cuda``, ``cuda:1``, ...
+        out_dir: where eval.json, eval.md and pass_at_k.png go.
+        plot: write pass_at_k.png.
+        progress: show a progress bar.
+    """
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    start = time.perf_counter()
+    report = evaluate_models(
+        checkpoints, tasks=tasks, labels=labels, num_problems=num_problems, num_samples=num_samples, ks=ks,
+        temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed, batch_size=batch_size,
+        source=source, dtype=dtype, device=device, progress=progress,
+    )
+    s = report.settings
+    print(
+        f"{s['num_problems']} held-out problems/task, n={s['num_samples']}, T={s['temperature']}, seed={s['seed']} "
+        f"({time.perf_counter() - start:.0f}s)"
+    )
+    print(report.table())
+    written = write_eval_report(report, out_dir, plot=plot)
+    print("wrote " + ", ".join(map(str, written)))
+    return report

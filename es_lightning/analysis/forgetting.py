@@ -1,0 +1,147 @@
+"""Forgetting: does post-training on one task cost Pass@K on others? (Ba et al. 2026's coverage question, off-task.)
+
+The base and the tuned model are evaluated on a held-out suite of tasks *other than* the training task — by default the
+built-in procedural ``addition`` and ``sort``, which the built-in model learnt in pretraining beside Countdown and
+which exercise other skills (carrying; comparing and copying) — and on the training task itself for reference. Both
+models see the same problems with the same sampling seeds (:func:`~es_lightning.analysis.evaluate.evaluate_models`),
+so a change is the weights' doing. The report is the Pass@k change tuned − base per task: negative off-task changes
+are forgetting.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from es_lightning.analysis.evaluate import DEFAULT_NUM_SAMPLES, DEFAULT_TEMPERATURE, EvalReport, evaluate_models
+from es_lightning.analysis.output import Signed, format_table, write_json
+from es_lightning.tasks import get_task
+
+#: the built-in held-out suite: procedural tasks unlike Countdown
+DEFAULT_SUITE = ("addition", "sort")
+
+
+@dataclass
+class ForgettingReport:
+    """Base and tuned scores per task and their difference; ``training_task`` is the in-domain reference row."""
+
+    evaluation: EvalReport
+    training_task: str | None
+
+    @property
+    def ks(self) -> list[int]:
+        return self.evaluation.ks
+
+    @property
+    def changes(self) -> dict[str, dict[str, float]]:
+        """``{task: {"pass@k": tuned − base, …, "maj@k": …, "entropy": …}}``."""
+        base, tuned = self.evaluation.results["base"], self.evaluation.results["tuned"]
+        return {task: {name: tuned[task][name] - value for name, value in base[task].items()} for task in base}
+
+    @property
+    def suite(self) -> list[str]:
+        return [t for t in self.evaluation.results["base"] if t != self.training_task]
+
+    def table(self) -> str:
+        base, tuned, changes = self.evaluation.results["base"], self.evaluation.results["tuned"], self.changes
+        shown = sorted({1, max(self.ks)})
+        headers = ["task", "role", *(h for k in shown for h in (f"base pass@{k}", f"tuned pass@{k}", f"Δ pass@{k}"))]
+        rows = [
+            [task, "trained" if task == self.training_task else "held-out",
+             *(v for k in shown for v in (base[task][f"pass@{k}"], tuned[task][f"pass@{k}"], Signed(changes[task][f"pass@{k}"])))]
+            for task in base
+        ]
+        return format_table(headers, rows)
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.evaluation.to_json(), "training_task": self.training_task, "suite": self.suite,
+                "changes": self.changes}
+
+
+def forgetting(
+    base: Any,
+    tuned: Any,
+    tasks: Sequence[str] = DEFAULT_SUITE,
+    training_task: str | None = "countdown",
+    **eval_kwargs: Any,
+) -> ForgettingReport:
+    """Evaluate ``base`` and ``tuned`` (specs or :class:`LoadedModel`) on ``training_task`` + the held-out ``tasks``."""
+    suite = [get_task(t).name for t in tasks]
+    trained = get_task(training_task).name if training_task else None
+    if trained in suite:
+        raise ValueError(
+            f"the held-out suite {suite} contains the training task {trained!r}; forgetting is measured on other tasks "
+            "(the training task is added as a reference row by --training_task)"
+        )
+    if not suite:
+        raise ValueError("the held-out suite is empty; name tasks other than the training task, e.g. --tasks addition sort")
+    all_tasks = ([trained] if trained else []) + suite
+    report = evaluate_models([base, tuned], tasks=all_tasks, labels=["base", "tuned"], **eval_kwargs)
+    return ForgettingReport(evaluation=report, training_task=trained)
+
+
+def forgetting_command(
+    tuned: str,
+    base: str | None = None,
+    tasks: list[str] = list(DEFAULT_SUITE),  # noqa: B006,B008
+    training_task: str | None = "countdown",
+    num_problems: int = 100,
+    num_samples: int = DEFAULT_NUM_SAMPLES,
+    ks: list[int] | None = None,
+    temperature: float = DEFAULT_TEMPERATURE,
+    top_p: float = 1.0,
+    max_new_tokens: int = 32,
+    seed: int = 0,
+    batch_size: int = 64,
+    dtype: str | None = None,
+    device: str = "auto",
+    out_dir: str = "forgetting",
+    plot: bool = True,
+    progress: bool = True,
+) -> ForgettingReport:
+    """Forgetting: Pass@k change (tuned − base) on held-out tasks other than the training task.
+
+    Args:
+        tuned: the tuned model: a .ckpt of an es-lightning run, an exported HF directory, a hub id or builtin:<name>.
+        base: the model it started from (default: a .ckpt's 'model' hyperparameter).
+        tasks: the held-out suite (default: the built-in procedural addition and sort).
+        training_task: the task it was trained on, evaluated as a reference row (null to skip).
+        num_problems: held-out problems per task.
+        num_samples: samples per problem (n).
+        ks: the k of Pass@k (default 1, 2, 4, ... n).
+        temperature: sampling temperature (Ba et al.: 0.6).
+        top_p: nucleus threshold of the sampling.
+        max_new_tokens: completion length cap.
+        seed: seeds the problems and the sampling (the same for both models).
+        batch_size: problems per generation call.
+        dtype: parameter dtype (default: the checkpoint's own).
+        device: auto, cpu, cuda, ...
+        out_dir: where forgetting.json and forgetting.png go.
+        plot: write forgetting.png.
+        progress: show a progress bar.
+    """
+    from es_lightning.analysis.checkpoints import load_model
+    from es_lightning.analysis.drift import _base_of
+    from es_lightning.analysis.plots import plot_forgetting
+
+    start = time.perf_counter()
+    tuned_model = load_model(tuned, dtype=dtype)
+    base = base or _base_of(tuned_model, "forgetting")
+    report = forgetting(
+        base, tuned_model, tasks=tasks, training_task=training_task, num_problems=num_problems, num_samples=num_samples,
+        ks=ks, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed, batch_size=batch_size,
+        dtype=dtype or tuned_model.hyperparameters.get("dtype"), device=device, progress=progress,
+    )
+    report.evaluation.sources = {"base": base, "tuned": tuned}
+    print(f"forgetting of {tuned} (base {base}): {num_problems} held-out problems/task, n={num_samples}, T={temperature} "
+          f"({time.perf_counter() - start:.0f}s)")
+    print(report.table())
+    out = Path(out_dir)
+    written = [write_json(out / "forgetting.json", report.to_json())]
+    if plot:
+        written.append(plot_forgetting(report.changes, sorted({1, max(report.ks)}), out / "forgetting.png"))
+    print("wrote " + ", ".join(map(str, written)))
+    return report

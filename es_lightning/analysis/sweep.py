@@ -1,0 +1,222 @@
+"""Population-size sweep: ES with N ∈ {8, 16, 32, 64} for a fixed number of updates (Ba et al. 2026, Table 6).
+
+To run (the built-in setting, ~10 minutes on one CPU core)::
+
+    es-lightning analyze sweep --config recipes/es.yaml --populations [8,16,32,64] --steps 10
+
+Each N is one ``fit`` of the ES recipe — parsed by the same :class:`~es_lightning.cli.ESLightningCLI` as
+``es-lightning fit --config …``, with ``population_size`` and ``max_steps`` overridden — run in this process, one after
+the other, from the same base weights, seed and prompts. The recipe's own evaluation callbacks are dropped (no
+mid-run evaluations, no validation); instead the final weights of every run are evaluated on the same held-out
+problems with the same seeds. The table: the mean training reward over the last ``reward_window`` updates and held-out
+Pass@1/Pass@K at the end, against N; the base model's scores are the first row.
+
+Larger N spends N forward passes per update for a less noisy update direction, so at a fixed number of updates it
+should reach a higher reward; Ba et al. find the gain saturating around N = 32.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+
+from es_lightning.analysis.output import format_table, write_json
+
+DEFAULT_POPULATIONS = (8, 16, 32, 64)
+
+
+class _RewardRecorder(L.Callback):
+    """The logged ``train/reward_mean`` of every update."""
+
+    def __init__(self) -> None:
+        self.rewards: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        value = trainer.callback_metrics.get("train/reward_mean")
+        if value is not None:
+            self.rewards.append(float(value))
+
+
+@dataclass
+class SweepReport:
+    """One row per population size (``rows[0]`` is the base model, N = 0), measured with ``settings``."""
+
+    rows: list[dict[str, Any]]
+    ks: list[int]
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    def table(self) -> str:
+        headers = ["N", "updates", "reward", *(f"pass@{k}" for k in self.ks), "entropy", "s/update"]
+        body = [
+            ["base" if r["population_size"] == 0 else r["population_size"], r["steps"], r["reward"],
+             *(r[f"pass@{k}"] for k in self.ks), r["entropy"], r["seconds_per_update"]]
+            for r in self.rows
+        ]
+        return format_table(headers, body)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"settings": self.settings, "ks": self.ks, "rows": self.rows}
+
+
+def _fit_args(config: str, population_size: int, steps: int, root: Path, batch_size: int | None, overrides: Sequence[str]) -> list[str]:
+    args = [
+        "--config", config,
+        "--model.init_args.population_size", str(population_size),
+        "--trainer.max_steps", str(steps),
+        "--trainer.logger", "false",
+        "--trainer.enable_checkpointing", "false",
+        "--trainer.limit_val_batches", "0",
+        "--trainer.num_sanity_val_steps", "0",
+        "--trainer.enable_progress_bar", "false",
+        "--trainer.enable_model_summary", "false",
+        "--trainer.default_root_dir", str(root),
+    ]
+    if batch_size is not None:
+        args += ["--data.init_args.batch_size", str(batch_size)]
+    return args + list(overrides)
+
+
+def _drop_evaluation_callbacks(trainer: L.Trainer) -> None:
+    from es_lightning.callbacks import PassAtKCallback, TrainingReport
+
+    trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, (PassAtKCallback, TrainingReport))]
+
+
+def population_sweep(
+    config: str = "recipes/es.yaml",
+    populations: Sequence[int] = DEFAULT_POPULATIONS,
+    steps: int = 10,
+    batch_size: int | None = None,
+    overrides: Sequence[str] = (),
+    eval_problems: int = 100,
+    eval_samples: int = 16,
+    ks: Sequence[int] | None = None,
+    eval_temperature: float = 1.0,
+    reward_window: int = 3,
+    seed: int = 0,
+    out_dir: str | Path = "sweep",
+    save_models: bool = False,
+) -> SweepReport:
+    """Fit the ES recipe once per population size and evaluate every result the same way (see the module docstring)."""
+    from es_lightning.analysis.evaluate import check_ks, evaluate_policy, heldout_problems, resolve_device
+    from es_lightning.cli import ESLightningCLI
+
+    if not Path(config).is_file():
+        raise FileNotFoundError(
+            f"ES recipe {config!r} not found; run from the repository root (recipes/es.yaml) or pass --config "
+            "path/to/es.yaml"
+        )
+    sizes = [int(n) for n in populations]
+    if not sizes or min(sizes) < 2:
+        raise ValueError(f"population sizes must be >= 2 (rewards are normalised across members), got {list(populations)}")
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1 (ES updates per run), got {steps}")
+    if reward_window < 1:
+        raise ValueError(f"reward_window must be >= 1, got {reward_window}")
+    ks = check_ks(ks if ks is not None else sorted({1, eval_samples}), eval_samples)
+    out = Path(out_dir)
+    rows: list[dict[str, Any]] = []
+    problems = task = None
+    for n in sizes:
+        cli = ESLightningCLI(args=_fit_args(config, n, steps, out / f"N{n}", batch_size, overrides), run=False,
+                             save_config_callback=None)
+        module, trainer = cli.model, cli.trainer
+        if not hasattr(module, "population_size"):
+            raise ValueError(f"{config!r} configures {type(module).__name__}, not an ES module with a population_size")
+        _drop_evaluation_callbacks(trainer)
+        recorder = _RewardRecorder()
+        trainer.callbacks.append(recorder)
+        cli.datamodule.setup("fit")
+        task = cli.datamodule.task
+
+        if problems is None:  # the base model, once: same problems and seeds for every row
+            problems = heldout_problems(task, eval_problems, seed)
+        evaluate = functools.partial(
+            evaluate_policy, module.policy, task, problems, num_samples=eval_samples, ks=ks, temperature=eval_temperature,
+            max_new_tokens=module.sampling.max_new_tokens, seed=seed, device=resolve_device("auto"),
+        )
+        if not rows:
+            rows.append({"population_size": 0, "steps": 0, "reward": float("nan"), "seconds_per_update": float("nan"),
+                         "rewards": [], **evaluate()})
+        start = time.perf_counter()
+        trainer.fit(module, datamodule=cli.datamodule)
+        seconds = time.perf_counter() - start
+        if trainer.global_step != steps:
+            raise RuntimeError(f"N={n}: the fit stopped after {trainer.global_step} of {steps} updates")
+        rewards = recorder.rewards
+        row = {"population_size": n, "steps": trainer.global_step,
+               "reward": sum(rewards[-reward_window:]) / len(rewards[-reward_window:]),
+               "seconds_per_update": seconds / steps, "rewards": rewards, **evaluate()}
+        if save_models:
+            row["path"] = str(out / "models" / f"N{n}")
+            module.policy.model.save_pretrained(row["path"])
+            module.policy.tokenizer.save_pretrained(row["path"])
+        rows.append(row)
+        print(f"N={n}: reward {row['reward']:.3f}, pass@1 {row['pass@1']:.3f} ({seconds:.0f}s)", flush=True)
+        del cli, module, trainer
+        gc.collect()
+    for row in rows:
+        row["base_pass@1"] = rows[0]["pass@1"]
+    settings = dict(config=config, steps=steps, batch_size=batch_size, overrides=list(overrides), task=task.name,
+                    eval_problems=eval_problems, eval_samples=eval_samples, eval_temperature=eval_temperature,
+                    reward_window=reward_window, seed=seed)
+    return SweepReport(rows=rows, ks=ks, settings=settings)
+
+
+def sweep_command(
+    config: str = "recipes/es.yaml",
+    populations: list[int] = list(DEFAULT_POPULATIONS),  # noqa: B006,B008
+    steps: int = 10,
+    batch_size: int | None = None,
+    overrides: list[str] = [],  # noqa: B006
+    eval_problems: int = 100,
+    eval_samples: int = 16,
+    ks: list[int] | None = None,
+    eval_temperature: float = 1.0,
+    reward_window: int = 3,
+    seed: int = 0,
+    out_dir: str = "sweep",
+    save_models: bool = False,
+    plot: bool = True,
+) -> SweepReport:
+    """Population-size sweep: ES with each N for a fixed number of updates; final reward and Pass@1 (Ba et al. Table 6).
+
+    Args:
+        config: the ES recipe every run starts from (its model, data, sigma, lr, seed).
+        populations: the population sizes N to compare.
+        steps: ES updates per run (the same for every N).
+        batch_size: prompts per update (default: the recipe's).
+        overrides: further `es-lightning fit` arguments for every run, e.g. [--model.init_args.sigma, "0.01"].
+        eval_problems: held-out problems for the final evaluation.
+        eval_samples: samples per problem (n) of the final evaluation.
+        ks: the k of Pass@k (default 1 and n).
+        eval_temperature: sampling temperature of the final evaluation.
+        reward_window: the reward column is the mean training reward of the last this many updates.
+        seed: seeds the held-out problems and the evaluation sampling.
+        out_dir: where sweep.json, sweep.png (and with save_models the final models) go.
+        save_models: write each run's final model (save_pretrained) under out_dir/models/N<n>.
+        plot: write sweep.png.
+    """
+    from es_lightning.analysis.plots import plot_sweep
+
+    start = time.perf_counter()
+    report = population_sweep(config=config, populations=populations, steps=steps, batch_size=batch_size,
+                              overrides=overrides, eval_problems=eval_problems, eval_samples=eval_samples, ks=ks,
+                              eval_temperature=eval_temperature, reward_window=reward_window, seed=seed, out_dir=out_dir,
+                              save_models=save_models)
+    print(f"\npopulation sweep: {config}, {steps} updates per run, final evaluation on {eval_problems} held-out problems, "
+          f"n={eval_samples}, T={eval_temperature} ({time.perf_counter() - start:.0f}s)")
+    print(report.table())
+    out = Path(out_dir)
+    written = [write_json(out / "sweep.json", report.to_json())]
+    if plot:
+        written.append(plot_sweep(report.rows[1:], out / "sweep.png"))
+    print("wrote " + ", ".join(map(str, written)))
+    return report

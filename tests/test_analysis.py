@@ -1,0 +1,402 @@
+"""Analysis tools on the built-in model, each against an expectation computed independently of the code under test:
+drift of a model perturbed by known amounts (numpy, float64), ablation at τ = 0 / ∞ bitwise, top-p% on distinct known
+updates, Pass@k from the correctness matrix by the binomial formula, forgetting of an unchanged and of a constant-logit
+model, and the population sweep against what ``es-lightning fit`` logs for the same run."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+
+from es_lightning import ESModule, ReasoningDataModule
+from es_lightning.analysis import (
+    ablate_,
+    ablation_command,
+    drift_command,
+    eval_command,
+    evaluate_policy,
+    forgetting_command,
+    heldout_problems,
+    load_model,
+    module_kind,
+    parameter_drift,
+    sweep_command,
+    top_percent_threshold,
+)
+from es_lightning.analysis import drift as drift_module
+from es_lightning.analysis.evaluate import check_ks, default_ks, evaluation_module
+from es_lightning.cli import cli_main, join_list_values
+from es_lightning.generation import SamplingParams
+from es_lightning.policy import load_policy
+from es_lightning.tasks import get_task
+
+ROOT = Path(__file__).resolve().parents[1]
+BUILTIN = "builtin:countdown-tiny"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _perturb(model: torch.nn.Module, seed: int = 0, scale: float = 1e-3) -> None:
+    """Add seeded Gaussian noise of std ``scale`` to every parameter."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * scale)
+
+
+@pytest.fixture(scope="module")
+def es_checkpoint(tmp_path_factory):
+    """A checkpoint written by a real ES fit (1 update) on the built-in model, with its weights then moved by known
+    noise so the tuned model differs measurably; returns (path, the module's weights as saved)."""
+    module = ESModule(model=BUILTIN, population_size=2, sigma=5e-3, lr=3e-3, max_new_tokens=4)
+    dm = ReasoningDataModule("countdown", train_size=8, val_size=2, test_size=2, batch_size=2)
+    trainer = L.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0)
+    trainer.fit(module, datamodule=dm)
+    _perturb(module.model, seed=1, scale=2e-3)
+    path = tmp_path_factory.mktemp("ckpt") / "es.ckpt"
+    trainer.save_checkpoint(path)
+    return str(path), {n: p.detach().clone() for n, p in module.model.named_parameters()}
+
+
+def _np(weights) -> dict[str, np.ndarray]:
+    return {n: t.detach().double().numpy() for n, t in weights}
+
+
+# --------------------------------------------------------------------------- checkpoints
+def test_load_model_rebuilds_a_lightning_checkpoint_bitwise(es_checkpoint):
+    path, saved = es_checkpoint
+    loaded = load_model(path)
+    assert loaded.base == BUILTIN and loaded.global_step == 1 and loaded.hyperparameters["population_size"] == 2
+    params = dict(loaded.policy.model.named_parameters())
+    assert params.keys() == saved.keys()
+    assert all(torch.equal(params[n], saved[n]) for n in saved)
+    assert loaded.policy.model.lm_head.weight is loaded.policy.model.model.embed_tokens.weight  # still tied
+
+
+def test_load_model_errors_name_the_problem(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist.*builtin:countdown-tiny"):
+        load_model(str(tmp_path / "missing.ckpt"))
+    foreign = tmp_path / "foreign.ckpt"
+    torch.save({"state_dict": {"layer.weight": torch.zeros(2)}, "epoch": 0}, foreign)
+    with pytest.raises(ValueError, match="not a checkpoint of an es-lightning module"):
+        load_model(str(foreign))
+    garbage = tmp_path / "garbage.ckpt"
+    garbage.write_text("not a checkpoint")
+    with pytest.raises(ValueError, match="not a PyTorch Lightning checkpoint"):
+        load_model(str(garbage))
+
+
+# --------------------------------------------------------------------------- drift
+def test_module_kinds_of_qwen2_and_gpt2_names():
+    expected = {
+        "model.embed_tokens.weight": "embeddings",
+        "model.layers.0.self_attn.q_proj.weight": "attention",
+        "model.layers.0.self_attn.o_proj.weight": "attention",
+        "model.layers.3.mlp.down_proj.weight": "mlp",
+        "model.layers.0.input_layernorm.weight": "norms",
+        "model.layers.0.post_attention_layernorm.weight": "norms",
+        "model.norm.weight": "norms",
+        "lm_head.weight": "lm_head",
+        "transformer.wte.weight": "embeddings",
+        "transformer.h.0.ln_1.weight": "norms",
+        "transformer.h.0.attn.c_attn.weight": "attention",
+        "transformer.h.0.mlp.c_proj.weight": "mlp",
+        "transformer.ln_f.bias": "norms",
+        "score.weight": "other",
+    }
+    assert {name: module_kind(name) for name in expected} == expected
+
+
+def test_drift_of_a_known_perturbation_matches_numpy(monkeypatch):
+    monkeypatch.setattr(drift_module, "CHUNK", 1000)  # several chunks per tensor
+    base = load_policy(BUILTIN).model
+    tuned = load_policy(BUILTIN).model
+    c_attn, c_mlp = 1e-2, 1e-4
+    with torch.no_grad():
+        tuned.model.layers[0].self_attn.q_proj.weight.add_(c_attn)  # every element of one attention matrix
+        tuned.model.layers[1].mlp.up_proj.weight.view(-1)[:500].add_(c_mlp)  # 500 elements of one MLP matrix
+    taus = [0.0, 1e-6, 1e-3, 1e-1]
+    report = parameter_drift(base, tuned, taus)
+
+    b, t = _np(base.named_parameters()), _np(tuned.named_parameters())
+    delta = {n: t[n] - b[n] for n in b}
+    total = sum(x.size for x in b.values())
+    norm = lambda arrays: math.sqrt(sum(float(np.square(a).sum()) for a in arrays))  # noqa: E731
+    assert report.overall["num_params"] == total == 991_744
+    assert report.relative_drift == pytest.approx(norm(delta.values()) / norm(b.values()), rel=1e-12)
+    attn = [n for n in b if ".self_attn." in n]
+    assert report.per_kind["attention"]["relative_drift"] == pytest.approx(
+        norm(delta[n] for n in attn) / norm(b[n] for n in attn), rel=1e-12)
+    # by hand: ‖Δ‖² of the attention kind is (128 * 128) c² up to float32 rounding of θ + c
+    assert report.per_kind["attention"]["update_norm"] == pytest.approx(math.sqrt(128 * 128) * c_attn, rel=1e-4)
+    assert report.per_kind["mlp"]["update_norm"] == pytest.approx(math.sqrt(500) * c_mlp, rel=1e-3)
+    assert report.per_kind["norms"]["relative_drift"] == 0 and report.per_kind["embeddings"]["update_norm"] == 0
+    assert report.per_kind["attention"]["update_share"] + report.per_kind["mlp"]["update_share"] == pytest.approx(1)
+    assert report.largest[0] == "attention" and report.tied_embeddings
+    assert report.per_kind["lm_head"]["num_params"] == 0  # tied: the head is the embedding
+    changed = 128 * 128 + 500
+    assert report.sparsity(0.0) == 1 - changed / total
+    assert report.sparsity(1e-6) == 1 - changed / total
+    assert report.sparsity(1e-3) == 1 - 128 * 128 / total  # the MLP updates (1e-4) are below τ
+    assert report.sparsity(1e-1) == 1.0
+
+
+def test_drift_errors_and_tau_validation():
+    a = {"w": torch.zeros(3)}
+    with pytest.raises(ValueError, match="different parameters"):
+        parameter_drift(a, {"v": torch.zeros(3)})
+    with pytest.raises(ValueError, match="differ in shape"):
+        parameter_drift(a, {"w": torch.zeros(4)})
+    with pytest.raises(ValueError, match="tau must be >= 0"):
+        parameter_drift(a, a, taus=[-1e-3])
+
+
+def test_drift_command_on_a_checkpoint_writes_json_and_png(es_checkpoint, tmp_path, capsys):
+    path, saved = es_checkpoint
+    report = drift_command(tuned=path, out_dir=str(tmp_path), taus=[0.0, 1e-3])
+    base = _np(load_policy(BUILTIN).model.named_parameters())
+    tuned = {n: t.double().numpy() for n, t in saved.items()}
+    num = math.sqrt(sum(float(np.square(tuned[n] - base[n]).sum()) for n in base))
+    den = math.sqrt(sum(float(np.square(base[n]).sum()) for n in base))
+    assert report.relative_drift == pytest.approx(num / den, rel=1e-12)
+    data = json.loads((tmp_path / "drift.json").read_text())
+    assert data["overall"]["relative_drift"] == pytest.approx(num / den, rel=1e-12)
+    assert data["sources"] == {"base": BUILTIN, "tuned": path}
+    assert (tmp_path / "drift.png").read_bytes()[:8] == PNG_MAGIC
+    out = capsys.readouterr().out
+    assert "D_rel" in out and "s_τ all" in out and "largest relative drift" in out
+    with pytest.raises(ValueError, match="pass --base"):
+        drift_command(tuned=BUILTIN, out_dir=str(tmp_path))
+
+
+# --------------------------------------------------------------------------- ablation
+def test_ablation_at_zero_is_tuned_and_at_infinity_is_base_bitwise(monkeypatch):
+    monkeypatch.setattr(drift_module, "CHUNK", 777)
+    from es_lightning.analysis import ablation as ablation_module
+
+    monkeypatch.setattr(ablation_module, "CHUNK", 777)
+    base = load_policy(BUILTIN).model
+    work = load_policy(BUILTIN).model
+    _perturb(work, seed=3, scale=1e-3)
+    base_w = {n: p.detach().clone() for n, p in base.named_parameters()}
+    tuned_w = {n: p.detach().clone() for n, p in work.named_parameters()}
+
+    assert ablate_(work, base_w, tuned_w, math.inf) == 1.0
+    assert all(torch.equal(p, base_w[n]) for n, p in work.named_parameters())
+    assert ablate_(work, base_w, tuned_w, 0.0) == 0.0
+    assert all(torch.equal(p, tuned_w[n]) for n, p in work.named_parameters())
+    tau = 1e-3
+    reset = ablate_(work, base_w, tuned_w, tau)
+    for n, p in work.named_parameters():  # elementwise: exactly tuned where |Δ| > τ, exactly base elsewhere
+        keep = (tuned_w[n].double() - base_w[n].double()).abs() > tau
+        assert torch.equal(p, torch.where(keep, tuned_w[n], base_w[n]))
+    assert reset == pytest.approx(parameter_drift(base_w, tuned_w, [tau]).sparsity(tau), abs=0)
+    assert 0.6 < reset < 0.75  # Δ ~ N(0, (1e-3)²): P(|Δ| <= 1e-3) ≈ 0.68
+    with pytest.raises(ValueError, match="tau must be >= 0"):
+        ablate_(work, base_w, tuned_w, -1.0)
+
+
+def test_top_percent_keeps_exactly_the_largest_updates():
+    # 200 distinct, exactly representable update magnitudes (k / 1024) in a random arrangement and random signs
+    gen = torch.Generator().manual_seed(0)
+    values = (torch.randperm(200, generator=gen) + 1).float() / 1024
+    signs = torch.where(torch.rand(200, generator=gen) < 0.5, -1.0, 1.0)
+    base = {"a": torch.randn(120, generator=gen), "b": torch.randn(40, 2, generator=gen)}
+    delta = (values * signs)
+    tuned = {"a": base["a"] + delta[:120], "b": base["b"] + delta[120:].view(40, 2)}
+    model = torch.nn.ParameterDict({k: torch.nn.Parameter(v.clone()) for k, v in tuned.items()})
+    mags = torch.cat([(tuned[k].double() - base[k].double()).abs().reshape(-1) for k in ("a", "b")])
+    for percent, kept in ((10, 20), (25, 50), (100, 200), (0.5, 1)):
+        tau = top_percent_threshold(base, tuned, percent)
+        reset = ablate_(model, base, tuned, tau)
+        assert reset == 1 - kept / 200
+        kept_mask = torch.cat([(model[k].detach() != base[k]).reshape(-1) for k in ("a", "b")])
+        assert set(kept_mask.nonzero().view(-1).tolist()) == set(mags.topk(kept).indices.tolist())
+    for bad in (0, -5, 150):
+        with pytest.raises(ValueError, match=r"\(0, 100\]"):
+            top_percent_threshold(base, tuned, bad)
+
+
+def test_ablation_command_reproduces_tuned_and_base_scores(es_checkpoint, tmp_path, capsys):
+    path, saved = es_checkpoint
+    kwargs = dict(task="countdown", num_problems=6, num_samples=4, ks=[1, 4], max_new_tokens=8, seed=5, progress=False)
+    report = ablation_command(tuned=path, taus=[1e-3], top_percent=[50], save_models=True, out_dir=str(tmp_path), **kwargs)
+    labels = [r["label"] for r in report.rows]
+    assert labels == ["base", "tuned", "tau=0.001", "top 50%"]
+
+    task = get_task("countdown")
+    problems = heldout_problems(task, 6, 5)
+    eval_kwargs = dict(num_samples=4, ks=[1, 4], max_new_tokens=8, seed=5, temperature=0.6)
+    base_scores = evaluate_policy(load_policy(BUILTIN), task, problems, **eval_kwargs)
+    tuned_scores = evaluate_policy(load_model(path).policy, task, problems, **eval_kwargs)
+    for key in ("pass@1", "pass@4", "maj@4", "entropy", "reward_mean"):
+        assert report.row("base")[key] == base_scores[key]
+        assert report.row("tuned")[key] == tuned_scores[key]
+    base_weights = {n: p.detach() for n, p in load_policy(BUILTIN).model.named_parameters()}
+    s_0 = parameter_drift(base_weights, saved, [0.0]).sparsity(0.0)  # weights the update left bit-identical
+    assert report.row("base")["sparsity"] == 1.0 and report.row("tuned")["sparsity"] == s_0 < 1e-5
+    assert report.row("top 50%")["sparsity"] == pytest.approx(0.5, abs=1e-5)
+    # the written ablated model holds exactly θ where |Δθ| > 1e-3 and θ₀ elsewhere
+    written = load_policy(report.row("tau=0.001")["path"]).model
+    base = dict(load_policy(BUILTIN).model.named_parameters())
+    for n, p in written.named_parameters():
+        keep = (saved[n].double() - base[n].detach().double()).abs() > 1e-3
+        assert torch.equal(p, torch.where(keep, saved[n], base[n].detach()))
+    data = json.loads((tmp_path / "ablation.json").read_text())
+    assert data["rows"][0]["tau"] == "inf" and data["ks"] == [1, 4]
+    assert (tmp_path / "ablation.png").read_bytes()[:8] == PNG_MAGIC
+    assert "Δ pass@4" in capsys.readouterr().out
+    with pytest.raises(ValueError, match=r"\(0, 100\]"):
+        ablation_command(tuned=path, top_percent=[0], out_dir=str(tmp_path), **kwargs)
+    with pytest.raises(ValueError, match="tau must be >= 0"):
+        ablation_command(tuned=path, taus=[-1e-4], out_dir=str(tmp_path), **kwargs)
+
+
+# --------------------------------------------------------------------------- eval
+def _binomial_pass_at_k(n: int, c: int, k: int) -> float:
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def test_eval_command_pass_at_k_matches_the_binomial_formula(es_checkpoint, tmp_path, capsys):
+    path, _ = es_checkpoint
+    cli_main(["eval", "--checkpoints", BUILTIN, path, "--labels", "base", "es", "--tasks", "countdown", "addition",
+              "--num_problems", "5", "--num_samples", "4", "--max_new_tokens", "8", "--seed", "3",
+              "--out_dir", str(tmp_path), "--progress", "false"])
+    out = capsys.readouterr().out
+    assert "pass@1" in out and "maj@4" in out and "addition" in out
+    data = json.loads((tmp_path / "eval.json").read_text())
+    assert data["settings"]["ks"] == [1, 2, 4] and data["settings"]["temperature"] == 0.6
+    assert list(data["results"]) == ["base", "es"] and data["sources"]["es"] == path
+    assert (tmp_path / "pass_at_k.png").read_bytes()[:8] == PNG_MAGIC
+    md = (tmp_path / "eval.md").read_text()
+    assert "| model | task | pass@1 |" in md and md.count("| es | ") == 2
+
+    # independently: the correctness matrix of the same samples, scored by the binomial formula
+    for label, spec in (("base", BUILTIN), ("es", path)):
+        for task_name in ("countdown", "addition"):
+            task = get_task(task_name)
+            problems = heldout_problems(task, 5, 3)
+            module = evaluation_module(load_model(spec).policy, task, 8)
+            batch = module.evaluate_batch(problems, 4, SamplingParams(max_new_tokens=8, temperature=0.6), seed=3)
+            counts = batch.correct.sum(1).tolist()  # [P]
+            for k in (1, 2, 4):
+                expected = sum(_binomial_pass_at_k(4, c, k) for c in counts) / len(counts)
+                assert data["results"][label][task_name][f"pass@{k}"] == pytest.approx(expected, abs=1e-6)
+
+
+def test_eval_of_constant_logits_is_uniform_entropy_and_zero_pass(tmp_path):
+    """Zeroing the final norm makes every logit 0: the sampling distribution is uniform over the vocabulary (entropy
+    ln V exactly) and greedy decoding emits no answer (pass@1 0, format 0)."""
+    policy = load_policy(BUILTIN)
+    with torch.no_grad():
+        policy.model.model.norm.weight.zero_()
+    task = get_task("addition")
+    scores = evaluate_policy(policy, task, heldout_problems(task, 4, 0), num_samples=1, temperature=0.0, max_new_tokens=6)
+    assert scores["pass@1"] == 0 and scores["format"] == 0
+    assert scores["entropy"] == pytest.approx(math.log(policy.model.config.vocab_size), rel=1e-6)
+
+
+def test_eval_refuses_bad_input(tmp_path):
+    assert default_ks(32) == [1, 2, 4, 8, 16, 32] and default_ks(12) == [1, 2, 4, 8, 12]
+    with pytest.raises(ValueError, match="k=8 exceeds num_samples=4"):
+        check_ks([1, 8], 4)
+    with pytest.raises(ValueError, match="unknown task 'sudoku'"):
+        eval_command(checkpoints=[BUILTIN], tasks=["sudoku"], num_problems=2, num_samples=2, out_dir=str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        eval_command(checkpoints=[str(tmp_path / "nope.ckpt")], num_problems=2, num_samples=2, out_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="one label per model"):
+        eval_command(checkpoints=[BUILTIN], labels=["a", "b"], num_problems=2, num_samples=2, out_dir=str(tmp_path))
+
+
+def test_cli_help_bad_keys_and_list_values(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["eval", "--help"])
+    assert exit_info.value.code == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "--num_samples" in help_text and "Ba et al.: 32" in help_text
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["analyze", "--help"])
+    help_text = capsys.readouterr().out
+    assert all(name in help_text for name in ("drift", "ablation", "forgetting", "sweep"))
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["analyze", "drift", "--tuned", "x.ckpt", "--tauz", "1"])
+    assert exit_info.value.code != 0 and "tauz" in capsys.readouterr().err
+    assert join_list_values(["--tasks", "addition", "sort", "--seed", "1", "--taus", "0", "1e-5", "inf"],
+                            {"tasks", "taus"}) == ["--tasks", '["addition", "sort"]', "--seed", "1", "--taus", "[0, 1e-5, inf]"]
+    assert join_list_values(["--ks", "[1, 2]", "--labels", "null"], {"ks", "labels"}) == ["--ks", "[1, 2]", "--labels", "null"]
+
+
+# --------------------------------------------------------------------------- forgetting
+def test_forgetting_of_unchanged_and_of_broken_models(tmp_path, capsys):
+    same = tmp_path / "same"
+    policy = load_policy(BUILTIN)
+    policy.model.save_pretrained(same)
+    policy.tokenizer.save_pretrained(same)
+    kwargs = dict(num_problems=4, num_samples=2, max_new_tokens=8, progress=False, plot=True)
+    report = forgetting_command(tuned=str(same), base=BUILTIN, out_dir=str(tmp_path / "f1"), **kwargs)
+    assert report.suite == ["addition", "sort"] and report.training_task == "countdown"
+    assert all(v == 0 for changes in report.changes.values() for v in changes.values())  # same weights, same seeds
+    sort_problems = heldout_problems(get_task("sort"), 4, 0)
+    expected = evaluate_policy(load_policy(BUILTIN), "sort", sort_problems, num_samples=2, max_new_tokens=8)
+    assert report.evaluation.results["base"]["sort"]["pass@1"] == expected["pass@1"]
+
+    broken = tmp_path / "broken"
+    with torch.no_grad():
+        policy.model.model.norm.weight.zero_()  # constant logits: greedy decoding answers nothing
+    policy.model.save_pretrained(broken)
+    policy.tokenizer.save_pretrained(broken)
+    report = forgetting_command(tuned=str(broken), base=BUILTIN, temperature=0.0, out_dir=str(tmp_path / "f2"),
+                                **{**kwargs, "num_samples": 1})
+    base = report.evaluation.results["base"]
+    for task in ("countdown", "addition", "sort"):
+        assert report.changes[task]["pass@1"] == -base[task]["pass@1"]
+    assert base["addition"]["pass@1"] > 0.5  # the built-in model adds; the broken one forgot it all
+    out = capsys.readouterr().out
+    assert "held-out" in out and "trained" in out
+    data = json.loads((tmp_path / "f2" / "forgetting.json").read_text())
+    assert data["changes"]["sort"]["pass@1"] == -base["sort"]["pass@1"] and data["suite"] == ["addition", "sort"]
+    assert (tmp_path / "f2" / "forgetting.png").read_bytes()[:8] == PNG_MAGIC
+    with pytest.raises(ValueError, match="contains the training task"):
+        forgetting_command(tuned=str(same), base=BUILTIN, tasks=["countdown", "sort"], out_dir=str(tmp_path), **kwargs)
+
+
+# --------------------------------------------------------------------------- population sweep
+def test_population_sweep_matches_es_lightning_fit(tmp_path, capsys):
+    recipe = str(ROOT / "recipes" / "es.yaml")
+    overrides = ["--data.init_args.train_size", "16", "--model.init_args.max_new_tokens", "8"]
+    report = sweep_command(config=recipe, populations=[2, 4], steps=1, batch_size=2, overrides=overrides,
+                           eval_problems=4, eval_samples=2, save_models=True, out_dir=str(tmp_path / "sweep"))
+    assert [r["population_size"] for r in report.rows] == [0, 2, 4]
+    assert [r["steps"] for r in report.rows] == [0, 1, 1]
+    row = report.rows[2]
+    assert len(row["rewards"]) == 1 and 0 <= row["reward"] <= 1
+    # the final evaluation is evaluate_policy of the saved final weights
+    problems = heldout_problems(get_task("countdown"), 4, 0)
+    again = evaluate_policy(load_policy(row["path"]), "countdown", problems, num_samples=2, max_new_tokens=8,
+                            temperature=1.0)
+    assert again["pass@1"] == row["pass@1"] and again["pass@2"] == row["pass@2"]
+    assert (tmp_path / "sweep" / "sweep.png").read_bytes()[:8] == PNG_MAGIC
+    assert json.loads((tmp_path / "sweep" / "sweep.json").read_text())["rows"][2]["population_size"] == 4
+    assert "pass@1" in capsys.readouterr().out
+
+    # the same run through `es-lightning fit` logs the same reward and ends on the same weights
+    logs = tmp_path / "fit"
+    cli_main(["fit", "--config", recipe, *overrides, "--model.init_args.population_size", "4", "--trainer.max_steps", "1",
+              "--data.init_args.batch_size", "2", "--data.init_args.val_size", "2", "--trainer.enable_progress_bar",
+              "false", "--trainer.val_check_interval", "1", "--trainer.logger.init_args.save_dir", str(logs)])
+    metrics = [r for r in csv.DictReader(open(next(logs.rglob("metrics.csv")))) if r.get("train/reward_mean")]
+    assert float(metrics[-1]["train/reward_mean"]) == pytest.approx(row["reward"], abs=1e-6)
+    fitted = load_model(str(next(logs.rglob("*.ckpt")))).policy.model
+    swept = dict(load_policy(row["path"]).model.named_parameters())
+    assert all(torch.equal(p, swept[n]) for n, p in fitted.named_parameters())
+    with pytest.raises(ValueError, match="population sizes must be >= 2"):
+        sweep_command(config=recipe, populations=[1], out_dir=str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="recipe"):
+        sweep_command(config=str(tmp_path / "none.yaml"), out_dir=str(tmp_path))
