@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from es_lightning.es.noise import param_noise
+from es_lightning.es.sharding import all_reduce_sum, is_dtensor, shard_views
 
 NORMALIZATIONS = ("zscore", "rank", "centered", "none")
 
@@ -66,6 +66,13 @@ class ESOptimizer(torch.optim.Optimizer):
         super().__init__([p for _, p in named_params], dict(lr=lr, sigma=sigma, scale=scale))
         self._pending: tuple[int, int, Tensor, Tensor] | None = None
         self.last_update_norm = 0.0
+        #: the trainer's wrapped model when it may hold FSDP1 units (set by ESModule); DTensors need nothing
+        self.shard_root: torch.nn.Module | None = None
+        # the count of applied updates is the optimizer's only state, one scalar per parameter: distributed
+        # checkpoints (FSDP) want state for every parameter, and "initialise" a stateless optimizer by stepping it
+        # with zero gradients, which would allocate a .grad per parameter
+        for p in self.param_groups[0]["params"]:
+            self.state[p]["step"] = torch.zeros((), dtype=torch.float32)
 
     def set_update(self, seed: int, step: int, noise_ids: Tensor, weights: Tensor) -> None:
         """The next ``step()`` applies ``Σ_m weights[m] · ε(seed, step, noise_ids[m])`` (antithetic pairs share ids)."""
@@ -75,6 +82,8 @@ class ESOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         if closure is not None:
             closure()
+        if self._pending is None and self.param_groups[0]["lr"] == 0:
+            return None  # nothing to apply (a zero-lr probe step)
         if self._pending is None:
             raise RuntimeError("ESOptimizer.step() called without set_update(); ESModule sets it every step")
         seed, step, noise_ids, weights = self._pending
@@ -84,15 +93,20 @@ class ESOptimizer(torch.optim.Optimizer):
         coef = group["lr"] / n / (group["sigma"] if group["scale"] == "textbook" else 1.0)
         active = [(int(i), float(w)) for i, w in zip(noise_ids, weights) if w != 0.0]
         sq = 0.0
+        for p in group["params"]:
+            self.state[p]["step"] = self.state[p].get("step", torch.zeros(())) + 1
         if coef == 0.0 or not active:
             self.last_update_norm = 0.0
             return None
-        for name, p in zip(self.names, group["params"]):
-            acc = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)  # [numel] fp32 accumulator
+        # each rank updates the elements it holds (all of them unless sharded): see es_lightning/es/sharding.py
+        for view in shard_views(zip(self.names, group["params"]), self.shard_root):
+            acc = torch.zeros(view.local.numel(), dtype=torch.float32, device=view.local.device)  # fp32 accumulator
             for member, w in active:
-                acc.add_(param_noise(seed, step, member, name, p.numel(), device=p.device), alpha=w)
+                acc.add_(view.noise(seed, step, member), alpha=w)
             acc.mul_(coef)
-            sq += float(acc.square().sum())
-            p.copy_((p.float() + acc.view_as(p)).to(p.dtype))
+            sq += float(acc.square().sum()) / view.replicas
+            view.write(view.local.float().reshape(-1) + acc)
+        if self.shard_root is not None or any(is_dtensor(p) for p in group["params"]):  # sharded: sum the pieces
+            sq = all_reduce_sum([sq], group["params"][0].device)[0]
         self.last_update_norm = sq**0.5
         return None

@@ -85,11 +85,23 @@ class ReasoningModule(L.LightningModule):
     # ------------------------------------------------------------------ policy
     def configure_model(self) -> None:
         """Load the policy once (Lightning calls this inside the strategy's context before fit/validate/test)."""
-        if self.model is not None:
-            return
-        policy = load_policy(self.model_name, dtype=self.dtype_name, trust_remote_code=self.trust_remote_code)
-        self.model = policy.model
-        self.tokenizer = policy.tokenizer
+        if self.model is None:
+            policy = load_policy(self.model_name, dtype=self.dtype_name, trust_remote_code=self.trust_remote_code)
+            self.model = policy.model
+            self.tokenizer = policy.tokenizer
+        if self._device_mesh is not None:  # ModelParallelStrategy: FSDP2-shard the policy (es_lightning/distributed.py)
+            from es_lightning.distributed import fully_shard_policy
+
+            fully_shard_policy(self.model, self._device_mesh)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the policy's parameters are sharded (FSDP2 DTensors or FSDP1 units). Sharded generation runs in
+        lockstep across ranks (``generate(synced_gpus=True)``, marked here); ES then splits prompts, not members."""
+        from es_lightning.distributed import sync_sharded_generation
+
+        root = self._trainer.strategy.model if self._trainer is not None else None
+        return self.model is not None and sync_sharded_generation(self.model, root)
 
     @property
     def policy(self) -> Policy:
@@ -200,7 +212,15 @@ class ReasoningModule(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self._theta0 is not None:
-            checkpoint["theta0"] = self._theta0
+            checkpoint["theta0"] = self._full_theta0() if self.sharded else self._theta0
+
+    def _full_theta0(self) -> dict[str, torch.Tensor]:
+        """A sharded run's θ₀ (this rank's elements) assembled into full tensors — a collective, every rank saving a
+        checkpoint calls it — so checkpoints store θ₀ alike whatever the sharding and load into either kind of run."""
+        from es_lightning.es.sharding import clean_name, gather_full, shard_views
+
+        named = [(clean_name(n), p) for n, p in self.model.named_parameters() if clean_name(n) in self._theta0]
+        return gather_full(shard_views(named, self.trainer.strategy.model), self._theta0)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._theta0 = checkpoint.get("theta0", self._theta0)

@@ -27,9 +27,11 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from es_lightning.es.noise import param_noise
+from es_lightning.es.sharding import clean_name, local_snapshot, localize, shard_views, sharded_drift
 from es_lightning.es.update import NORMALIZATIONS, ESOptimizer, normalize_rewards
 from es_lightning.metrics import js_succ, population_pass
 from es_lightning.modules.base import ReasoningModule
+from es_lightning.modules.es_sharded import check_sharded_settings, evaluate_population_sharded
 from es_lightning.tasks import Task
 
 
@@ -138,7 +140,7 @@ class ESModule(ReasoningModule):
     # ------------------------------------------------------------------ parameters and noise
     def es_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """The (name, parameter) pairs ES perturbs: all, or those whose name matches ``trainable``."""
-        named = list(self.policy.model.named_parameters())
+        named = [(clean_name(n), p) for n, p in self.policy.model.named_parameters()]  # names are noise keys
         if self.trainable:
             pattern = re.compile(self.trainable)
             named = [(n, p) for n, p in named if pattern.search(n)]
@@ -156,7 +158,12 @@ class ESModule(ReasoningModule):
     def on_fit_start(self) -> None:
         for _, p in self.policy.model.named_parameters():
             p.grad = None
-        if self.log_drift_every_n_steps and self._theta0 is None:
+        if self.sharded:  # FSDP: θ₀ of this rank's elements only (a checkpoint's full θ₀ is cut down to them)
+            check_sharded_settings(self)
+            if self.log_drift_every_n_steps:
+                views = shard_views(self.es_parameters(), self.trainer.strategy.model)
+                self._theta0 = local_snapshot(views) if self._theta0 is None else localize(views, self._theta0)
+        elif self.log_drift_every_n_steps and self._theta0 is None:
             self._theta0 = {n: p.detach().float().cpu().clone() for n, p in self.es_parameters()}
 
     # ------------------------------------------------------------------ the step
@@ -170,6 +177,9 @@ class ESModule(ReasoningModule):
     def training_step(self, batch: list[dict[str, Any]], batch_idx: int) -> None:
         examples = self._shared_batch(batch)
         step = self.global_step
+        if self.sharded:  # FSDP: every rank evaluates every member on its share of the prompts (es_sharded.py)
+            rollout_seed = _derive_seed(self.seed, step, "rollout")
+            return self._update_and_log(step, *evaluate_population_sharded(self, examples, step, rollout_seed))
         named = self.es_parameters()
         world, rank = self.trainer.world_size, self.trainer.global_rank
         mine = list(range(rank, self.population_size, world))
@@ -207,7 +217,11 @@ class ESModule(ReasoningModule):
         if world > 1:  # each rank filled only its members; the others are zero
             rewards = self.trainer.strategy.reduce(rewards, reduce_op="sum")
             success = self.trainer.strategy.reduce(success, reduce_op="sum")
+        self._update_and_log(step, rewards, success, t_gen, t_score)
 
+    def _update_and_log(self, step: int, rewards: torch.Tensor, success: torch.Tensor, t_gen: float, t_score: float):
+        """Normalise the N member rewards (identical on every rank), apply the seeded update through the ES optimizer
+        (one ``global_step``) and log the step's metrics."""
         t2 = time.perf_counter()
         self.last_rewards = rewards.clone()
         weights, stats = self._member_weights(rewards)
@@ -262,6 +276,10 @@ class ESModule(ReasoningModule):
         """‖θ − θ₀‖ / ‖θ₀‖ over the ES parameters (Ba et al. §4's D_rel), θ₀ being the weights at fit start."""
         if self._theta0 is None:
             return 0.0
+        if self.sharded:  # per-shard sums, reduced across ranks; a θ₀ restored from a checkpoint is full: cut it
+            views = shard_views(self.es_parameters(), self.trainer.strategy.model)
+            self._theta0 = localize(views, self._theta0)
+            return sharded_drift(views, self._theta0)
         num = den = 0.0
         for name, p in self.es_parameters():
             t0 = self._theta0[name]

@@ -1,0 +1,67 @@
+"""Sharding the policy with FSDP2 and keeping sharded generation in lockstep.
+
+Scale-out is the Trainer's job (DESIGN.md: "one recipe, any scale"): the trainer fragment picks DDP, FSDP or FSDP2 and
+the modules adapt. This file holds the two things a sharded policy needs beyond what Lightning does:
+
+- :func:`fully_shard_policy` — called from ``ReasoningModule.configure_model`` when Lightning's
+  ``ModelParallelStrategy`` provides a device mesh: ``torch.distributed.fsdp.fully_shard`` on every transformer block
+  (the model's ``_no_split_modules``, e.g. ``Qwen2DecoderLayer``) and then on the whole model, as torchtitan and
+  Lightning's FSDP2 examples do. The mesh: ``ModelParallelStrategy`` builds a 2-D ``(data_parallel, tensor_parallel)``
+  mesh whose defaults are ``(num_nodes, devices per node)``. es-lightning does no tensor parallelism, so it shards over
+  whichever dimension is larger than 1, and over both as HSDP (replicate across ``data_parallel``, shard within
+  ``tensor_parallel``) when both are: with the defaults that is full sharding on one node and, on many nodes, shards
+  within a node and replicas across nodes — the usual layout, since intra-node links are the fast ones.
+- :func:`sync_sharded_generation` — every FSDP forward all-gathers parameters, a collective all ranks must join. Ranks
+  generating different prompts finish at different lengths; transformers keeps the finished ones stepping (dummy
+  forwards) when ``generate(synced_gpus=True)``, which it turns on by itself for a module marked
+  ``_is_fsdp_managed_module`` (its own FSDP2 helper sets that mark). It is set only when the policy is sharded: under
+  DDP the ranks generate independently (different ES members) and must not wait for each other.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from es_lightning.es.sharding import is_sharded
+
+
+def _shard_mesh(mesh):
+    """The mesh FSDP2 shards over: see the module docstring."""
+    names = getattr(mesh, "mesh_dim_names", None) or ()
+    if mesh.ndim == 1 or not {"data_parallel", "tensor_parallel"} <= set(names):
+        return mesh
+    dp, tp = mesh["data_parallel"].size(), mesh["tensor_parallel"].size()
+    if dp > 1 and tp > 1:
+        return mesh  # HSDP: placements (Replicate, Shard(0))
+    return mesh["data_parallel"] if dp > 1 else mesh["tensor_parallel"]
+
+
+def fully_shard_policy(model: nn.Module, mesh: Any, reshard_after_forward: bool = True) -> nn.Module:
+    """FSDP2-shard a Hugging Face causal LM in place: each transformer block, then the root (embeddings, norm, head).
+
+    Parameters become DTensors sharded on dim 0; ``named_parameters()`` keeps the plain names, so ES noise keys do not
+    change. A model that is already sharded is returned as it is.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    if is_sharded(model):
+        return model
+    shard_mesh = _shard_mesh(mesh)
+    block_types = set(getattr(model, "_no_split_modules", None) or ())
+    for module in model.modules():
+        if module is not model and type(module).__name__ in block_types:
+            fully_shard(module, mesh=shard_mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=shard_mesh, reshard_after_forward=reshard_after_forward)
+    model._is_fsdp_managed_module = True  # generate(synced_gpus=True): see sync_sharded_generation
+    return model
+
+
+def sync_sharded_generation(model: nn.Module, root: nn.Module | None = None) -> bool:
+    """Mark a sharded policy so that transformers' ``generate`` runs with ``synced_gpus=True``; returns whether it is
+    sharded. ``root``: the trainer's wrapped model (FSDP1 wraps the LightningModule around the policy)."""
+    sharded = is_sharded(model, root)
+    if sharded:
+        model._is_fsdp_managed_module = True
+    return sharded
