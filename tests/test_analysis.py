@@ -400,3 +400,18 @@ def test_population_sweep_matches_es_lightning_fit(tmp_path, capsys):
         sweep_command(config=recipe, populations=[1], out_dir=str(tmp_path))
     with pytest.raises(FileNotFoundError, match="recipe"):
         sweep_command(config=str(tmp_path / "none.yaml"), out_dir=str(tmp_path))
+
+
+def test_builtin_evaluate_script_runs_on_the_shared_evaluation(tmp_path):
+    from es_lightning.builtin.evaluate import main
+
+    out = tmp_path / "builtin.json"
+    results = main(["--tasks", "addition", "--num-problems", "4", "--num-samples", "2", "--ks", "1", "2",
+                    "--max-new-tokens", "8", "--json", str(out)])
+    problems = heldout_problems(get_task("addition"), 4, 0)
+    policy = load_policy(BUILTIN)
+    sampled = evaluate_policy(policy, "addition", problems, num_samples=2, ks=[1, 2], temperature=1.0, max_new_tokens=8)
+    greedy = evaluate_policy(policy, "addition", problems, num_samples=1, ks=[1], temperature=0.0, max_new_tokens=8)
+    assert results["addition"] == {"pass@1": sampled["pass@1"], "pass@2": sampled["pass@2"], "format": sampled["format"],
+                                   "greedy": greedy["pass@1"]}
+    assert json.loads(out.read_text()) == results

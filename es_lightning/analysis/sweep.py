@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import gc
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -125,8 +126,10 @@ def population_sweep(
     rows: list[dict[str, Any]] = []
     problems = task = None
     for n in sizes:
-        cli = ESLightningCLI(args=_fit_args(config, n, steps, out / f"N{n}", batch_size, overrides), run=False,
-                             save_config_callback=None)
+        with warnings.catch_warnings():  # LightningCLI warns when args= is used while sys.argv holds the sweep's own
+            warnings.filterwarnings("ignore", message=".*LightningCLI's args parameter.*")
+            cli = ESLightningCLI(args=_fit_args(config, n, steps, out / f"N{n}", batch_size, overrides), run=False,
+                                 save_config_callback=None)
         module, trainer = cli.model, cli.trainer
         if not hasattr(module, "population_size"):
             raise ValueError(f"{config!r} configures {type(module).__name__}, not an ES module with a population_size")

@@ -1,14 +1,16 @@
-"""Pass@k of a policy on held-out procedural problems, per task — how the built-in model's figures were measured.
+"""Pass@k of a policy on held-out procedural problems, per task — how the built-in model's figures are measured.
 
 To run::
 
     python -m es_lightning.builtin.evaluate --model builtin:countdown-tiny --num-problems 200 --num-samples 32 \\
         --temperature 1.0
 
-For every task it draws ``--num-problems`` problems from the *held-out* pool (``procedural_split(task, "test", …)``,
-never seen in pretraining), samples ``--num-samples`` completions per problem with :class:`HFGenerator` (seeded), scores
-them with the task's verifier and reports Pass@k with the unbiased estimator (Chen et al. 2021, eq. 1), plus greedy
-(T=0) accuracy and the fraction of completions whose answer could be extracted at all.
+A thin front over :func:`es_lightning.analysis.evaluate_policy` (the evaluation behind ``es-lightning eval`` and the
+training-time :class:`~es_lightning.PassAtKCallback`): for every task it draws ``--num-problems`` problems from the
+*held-out* pool (``procedural_split(task, "test", …)``, never seen in pretraining), samples ``--num-samples`` seeded
+completions per problem, and reports Pass@k by the unbiased estimator (Chen et al. 2021, eq. 1), the fraction of
+completions whose answer could be extracted at all (``format``), and greedy (T=0) accuracy. ``es-lightning eval`` does
+the same for several models at once and adds Maj@k, entropy, JSON/Markdown files and a plot.
 """
 
 from __future__ import annotations
@@ -18,47 +20,12 @@ import json
 import os
 import time
 from collections.abc import Sequence
-from typing import Any
 
-import torch
-
-from es_lightning.data import procedural_split
-from es_lightning.generation import HFGenerator, SamplingParams
-from es_lightning.metrics import PassAtK
+from es_lightning.analysis.evaluate import evaluate_policy, heldout_problems
 from es_lightning.policy import Policy, load_policy
 from es_lightning.tasks import Task, get_task
 
 DEFAULT_TASKS = ("countdown", "addition", "sort")
-
-
-def correctness(
-    generator: HFGenerator,
-    task: Task,
-    problems: Sequence[dict[str, Any]],
-    num_samples: int,
-    params: SamplingParams,
-    seed: int,
-    prompts_per_call: int = 64,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[num_problems, num_samples]`` bool matrices: correct, and answer extractable (format)."""
-    correct, formatted = [], []
-    for start in range(0, len(problems), prompts_per_call):
-        chunk = problems[start : start + prompts_per_call]
-        prompts = generator.policy.render_prompts([task.prompt(p) for p in chunk], task.use_chat_template)
-        rollout = generator.generate(prompts, num_samples=num_samples, params=params, seed=seed + start)
-        for i, example in enumerate(chunk):
-            texts = rollout.texts[i * num_samples : (i + 1) * num_samples]
-            correct.append([task.is_correct(t, example) for t in texts])
-            formatted.append([_extractable(task, t) for t in texts])
-    return torch.tensor(correct, dtype=torch.bool), torch.tensor(formatted, dtype=torch.bool)
-
-
-def _extractable(task: Task, completion: str) -> bool:
-    """Whether the task finds an answer in the completion at all (right or wrong)."""
-    try:
-        return task.extract_answer(completion) is not None
-    except Exception:  # extract_answer must not raise, but a report should not die of a task bug either
-        return False
 
 
 def evaluate(
@@ -73,21 +40,18 @@ def evaluate(
     greedy: bool = True,
 ) -> dict[str, dict[str, float]]:
     """``{task: {"pass@1": …, "pass@4": …, "format": …, "greedy": …}}`` on ``num_problems`` held-out problems."""
-    generator = HFGenerator(policy)
     results: dict[str, dict[str, float]] = {}
     for spec in tasks:
-        task = get_task(spec, prompt_format="compact") if spec == "countdown" else get_task(spec)
-        problems = procedural_split(task, "test", num_problems, seed)
-        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, stop=task.stop_strings)
-        correct, formatted = correctness(generator, task, problems, num_samples, params, seed)  # [P, n] each
-        metric = PassAtK(ks=[k for k in ks if k <= num_samples])
-        metric.update(correct)
-        row = {name: float(v) for name, v in metric.compute().items()}
-        row["format"] = float(formatted.float().mean())
+        task = get_task(spec)
+        problems = heldout_problems(task, num_problems, seed)
+        ks_here = [k for k in ks if k <= num_samples]
+        scores = evaluate_policy(policy, task, problems, num_samples=num_samples, ks=ks_here, temperature=temperature,
+                                 max_new_tokens=max_new_tokens, seed=seed)
+        row = {f"pass@{k}": scores[f"pass@{k}"] for k in ks_here}
+        row["format"] = scores["format"]
         if greedy:
-            greedy_params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop=task.stop_strings)
-            greedy_correct, _ = correctness(generator, task, problems, 1, greedy_params, seed)
-            row["greedy"] = float(greedy_correct.float().mean())
+            row["greedy"] = evaluate_policy(policy, task, problems, num_samples=1, ks=[1], temperature=0.0,
+                                            max_new_tokens=max_new_tokens, seed=seed)["pass@1"]
         results[task.name] = row
     return results
 
