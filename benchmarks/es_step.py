@@ -8,7 +8,9 @@ To run (about 2 minutes on 2 CPU cores)::
 Each variant runs in a fresh process so that its peak memory (``ru_maxrss`` above the process's baseline after the
 model is loaded) is its own:
 
-(a) one ES step of :class:`es_lightning.ESModule` inside a real Lightning ``Trainer`` (timed per step by a callback);
+(a) one ES step of :class:`es_lightning.ESModule` inside a real Lightning ``Trainer`` (timed per step by a callback),
+    with ``members_per_batch`` = the whole population (``--members-per-batch`` to change it); (a1) the same, one member
+    at a time (``members_per_batch=1``, the lowest-memory mode);
 (b) a plain ES loop written the way the public reference code does it (Qiu et al. 2025): per member, seed → perturb
     every tensor in place with ``torch.randn`` → ``model.generate`` → score → regenerate the noise and subtract it;
     then the update, regenerating each member's noise again;
@@ -16,7 +18,7 @@ model is loaded) is its own:
 (d) the same N×B completions in a single batch — what a population-batched ES could reach;
 (e) one AdamW GRPO-style training step (forward + backward over the B×N sampled sequences, AdamW update).
 
-Prints a/b, a/c, a/d and each variant's peak memory; targets: a/c ≤ 1.15, a/b ≤ 0.8, ES memory ≤ 0.5 × (e).
+Prints a/b, a/c, a/d (and a1/b, a1/c) and each variant's peak memory; targets: a/c ≤ 1.15, a/b ≤ 0.8, ES memory ≤ 0.5 × (e).
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ def _hf_generate(policy, prompts, max_new_tokens):
     return policy.tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
 
 
-def variant_a(args):
+def variant_a(args, members_per_batch=None):
     import lightning as L
 
     from es_lightning import ESModule, ReasoningDataModule
@@ -71,7 +73,8 @@ def variant_a(args):
             self.times.append(time.perf_counter() - self.t)
 
     module = ESModule(model=args.model, population_size=args.population, sigma=5e-3, lr=1e-2,
-                      max_new_tokens=args.max_new_tokens, temperature=0.0, log_drift_every_n_steps=0)
+                      max_new_tokens=args.max_new_tokens, temperature=0.0, log_drift_every_n_steps=0,
+                      members_per_batch=members_per_batch or args.members_per_batch or args.population)
     module.configure_model()
     base = _rss_mb()
     dm = ReasoningDataModule(task="countdown", train_size=args.batch * (args.steps + 1), val_size=4, test_size=4,
@@ -151,6 +154,7 @@ def variant_e(args):
 
 VARIANTS = {
     "a": variant_a,
+    "a1": lambda args: variant_a(args, members_per_batch=1),
     "b": variant_b,
     "c": variant_c,
     "d": lambda args: variant_c(args, one_batch=True),
@@ -165,9 +169,16 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--steps", type=int, default=3, help="timed steps per variant (the first is a warm-up)")
+    parser.add_argument("--members-per-batch", type=int, default=0,
+                        help="ESModule(members_per_batch=...) for (a); 0 = the whole population in one batch")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads per variant (1: steadier figures on a shared machine)")
     parser.add_argument("--variant", choices=sorted(VARIANTS))
     args = parser.parse_args()
     if args.variant:
+        import torch
+
+        torch.set_num_threads(args.threads)
         print(json.dumps(VARIANTS[args.variant](args)))
         return
     results = {}
@@ -175,17 +186,24 @@ def main() -> None:
         cmd = [sys.executable, __file__, "--variant", name] + [
             f"--model={args.model}", f"--population={args.population}", f"--batch={args.batch}",
             f"--max-new-tokens={args.max_new_tokens}", f"--steps={args.steps}",
+            f"--members-per-batch={args.members_per_batch}", f"--threads={args.threads}",
         ]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
         results[name] = json.loads(out)
         print(f"({name}) {results[name]['s_per_step']:.3f} s/step, peak +{results[name]['peak_mb']:.1f} MB", flush=True)
-    a, b, c, d, e = (results[k] for k in "abcde")
-    print(f"\nN={args.population} B={args.batch} max_new_tokens={args.max_new_tokens} model={args.model}")
+    a, a1, b, c, d, e = (results[k] for k in ("a", "a1", "b", "c", "d", "e"))
+    k = args.members_per_batch or args.population
+    print(f"\nN={args.population} B={args.batch} max_new_tokens={args.max_new_tokens} model={args.model} "
+          f"(a: members_per_batch={k}; a1: members_per_batch=1)")
     print(f"a/b (ESModule / plain ES loop)        = {a['s_per_step'] / b['s_per_step']:.2f}   target <= 0.80")
     print(f"a/c (ESModule / inference, N calls)   = {a['s_per_step'] / c['s_per_step']:.2f}   target <= 1.15")
     print(f"a/d (ESModule / inference, one batch) = {a['s_per_step'] / d['s_per_step']:.2f}   reported")
+    print(f"a1/b, a1/c (one member at a time)     = {a1['s_per_step'] / b['s_per_step']:.2f}, "
+          f"{a1['s_per_step'] / c['s_per_step']:.2f}   reported")
     print(f"ES peak memory / AdamW step peak      = {a['peak_mb']:.1f} MB / {e['peak_mb']:.1f} MB"
           f" = {a['peak_mb'] / max(e['peak_mb'], 1e-9):.2f}   target <= 0.50")
+    print(f"ES peak memory, one member at a time  = {a1['peak_mb']:.1f} MB"
+          f" = {a1['peak_mb'] / max(e['peak_mb'], 1e-9):.2f} of the AdamW step's")
 
 
 if __name__ == "__main__":

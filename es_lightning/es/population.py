@@ -106,6 +106,10 @@ def _batched_forward(module: nn.Module, members: dict[str, Tensor], k: int):
         return embedding
 
     cls_forward = type(module).forward
+    if set(members) == {"weight"} and members["weight"].dim() == 2:
+        scale = _elementwise_scale_forward(module, members["weight"], k, cls_forward)
+        if scale is not None:
+            return scale
 
     def generic(self, x: Tensor, *args, **kwargs) -> Tensor:  # x [k·R, ...]; other arguments shared by all members
         def one(params: dict[str, Tensor], xi: Tensor) -> Tensor:
@@ -116,6 +120,35 @@ def _batched_forward(module: nn.Module, members: dict[str, Tensor], k: int):
         return out.reshape(x.shape[0], *out.shape[2:])
 
     return generic
+
+
+def _elementwise_scale_forward(module: nn.Module, weight: Tensor, k: int, cls_forward):
+    """Fast path for norms of the form ``f(x; w) = w ⊙ g(x)`` (RMSNorm, LayerNorm without bias): ``g(x)`` once for
+    the whole batch (the module run with ``w = 1``), then one broadcast multiply by each member's ``w``.
+
+    Whether a module has that form is not assumed from its class: it is checked on a probe input against the module's
+    own forward (Gemma's ``(1 + w) ⊙ g(x)`` fails the check and takes the generic path). Returns ``None`` if it fails.
+    """
+    ones = {"weight": torch.ones_like(weight[0])}
+    d = weight.shape[-1]
+    probe = torch.linspace(-2.0, 3.0, 2 * d, device=weight.device, dtype=weight.dtype).view(2, d)
+    member = weight[min(1, k - 1)]
+    try:
+        with torch.no_grad():
+            expected = torch.func.functional_call(module, {"weight": member}, (probe,), strict=False)
+            got = member * torch.func.functional_call(module, ones, (probe,), strict=False)
+    except Exception:
+        return None
+    if expected.shape != got.shape or not torch.equal(expected, got):
+        return None
+
+    def scale(self, x: Tensor, *args, **kwargs) -> Tensor:  # x [k·R, ..., d]
+        with _unpatched(module, cls_forward):
+            g = torch.func.functional_call(module, ones, (x, *args), kwargs, strict=False)  # [k·R, ..., d]
+        gs = _split(g, k)  # [k, R, ..., d]
+        return (weight.view(k, *([1] * (gs.dim() - 2)), d) * gs).reshape(g.shape)
+
+    return scale
 
 
 class _unpatched:
