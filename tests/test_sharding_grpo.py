@@ -1,0 +1,132 @@
+"""GRPO data-parallel (DDP) and sharded (FSDP2 through ModelParallelStrategy): one step on 2 real CPU processes (gloo)
+gives the weights of a 1-process step over the same batch.
+
+The batch is fixed: 4 prompts, 2 per rank under 2 processes (the data module hands rank r every r-th batch of 2, which
+together are the 1-process batch of 4), and each prompt's group is sampled on its own with a seed of its own, so the
+rollouts do not depend on which rank or batch row a prompt lands on. What is compared is what the strategy changes: the
+loss normalisation across ranks (``dapo``'s global token count), the gradient averaging of DDP / reduce-scatter of FSDP2,
+clipping of the global norm, and the AdamW step on full vs sharded parameters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import lightning as L
+import pytest
+import torch
+
+from es_lightning import ReasoningDataModule
+from es_lightning.generation import Rollout
+from es_lightning.modules.grpo import GRPOModule
+
+GRPO_KW = dict(group_size=4, lr=1e-2, max_new_tokens=6, loss_type="dapo", max_grad_norm=1.0)
+DATA_KW = dict(task="countdown", train_size=16, val_size=4, test_size=4)
+
+
+def _pad_left(t: torch.Tensor, width: int, value: int) -> torch.Tensor:
+    return torch.cat([t.new_full((t.shape[0], width - t.shape[1]), value), t], 1)
+
+
+def _pad_right(t: torch.Tensor, width: int, value) -> torch.Tensor:
+    return torch.cat([t, t.new_full((t.shape[0], width - t.shape[1]), value)], 1)
+
+
+def merge_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
+    """Concatenate per-prompt rollouts: prompts left-padded, completions right-padded to common widths."""
+    P = max(r.prompt_ids.shape[1] for r in parts)
+    C = max(r.completion_ids.shape[1] for r in parts)
+    return Rollout(
+        texts=[t for r in parts for t in r.texts],
+        prompt_ids=torch.cat([_pad_left(r.prompt_ids, P, pad_id) for r in parts]),
+        prompt_mask=torch.cat([_pad_left(r.prompt_mask, P, 0) for r in parts]),
+        completion_ids=torch.cat([_pad_right(r.completion_ids, C, pad_id) for r in parts]),
+        completion_mask=torch.cat([_pad_right(r.completion_mask, C, 0) for r in parts]),
+        truncated=torch.cat([r.truncated for r in parts]),
+        num_samples=parts[0].num_samples,
+        logprobs=torch.cat([_pad_right(r.logprobs, C, 0.0) for r in parts]),
+        entropy=torch.cat([_pad_right(r.entropy, C, 0.0) for r in parts]),
+    )
+
+
+class PerPromptGRPO(GRPOModule):
+    """GRPO whose groups are sampled prompt by prompt, seeded by the prompt: the same rollouts on any layout."""
+
+    def rollout(self, examples, num_samples=1, params=None, seed=None, return_logprobs=False):
+        parts = []
+        for example in examples:
+            prompt = self.prompts([example])
+            prompt_seed = sum(map(ord, prompt[0])) * 1000 + self.global_step
+            parts.append(self.generator.generate(prompt, num_samples, params or self.sampling_params(),
+                                                 seed=prompt_seed, return_logprobs=True))
+        rollout = merge_rollouts(parts, self.tokenizer.pad_token_id)
+        return rollout, torch.tensor([sum(map(ord, t)) % 97 / 97 for t in rollout.texts])  # rewards that differ
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, sys, torch, lightning as L
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    sys.path.insert(0, {tests!r})
+    from test_sharding_grpo import GRPO_KW, DATA_KW, PerPromptGRPO
+    from es_lightning import ReasoningDataModule
+
+    if __name__ == "__main__":
+        torch.set_num_threads(1)
+        mode = sys.argv[1]
+        module = PerPromptGRPO(model={model!r}, **GRPO_KW)
+        trainer = L.Trainer(max_steps=1, accelerator="cpu", devices=2,
+                            strategy=ModelParallelStrategy() if mode == "fsdp2" else "ddp", logger=False,
+                            enable_checkpointing=False, limit_val_batches=0, num_sanity_val_steps=0,
+                            enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(module, ReasoningDataModule(batch_size=2, **DATA_KW))
+        weights = {{n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().flatten().tolist()
+                   for n, p in module.model.named_parameters()}}
+        if trainer.global_rank == 0:
+            json.dump({{"weights": weights, "step": trainer.global_step, "sharded": module.sharded,
+                       "grad_norm": float(trainer.callback_metrics["train/grad_norm"])}},
+                      open({out!r} + f"/{{mode}}.json", "w"))
+    """
+)
+
+
+def _single_process_step(model_dir: str) -> tuple[dict[str, torch.Tensor], float]:
+    module = PerPromptGRPO(model=model_dir, **GRPO_KW)
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        limit_val_batches=0, num_sanity_val_steps=0, enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.fit(module, ReasoningDataModule(batch_size=4, **DATA_KW))
+    weights = {n: p.detach().flatten().clone() for n, p in module.model.named_parameters()}
+    return weights, float(trainer.callback_metrics["train/grad_norm"])
+
+
+@pytest.fixture(scope="module")
+def single(tiny_model_dir):
+    return _single_process_step(tiny_model_dir)
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_grpo_step_on_two_processes_equals_single_process(mode, single, tiny_model_dir, tmp_path):
+    script = tmp_path / "grpo_dist.py"
+    tests = os.path.dirname(os.path.abspath(__file__))
+    script.write_text(SCRIPT.format(tests=tests, out=str(tmp_path), model=tiny_model_dir))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run([sys.executable, str(script), mode], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads((tmp_path / f"{mode}.json").read_text())
+    assert result["step"] == 1 and result["sharded"] == (mode == "fsdp2")
+    start = {n: p.detach().flatten() for n, p in GRPOModule(model=tiny_model_dir).policy.model.named_parameters()}
+    single, grad_norm = single
+    assert single.keys() == result["weights"].keys()
+    # the global gradient (before clipping) has the 1-process norm: ranks' losses and gradients combine to the whole
+    # batch's (AdamW's first step is scale-invariant, so the weights alone would not show a scale error)
+    assert result["grad_norm"] == pytest.approx(grad_norm, rel=1e-4)
+    moved = max(float((single[n] - start[n]).abs().max()) for n in single)
+    assert moved > 1e-3, "the 1-process step changed the weights"
+    diff = max(float((torch.tensor(result["weights"][n]) - single[n]).abs().max()) for n in single)
+    assert diff < 1e-4, diff  # lr / 100; AdamW's first step is ~±lr per element, so any wrong direction shows
