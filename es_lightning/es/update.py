@@ -65,6 +65,7 @@ class ESOptimizer(torch.optim.Optimizer):
         self.names = [n for n, _ in named_params]
         super().__init__([p for _, p in named_params], dict(lr=lr, sigma=sigma, scale=scale))
         self._pending: tuple[int, int, Tensor, Tensor] | None = None
+        self._noise_cache: dict[tuple[int, str], Tensor] = {}
         self.last_update_norm = 0.0
         #: the trainer's wrapped model when it may hold FSDP1 units (set by ESModule); DTensors need nothing
         self.shard_root: torch.nn.Module | None = None
@@ -74,9 +75,22 @@ class ESOptimizer(torch.optim.Optimizer):
         for p in self.param_groups[0]["params"]:
             self.state[p]["step"] = torch.zeros((), dtype=torch.float32)
 
-    def set_update(self, seed: int, step: int, noise_ids: Tensor, weights: Tensor) -> None:
-        """The next ``step()`` applies ``Σ_m weights[m] · ε(seed, step, noise_ids[m])`` (antithetic pairs share ids)."""
+    def set_update(
+        self,
+        seed: int,
+        step: int,
+        noise_ids: Tensor,
+        weights: Tensor,
+        noise_cache: dict[tuple[int, str], Tensor] | None = None,
+    ) -> None:
+        """The next ``step()`` applies ``Σ_m weights[m] · ε(seed, step, noise_ids[m])`` (antithetic pairs share ids).
+
+        ``noise_cache`` maps ``(noise id, parameter name)`` to that noise, flat fp32, when the caller still holds it
+        (``ESModule`` with ``members_per_batch > 1`` drew it this step): it is the same function's output, so using it
+        instead of regenerating changes nothing but the time. Missing entries are regenerated.
+        """
         self._pending = (seed, step, noise_ids.clone(), weights.detach().float().cpu().clone())
+        self._noise_cache = noise_cache or {}
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -88,6 +102,7 @@ class ESOptimizer(torch.optim.Optimizer):
             raise RuntimeError("ESOptimizer.step() called without set_update(); ESModule sets it every step")
         seed, step, noise_ids, weights = self._pending
         self._pending = None
+        cache, self._noise_cache = self._noise_cache, {}
         group = self.param_groups[0]
         n = len(weights)
         coef = group["lr"] / n / (group["sigma"] if group["scale"] == "textbook" else 1.0)
@@ -102,7 +117,9 @@ class ESOptimizer(torch.optim.Optimizer):
         for view in shard_views(zip(self.names, group["params"]), self.shard_root):
             acc = torch.zeros(view.local.numel(), dtype=torch.float32, device=view.local.device)  # fp32 accumulator
             for member, w in active:
-                acc.add_(view.noise(seed, step, member), alpha=w)
+                cached = cache.get((member, view.name))
+                usable = cached is not None and view.index is None and cached.numel() == view.local.numel()
+                acc.add_(cached.to(acc.device) if usable else view.noise(seed, step, member), alpha=w)
             acc.mul_(coef)
             sq += float(acc.square().sum()) / view.replicas
             view.write(view.local.float().reshape(-1) + acc)
@@ -110,3 +127,4 @@ class ESOptimizer(torch.optim.Optimizer):
             sq = all_reduce_sum([sq], group["params"][0].device)[0]
         self.last_update_norm = sq**0.5
         return None
+

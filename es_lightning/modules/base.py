@@ -170,13 +170,13 @@ class ReasoningModule(L.LightningModule):
     ) -> EvalBatch:
         """``num_samples`` completions per problem → correctness matrix, answers and token entropies."""
         rollout = self.generator.generate(self.prompts(examples), num_samples, params, seed=seed, return_logprobs=True)
-        task = self.task
-        correct, answers, rewards = [], [], []
-        for i, ex in enumerate(examples):
-            texts = rollout.texts[i * num_samples:(i + 1) * num_samples]
-            correct.append([task.is_correct(t, ex) for t in texts])
-            answers.append([task._safe_extract(t) for t in texts])
-            rewards.append(task.reward(texts, [ex] * num_samples))
+        flat_answers, flat_correct, flat_rewards = self.task.grade(
+            rollout.texts, [e for e in examples for _ in range(num_samples)]
+        )
+        rows = range(0, len(rollout.texts), num_samples)
+        correct = [flat_correct[i:i + num_samples] for i in rows]  # [P][n]
+        answers = [flat_answers[i:i + num_samples] for i in rows]
+        rewards = [flat_rewards[i:i + num_samples] for i in rows]
         return EvalBatch(
             correct=torch.tensor(correct, dtype=torch.bool),
             answers=answers,

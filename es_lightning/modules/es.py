@@ -27,6 +27,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from es_lightning.es.noise import param_noise
+from es_lightning.es.population import PopulationForward
 from es_lightning.es.sharding import clean_name, local_snapshot, localize, shard_views, sharded_drift
 from es_lightning.es.update import NORMALIZATIONS, ESOptimizer, normalize_rewards
 from es_lightning.metrics import js_succ, population_pass
@@ -56,6 +57,10 @@ class ESModule(ReasoningModule):
         reward_normalization: ``"zscore"`` (papers), ``"rank"``, ``"centered"`` or ``"none"``.
         antithetic: mirrored pairs (ε, −ε) (Salimans et al. 2017); off in both papers.
         samples_per_member: completions per prompt per member (Ba et al.: 1, greedy).
+        members_per_batch: members evaluated together in one batched ``generate`` (member-major rows, each member's
+            block through its own weights: :mod:`es_lightning.es.population`). 1 (default) perturbs the model in place
+            member by member and keeps one model-sized buffer; k > 1 holds k perturbed copies at once and is much
+            faster when per-call overhead dominates (small models; large batches on a GPU). Same rewards either way.
         temperature: 0 = greedy (Ba et al.); > 0 samples with common random numbers across members.
         trainable: regex; only parameters whose name matches are perturbed and updated (default: all).
         seed: base seed of noise and rollouts; a resumed run regenerates the same noise.
@@ -78,6 +83,7 @@ class ESModule(ReasoningModule):
         reward_normalization: str = "zscore",
         antithetic: bool = False,
         samples_per_member: int = 1,
+        members_per_batch: int = 1,
         temperature: float = 0.0,
         max_new_tokens: int = 32,
         top_p: float = 1.0,
@@ -93,7 +99,7 @@ class ESModule(ReasoningModule):
         self.configure_es(
             population_size=population_size, sigma=sigma, lr=lr, update_scale=update_scale,
             reward_normalization=reward_normalization, antithetic=antithetic, samples_per_member=samples_per_member,
-            trainable=trainable, log_drift_every_n_steps=log_drift_every_n_steps,
+            members_per_batch=members_per_batch, trainable=trainable, log_drift_every_n_steps=log_drift_every_n_steps,
         )
 
     def configure_es(
@@ -105,6 +111,7 @@ class ESModule(ReasoningModule):
         reward_normalization: str = "zscore",
         antithetic: bool = False,
         samples_per_member: int = 1,
+        members_per_batch: int = 1,
         trainable: str | None = None,
         log_drift_every_n_steps: int = 1,
     ) -> None:
@@ -123,6 +130,8 @@ class ESModule(ReasoningModule):
             raise ValueError(f"update_scale must be 'alpha' or 'textbook', got {update_scale!r}")
         if samples_per_member < 1:
             raise ValueError(f"samples_per_member must be >= 1, got {samples_per_member}")
+        if members_per_batch < 1:
+            raise ValueError(f"members_per_batch must be >= 1, got {members_per_batch}")
         self.population_size = population_size
         self.sigma = sigma
         self.lr = lr
@@ -130,6 +139,7 @@ class ESModule(ReasoningModule):
         self.reward_normalization = reward_normalization
         self.antithetic = antithetic
         self.samples_per_member = samples_per_member
+        self.members_per_batch = members_per_batch
         self.trainable = trainable
         self.log_drift_every_n_steps = log_drift_every_n_steps
         #: (members evaluated on this rank so far, members this rank evaluates) — read by progress bars
@@ -152,10 +162,23 @@ class ESModule(ReasoningModule):
         """(noise id, sign) of a member: antithetic pairs (2k, 2k+1) share noise id k with opposite signs."""
         return (member // 2, 1.0 if member % 2 == 0 else -1.0) if self.antithetic else (member, 1.0)
 
+    def _perturbed(
+        self, centre: torch.Tensor, name: str, step: int, noise_id: int, sign: float, eps: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """θ + sign·σ·ε for one parameter, computed in fp32 and cast once to the parameter's dtype."""
+        if eps is None:
+            eps = param_noise(self.seed, step, noise_id, name, centre.numel(), device=centre.device)
+        return (centre.float() + (sign * self.sigma) * eps.view_as(centre)).to(centre.dtype)
+
     def configure_optimizers(self):
         return ESOptimizer(self.es_parameters(), lr=self.lr, sigma=self.sigma, scale=self.update_scale)
 
     def on_fit_start(self) -> None:
+        if self.members_per_batch > 1 and self.generation_backend != "hf":
+            raise ValueError(
+                f"members_per_batch={self.members_per_batch} needs generation_backend='hf' (population-batched forwards "
+                "patch the transformers model); set members_per_batch: 1 with other backends"
+            )
         for _, p in self.policy.model.named_parameters():
             p.grad = None
         if self.sharded:  # FSDP: θ₀ of this rank's elements only (a checkpoint's full θ₀ is cut down to them)
@@ -185,41 +208,79 @@ class ESModule(ReasoningModule):
         mine = list(range(rank, self.population_size, world))
         rollout_seed = _derive_seed(self.seed, step, "rollout")
         params = self.sampling_params()
-        base = [p.detach().clone() for _, p in named]  # the one model-sized buffer: exact restore
+        # one member at a time: a copy of θ is the one model-sized buffer (exact restore); batched members never
+        # touch the centre weights
+        base = [p.detach().clone() for _, p in named] if self.members_per_batch == 1 else None
         rewards = torch.zeros(self.population_size)
         success = torch.zeros(self.population_size, len(examples))  # [N, B] success rate per member and prompt
         t_gen = t_score = 0.0
         task = self.task
         prompts = self.prompts(examples)  # the same for every member: render once per step
         repeated = [e for e in examples for _ in range(self.samples_per_member)]
+        rows = len(repeated)
         self.population_progress = (0, len(mine))
-        for i, member in enumerate(mine):
-            noise_id, sign = self.member_noise(member)
-            for (name, p), b in zip(named, base):
-                eps = param_noise(self.seed, step, noise_id, name, p.numel(), device=p.device).view_as(p)
-                p.copy_((b.float() + (sign * self.sigma) * eps).to(p.dtype))
+        # when this rank's members fit in one batch their noise is already held (k copies): the update reuses it
+        keep_noise = 1 < len(mine) <= self.members_per_batch
+        noise_cache: dict[tuple[int, str], torch.Tensor] = {}
+        for start in range(0, len(mine), self.members_per_batch):
+            chunk = mine[start:start + self.members_per_batch]
             t0 = time.perf_counter()
-            rollout = self.generator.generate(prompts, self.samples_per_member, params, seed=rollout_seed)
+            if base is not None:  # one member at a time, perturbed in place
+                noise_id, sign = self.member_noise(chunk[0])
+                for (name, p), b in zip(named, base):
+                    p.copy_(self._perturbed(b, name, step, noise_id, sign))
+                rollout = self.generator.generate(prompts, self.samples_per_member, params, seed=rollout_seed)
+            else:  # ``len(chunk)`` members as one batch, member-major, with common random numbers
+                stacked = {}  # {name: [k, *shape]}
+                for name, p in named:
+                    values = []
+                    for m in chunk:
+                        noise_id, sign = self.member_noise(m)
+                        eps = noise_cache.get((noise_id, name))
+                        if eps is None:
+                            eps = param_noise(self.seed, step, noise_id, name, p.numel(), device=p.device)
+                            if keep_noise:  # the update reuses it instead of drawing it again
+                                noise_cache[(noise_id, name)] = eps
+                        values.append(self._perturbed(p.detach(), name, step, noise_id, sign, eps=eps))
+                    stacked[name] = torch.stack(values)
+                with PopulationForward(self.policy.model, stacked):
+                    rollout = self.generator.generate(
+                        prompts * len(chunk), self.samples_per_member, params, seed=rollout_seed,
+                        common_random_blocks=len(chunk),
+                    )
+                del stacked
             t1 = time.perf_counter()
-            r = torch.tensor(task.reward(rollout.texts, repeated), dtype=torch.float32)
-            ok = torch.tensor([task.is_correct(t, e) for t, e in zip(rollout.texts, repeated)], dtype=torch.float32)
-            rewards[member] = r.mean()
-            success[member] = ok.view(len(examples), self.samples_per_member).mean(-1)
+            _, ok, r = task.grade(rollout.texts, repeated * len(chunk))  # each completion parsed once
+            r = torch.tensor(r, dtype=torch.float32).view(len(chunk), rows)  # [k, B*n]
+            ok = torch.tensor(ok, dtype=torch.float32).view(len(chunk), len(examples), self.samples_per_member)
+            for j, member in enumerate(chunk):
+                rewards[member] = r[j].mean()
+                success[member] = ok[j].mean(-1)
             t_score += time.perf_counter() - t1
             t_gen += t1 - t0
-            self.population_progress = (i + 1, len(mine))
+            done = start + len(chunk)
+            self.population_progress = (done, len(mine))
             for cb in self.trainer.callbacks:  # e.g. es_lightning.callbacks.StageProgressBar
                 if hasattr(cb, "on_population_progress"):
-                    cb.on_population_progress(self.trainer, self, i + 1, len(mine))
-        for (_, p), b in zip(named, base):
-            p.copy_(b)  # bit-for-bit restore of the centre weights
-        del base
+                    cb.on_population_progress(self.trainer, self, done, len(mine))
+        if base is not None:
+            for (_, p), b in zip(named, base):
+                p.copy_(b)  # bit-for-bit restore of the centre weights
+            del base
         if world > 1:  # each rank filled only its members; the others are zero
             rewards = self.trainer.strategy.reduce(rewards, reduce_op="sum")
             success = self.trainer.strategy.reduce(success, reduce_op="sum")
-        self._update_and_log(step, rewards, success, t_gen, t_score)
+        self._update_and_log(step, rewards, success, t_gen, t_score, noise_cache)
 
-    def _update_and_log(self, step: int, rewards: torch.Tensor, success: torch.Tensor, t_gen: float, t_score: float):
+    def _update_and_log(
+        self,
+        step: int,
+        rewards: torch.Tensor,
+        success: torch.Tensor,
+        t_gen: float,
+        t_score: float,
+        noise_cache: dict[tuple[int, str], torch.Tensor] | None = None,
+    ):
         """Normalise the N member rewards (identical on every rank), apply the seeded update through the ES optimizer
         (one ``global_step``) and log the step's metrics."""
         t2 = time.perf_counter()
@@ -228,7 +289,8 @@ class ESModule(ReasoningModule):
         noise_ids = torch.tensor([self.member_noise(m)[0] for m in range(self.population_size)])
         signs = torch.tensor([self.member_noise(m)[1] for m in range(self.population_size)])
         opt = self.optimizers()
-        opt.optimizer.set_update(self.seed, step, noise_ids, weights * signs)
+        opt.optimizer.set_update(self.seed, step, noise_ids, weights * signs, noise_cache=noise_cache)
+        del noise_cache
         opt.step()
         t_update = time.perf_counter() - t2
 
