@@ -91,6 +91,9 @@ def test_load_model_errors_name_the_problem(tmp_path):
     garbage.write_text("not a checkpoint")
     with pytest.raises(ValueError, match="not a PyTorch Lightning checkpoint"):
         load_model(str(garbage))
+    (tmp_path / "sharded.ckpt").mkdir()
+    with pytest.raises(ValueError, match="sharded.*consolidate_checkpoint"):
+        load_model(str(tmp_path / "sharded.ckpt"))
 
 
 # --------------------------------------------------------------------------- drift

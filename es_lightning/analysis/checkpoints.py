@@ -56,6 +56,12 @@ def is_lightning_checkpoint(spec: str) -> bool:
 def read_checkpoint(path: str) -> dict[str, Any]:
     """The checkpoint dictionary of an es-lightning module, checked: a clear error for anything else."""
     file = Path(os.path.expanduser(path))
+    if file.is_dir():
+        raise ValueError(
+            f"{path!r} is a directory: a sharded (distributed, e.g. FSDP) checkpoint. Consolidate it into one file with "
+            f"`python -m lightning.fabric.utilities.consolidate_checkpoint {path}` and pass the result, or pass a "
+            "Hugging Face export of the model (HFExport)"
+        )
     if not file.is_file():
         raise FileNotFoundError(
             f"checkpoint {path!r} does not exist; pass a .ckpt written by `es-lightning fit` (e.g. "
