@@ -91,6 +91,10 @@ def test_load_model_errors_name_the_problem(tmp_path):
     garbage.write_text("not a checkpoint")
     with pytest.raises(ValueError, match="not a PyTorch Lightning checkpoint"):
         load_model(str(garbage))
+    orphan = tmp_path / "orphan.ckpt"
+    torch.save({"state_dict": {"model.lm_head.weight": torch.zeros(2)}, "hyper_parameters": {"model": "./gone"}}, orphan)
+    with pytest.raises(FileNotFoundError, match="trained from base model './gone'"):
+        load_model(str(orphan))
     (tmp_path / "sharded.ckpt").mkdir()
     with pytest.raises(ValueError, match="sharded.*consolidate_checkpoint"):
         load_model(str(tmp_path / "sharded.ckpt"))

@@ -103,11 +103,17 @@ def load_model(spec: str, dtype: str | torch.dtype | None = None, trust_remote_c
     checkpoint = read_checkpoint(spec)
     hparams = dict(checkpoint["hyper_parameters"])
     base = str(hparams["model"])
-    policy = load_policy(
-        base,
-        dtype=dtype or hparams.get("dtype", "float32"),
-        trust_remote_code=trust_remote_code or bool(hparams.get("trust_remote_code", False)),
-    )
+    try:
+        policy = load_policy(
+            base,
+            dtype=dtype or hparams.get("dtype", "float32"),
+            trust_remote_code=trust_remote_code or bool(hparams.get("trust_remote_code", False)),
+        )
+    except FileNotFoundError as err:
+        raise FileNotFoundError(
+            f"{spec!r} was trained from base model {base!r} (its 'model' hyperparameter), which cannot be loaded: {err}. "
+            "A relative path is read from the current directory: run from where the training ran."
+        ) from err
     state = {k[len(STATE_PREFIX):]: v for k, v in checkpoint["state_dict"].items() if k.startswith(STATE_PREFIX)}
     load_weights(policy.model, state, source=spec)
     return LoadedModel(policy=policy, spec=spec, base=base, hyperparameters=hparams, global_step=checkpoint.get("global_step"))
