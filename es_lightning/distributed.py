@@ -11,6 +11,10 @@ the modules adapt. This file holds the two things a sharded policy needs beyond 
   whichever dimension is larger than 1, and over both as HSDP (replicate across ``data_parallel``, shard within
   ``tensor_parallel``) when both are: with the defaults that is full sharding on one node and, on many nodes, shards
   within a node and replicas across nodes — the usual layout, since intra-node links are the fast ones.
+- :func:`gathered_for_generation` — FSDP1 (``FSDPStrategy``) gathers a unit's parameters only inside that unit's
+  forward, and its root unit wraps the LightningModule, whose "forward" is the training/validation step. Generation
+  inside a step is therefore fine, but a callback generating after the step (``PassAtKCallback``) must gather the root
+  unit's parameters itself: ``FSDP.summon_full_params(root, recurse=False)`` (the inner units gather themselves).
 - :func:`sync_sharded_generation` — every FSDP forward all-gathers parameters, a collective all ranks must join. Ranks
   generating different prompts finish at different lengths; transformers keeps the finished ones stepping (dummy
   forwards) when ``generate(synced_gpus=True)``, which it turns on by itself for a module marked
@@ -20,6 +24,7 @@ the modules adapt. This file holds the two things a sharded policy needs beyond 
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from torch import nn
@@ -65,3 +70,18 @@ def sync_sharded_generation(model: nn.Module, root: nn.Module | None = None) -> 
     if sharded:
         model._is_fsdp_managed_module = True
     return sharded
+
+
+def gathered_for_generation(module) -> AbstractContextManager:
+    """A context for generating outside a training/validation step: under FSDP1 the root unit's parameters are
+    gathered for its duration; a no-op otherwise (FSDP2 units gather in their own forwards)."""
+    trainer = getattr(module, "_trainer", None)
+    root = trainer.strategy.model if trainer is not None else None
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp._common_utils import TrainingState
+    except ImportError:  # pragma: no cover
+        return nullcontext()
+    if not isinstance(root, FSDP) or root.training_state != TrainingState.IDLE:  # not FSDP1, or inside the step
+        return nullcontext()
+    return FSDP.summon_full_params(root, recurse=False, writeback=False)

@@ -42,7 +42,7 @@ SCRIPT = textwrap.dedent(
     from lightning.pytorch.strategies import ModelParallelStrategy
     sys.path.insert(0, {tests!r})
     from test_sharding_es import ES_KW, DATA_KW, LengthTask
-    from es_lightning import ESModule, ReasoningDataModule
+    from es_lightning import ESModule, PassAtKCallback, ReasoningDataModule
 
     def full_weights(module):  # a collective under FSDP2: every rank calls it
         out = {{}}
@@ -64,6 +64,9 @@ SCRIPT = textwrap.dedent(
         if checkpoints:
             callbacks.append(ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=1, save_top_k=-1,
                                              filename="{{step}}"))
+            # training-time Pass@k on 3 problems, 1 per call: rank 0 makes 2 generate calls, rank 1 one (+1 spare)
+            callbacks.append(PassAtKCallback(num_samples=2, ks=(1,), every_n_train_steps=1, num_problems=3,
+                                             batch_size=1))
         trainer = L.Trainer(max_steps=2, accelerator="cpu", devices=2, strategy=ModelParallelStrategy(),
                             logger=False, enable_checkpointing=bool(checkpoints), limit_val_batches=0,
                             num_sanity_val_steps=0, enable_progress_bar=False, enable_model_summary=False,
@@ -75,12 +78,14 @@ SCRIPT = textwrap.dedent(
         torch.set_num_threads(1)
         out = {out!r}
         trainer, module, first = fit(checkpoints=out + "/ckpt")
+        history = [cb for cb in trainer.callbacks if isinstance(cb, PassAtKCallback)][0].history
         shards = [(n, p.to_local().numel(), p.numel()) for n, p in module.model.named_parameters()]
         trainer2, module2, resumed = fit(ckpt_path=out + "/ckpt/step=1.ckpt")
         if trainer.global_rank == 0:
             json.dump({{"weights": first.weights, "drift": first.drift, "resumed_weights": resumed.weights,
                        "resumed_drift": resumed.drift, "steps": [trainer.global_step, trainer2.global_step],
-                       "rewards": module.last_rewards.tolist()}}, open(out + "/result.json", "w"))
+                       "rewards": module.last_rewards.tolist(), "pass_history": history}},
+                      open(out + "/result.json", "w"))
         json.dump({{"shards": shards, "sharded": module.sharded}}, open(out + f"/shards{{trainer.global_rank}}.json", "w"))
     """
 )
@@ -143,3 +148,29 @@ def test_fsdp2_resume_from_sharded_checkpoint_continues_exactly(fsdp2_run):
     assert _max_diff(result["resumed_weights"]["2"], result["weights"]["2"]) == 0.0
     assert _max_diff(result["weights"]["2"], result["weights"]["1"]) > 1e-4  # step 2 moved the weights
     assert result["resumed_drift"]["2"] == pytest.approx(result["drift"]["2"], rel=1e-6)  # θ₀ came back too
+
+
+def test_training_time_pass_at_k_runs_sharded_with_uneven_rank_shares(fsdp2_run):
+    result, _, _ = fsdp2_run
+    steps = [step for step, _ in result["pass_history"]]
+    assert steps == [1, 2]
+    for _, metrics in result["pass_history"]:
+        assert 0.0 <= metrics["val/pass@1"] <= 1.0 and metrics["val/entropy"] > 0
+
+
+def test_sharded_settings_are_checked_with_the_fix():
+    from es_lightning.es.sharding import prompt_share
+    from es_lightning.modules.es_sharded import check_sharded_settings
+
+    assert [prompt_share(5, r, 2) for r in range(2)] == [slice(0, 3), slice(3, 5)]
+    assert [prompt_share(4, r, 3) for r in range(3)] == [slice(0, 2), slice(2, 3), slice(3, 4)]
+    with pytest.raises(ValueError, match="batch_size to >= 4"):
+        prompt_share(3, 0, 4)
+    module = ESModule(population_size=4)
+    module.members_per_batch = 2
+    with pytest.raises(ValueError, match="members_per_batch: 1"):
+        check_sharded_settings(module)
+    module.members_per_batch = 1
+    module.generation_backend = "vllm"
+    with pytest.raises(ValueError, match="generation_backend: hf"):
+        check_sharded_settings(module)

@@ -11,6 +11,7 @@ Qwen2.5; see ``recipes/qwen2.5-1.5b-instruct``), unbiased Pass@K of Chen et al. 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,6 +19,7 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
+from es_lightning.distributed import gathered_for_generation
 from es_lightning.generation import SamplingParams
 from es_lightning.metrics import MajorityAtK, PassAtK, TokenEntropy
 
@@ -95,7 +97,8 @@ class PassAtKCallback(L.Callback):
         self.reward_sum, self.reward_count = 0.0, 0
 
     def _update(self, pl_module, examples: list[dict[str, Any]], batch_idx: int):
-        result = pl_module.evaluate_batch(examples, self.num_samples, self._params(pl_module), self.seed + batch_idx)
+        with gathered_for_generation(pl_module):  # FSDP1: a callback generates outside the step's forward
+            result = pl_module.evaluate_batch(examples, self.num_samples, self._params(pl_module), self.seed + batch_idx)
         device = self.pass_at_k.device
         self.pass_at_k.update(result.correct.to(device))
         self.maj_at_k.update(result.answers, result.correct.to(device))
@@ -114,7 +117,15 @@ class PassAtKCallback(L.Callback):
     def evaluate(self, trainer: L.Trainer, pl_module) -> dict[str, float]:
         """Evaluate the current weights on the validation problems (this rank's share) and return the figures."""
         examples = self._val_examples(trainer)
-        return self.evaluate_examples(pl_module, examples[trainer.global_rank :: trainer.world_size])
+        mine = examples[trainer.global_rank :: trainer.world_size]
+        if trainer.world_size > 1 and getattr(pl_module, "sharded", False):
+            # sharded forwards are collectives: every rank makes as many generate calls as the busiest one (rank 0),
+            # the spare ones (results dropped) before the metrics' own cross-rank sync
+            busiest = math.ceil(math.ceil(len(examples) / trainer.world_size) / self.batch_size)
+            for _ in range(busiest - math.ceil(len(mine) / self.batch_size)):
+                with gathered_for_generation(pl_module):
+                    pl_module.evaluate_batch(examples[:1], self.num_samples, self._params(pl_module), self.seed)
+        return self.evaluate_examples(pl_module, mine)
 
     def evaluate_examples(
         self, pl_module, examples: Sequence[dict[str, Any]], on_batch: Callable[[Sequence[dict], Any], None] | None = None

@@ -70,6 +70,9 @@ class ShardView:
     replicas: int = 1
     #: the global tensor's shape
     shape: tuple[int, ...] | None = None
+    #: an FSDP1 unit's gathered copy of the whole parameter, written alongside the shard (see ``_fsdp1_views``); it is
+    #: left out of norms, drift and θ₀, which count each element once
+    mirror: bool = False
 
     def noise(self, seed: int, step: int, member: int) -> Tensor:
         """fp32 noise of this rank's elements, 1-D, on the parameter's device."""
@@ -117,15 +120,23 @@ def _dtensor_view(name: str, p: Tensor) -> ShardView:
     return ShardView(name, local, numel, lo, int(flat.max()) + 1, flat - lo, replicas)
 
 
-def _fsdp1_infos(root: nn.Module | None) -> dict[int, tuple[int, int, int, tuple[int, ...]]]:
-    """``id(original parameter) -> (global numel, start, end, global shape)`` for every FSDP1 unit under ``root``."""
+def _fsdp1_views(root: nn.Module | None) -> dict[int, list[tuple[Tensor, int, int, int, tuple[int, ...], bool]]]:
+    """``id(original parameter) -> [(storage, numel, start, end, shape, mirror)]`` for every FSDP1 unit under ``root``.
+
+    FSDP1 keeps a parameter in two places. The rank's shard of the ``FlatParameter`` (``_local_shard``) is the
+    persistent copy — optimizer steps and checkpoints read it. A forward all-gathers it into a padded full buffer
+    (``_full_param_padded``) — but the *root* unit, expecting a backward, keeps that buffer after its forward and
+    reuses it in the next forward without gathering again, and ES never runs a backward. So ES writes both: the
+    elements of the rank's shard (the segment of ``_local_shard`` that ``_shard_param_infos`` locate) and, while the
+    unit holds a gathered buffer, the whole parameter inside it (a ``mirror`` view, excluded from norms and θ₀).
+    """
     if root is None:
         return {}
     try:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     except ImportError:  # pragma: no cover
         return {}
-    out: dict[int, tuple[int, int, int, tuple[int, ...]]] = {}
+    out: dict[int, list[tuple[Tensor, int, int, int, tuple[int, ...], bool]]] = {}
     for unit in FSDP.fsdp_modules(root):
         handle = getattr(unit, "_handle", None)
         if handle is None:
@@ -136,31 +147,43 @@ def _fsdp1_infos(root: nn.Module | None) -> dict[int, tuple[int, int, int, tuple
                 "ES under FSDPStrategy perturbs parameters by name and needs use_orig_params=True (Lightning's default); "
                 "remove use_orig_params: false from the strategy settings"
             )
-        for param, info, numel, shape in zip(flat._params, flat._shard_param_infos, flat._numels, flat._shapes):
+        sharded = handle.uses_sharded_strategy
+        shard = flat._local_shard if sharded else flat.data
+        gathered = getattr(flat, "_full_param_padded", None) if sharded else None
+        if gathered is not None and gathered.untyped_storage().size() == 0:
+            gathered = None  # freed: the next forward gathers the shards afresh
+        offsets = [o for o, pad in zip(handle._get_flat_param_offsets(), flat._is_padding_mask) if not pad]
+        for param, info, numel, shape, (lo, hi) in zip(
+            flat._params, flat._shard_param_infos, flat._numels, flat._shapes, offsets
+        ):
+            pieces = []
             if info.in_shard:
-                out[id(param)] = (numel, info.intra_param_start_idx, info.intra_param_end_idx + 1, tuple(shape))
-            else:
-                out[id(param)] = (numel, 0, 0, tuple(shape))
+                local = shard[info.offset_in_shard:info.offset_in_shard + info.numel_in_shard]
+                pieces.append((local, numel, info.intra_param_start_idx, info.intra_param_end_idx + 1, tuple(shape), False))
+            else:  # none of it here: an empty piece, so every rank has one per parameter (collectives stay aligned)
+                pieces.append((shard[:0], numel, 0, 0, tuple(shape), False))
+            if gathered is not None:
+                pieces.append((gathered[lo:hi + 1], numel, 0, numel, tuple(shape), True))
+            out[id(param)] = pieces
     return out
 
 
 def shard_views(named: Iterable[tuple[str, Tensor]], root: nn.Module | None = None) -> list[ShardView]:
-    """One :class:`ShardView` per (clean name, parameter). ``root``: the module that may contain FSDP1 units (the
-    trainer's wrapped model); needed only under ``FSDPStrategy``."""
-    fsdp1 = _fsdp1_infos(root)
+    """:class:`ShardView` s of (clean name, parameter) pairs: one per parameter, or for an FSDP1 parameter its shard
+    segment (if the rank holds any of it) plus its gathered mirror (if the unit holds one). ``root``: the trainer's
+    wrapped model, which may contain FSDP1 units; needed only under ``FSDPStrategy``."""
+    fsdp1 = _fsdp1_views(root)
     views = []
     for name, p in named:
         name = clean_name(name)
-        data = p.data if isinstance(p, nn.Parameter) and not is_dtensor(p) else p
         if is_dtensor(p):
             views.append(_dtensor_view(name, p))
             views[-1].shape = tuple(p.shape)
-        elif id(p) in fsdp1 and p.numel() != fsdp1[id(p)][0]:  # an FSDP1 view holding part (or none) of the param
-            numel, start, end, shape = fsdp1[id(p)]
-            if data.numel() != end - start:
-                raise RuntimeError(f"FSDP1 view of {name} holds {data.numel()} elements, expected {end - start}")
-            views.append(ShardView(name, data, numel, start, end, shape=shape))
+        elif id(p) in fsdp1:
+            for local, numel, start, end, shape, mirror in fsdp1[id(p)]:
+                views.append(ShardView(name, local, numel, start, end, shape=shape, mirror=mirror))
         else:
+            data = p.data if isinstance(p, nn.Parameter) else p
             views.append(ShardView(name, data, p.numel(), 0, p.numel(), shape=tuple(p.shape)))
     return views
 
@@ -193,13 +216,18 @@ def prompt_share(num_prompts: int, rank: int, world: int) -> slice:
 # ---------------------------------------------------------------------- θ₀ (drift reference) on shards
 def local_snapshot(views: Sequence[ShardView]) -> dict[str, Tensor]:
     """θ₀ of this rank's elements: ``{name: flat fp32 CPU tensor}`` (the whole tensor when unsharded)."""
-    return {v.name: v.local.detach().float().cpu().reshape(-1).clone() for v in views}
+    return {v.name: v.local.detach().float().cpu().reshape(-1).clone() for v in counted(views)}
+
+
+def counted(views: Sequence[ShardView]) -> list[ShardView]:
+    """The views that hold this rank's elements, without FSDP1 mirrors."""
+    return [v for v in views if not v.mirror]
 
 
 def localize(views: Sequence[ShardView], theta0: dict[str, Tensor]) -> dict[str, Tensor]:
     """Cut full θ₀ tensors (as a checkpoint stores them) down to this rank's elements; shards pass through."""
     out = {}
-    for v in views:
+    for v in counted(views):
         t = theta0[v.name].float().reshape(-1)
         if t.numel() == v.local.numel():
             out[v.name] = t
@@ -214,7 +242,7 @@ def localize(views: Sequence[ShardView], theta0: dict[str, Tensor]) -> dict[str,
 def sharded_drift(views: Sequence[ShardView], theta0: dict[str, Tensor]) -> float:
     """‖θ − θ₀‖ / ‖θ₀‖ from per-shard sums of squares, summed across ranks (a collective)."""
     num = den = 0.0
-    for v in views:
+    for v in counted(views):
         t0 = theta0[v.name]
         num += float((v.local.detach().float().cpu().reshape(-1) - t0).square().sum()) / v.replicas
         den += float(t0.square().sum()) / v.replicas
@@ -242,7 +270,7 @@ def gather_full(views: Sequence[ShardView], theta0: dict[str, Tensor]) -> dict[s
     world = dist.get_world_size()
     device = _collective_device(views)
     out = {}
-    for v in views:
+    for v in counted(views):
         local = theta0[v.name].to(device)
         positions = (torch.arange(v.start, v.end) if v.index is None else v.start + v.index).to(device)
         sizes = torch.tensor([local.numel()], device=device)

@@ -121,7 +121,8 @@ class ESOptimizer(torch.optim.Optimizer):
                 usable = cached is not None and view.index is None and cached.numel() == view.local.numel()
                 acc.add_(cached.to(acc.device) if usable else view.noise(seed, step, member), alpha=w)
             acc.mul_(coef)
-            sq += float(acc.square().sum()) / view.replicas
+            if not view.mirror:  # an FSDP1 gathered mirror repeats elements some rank's shard already counts
+                sq += float(acc.square().sum()) / view.replicas
             view.write(view.local.float().reshape(-1) + acc)
         if self.shard_root is not None or any(is_dtensor(p) for p in group["params"]):  # sharded: sum the pieces
             sq = all_reduce_sum([sq], group["params"][0].device)[0]
