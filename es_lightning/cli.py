@@ -16,7 +16,8 @@ options and ``--help`` (as litgpt's ``__main__``)::
     es-lightning analyze drift --tuned runs/es/last.ckpt
     es-lightning analyze ablation --tuned runs/es/last.ckpt --top_percent 50 10 1
     es-lightning analyze forgetting --tuned runs/es/last.ckpt --tasks addition sort
-    es-lightning analyze sweep --config recipes/es.yaml --populations 8 16 32 64 --steps 10
+    es-lightning analyze sweep --recipe recipes/es.yaml --populations 8 16 32 64 --steps 10
+    es-lightning analyze compare --seeds 0 1          # base / GRPO / ES / GRPO→ES / ES→GRPO table (make compare)
 
 List options take space-separated values (``--tasks addition sort``) or a YAML list (``--tasks [addition, sort]``).
 """
@@ -70,12 +71,19 @@ def check_config(args: list[str]):
 
 def analysis_commands() -> dict[str, Callable | dict[str, Callable]]:
     """``es-lightning <command>`` beyond Lightning's fit/validate/test: one function per (sub)command."""
-    from es_lightning.analysis import ablation_command, drift_command, eval_command, forgetting_command, sweep_command
+    from es_lightning.analysis import (
+        ablation_command,
+        compare_command,
+        drift_command,
+        eval_command,
+        forgetting_command,
+        sweep_command,
+    )
 
     return {
         "eval": eval_command,
         "analyze": {"drift": drift_command, "ablation": ablation_command, "forgetting": forgetting_command,
-                    "sweep": sweep_command},
+                    "sweep": sweep_command, "compare": compare_command},
     }
 
 
@@ -133,7 +141,11 @@ def run_analysis(args: list[str]):
         target = target.get(args[1])
     if callable(target):
         args = join_list_values(args, _list_options(target))
-    return CLI(commands, args=args, as_positional=False, prog="es-lightning")
+    try:
+        return CLI(commands, args=args, as_positional=False, prog="es-lightning")
+    except (FileNotFoundError, ValueError) as err:  # bad input (paths, tasks, k > n, τ < 0, ...): the message, no traceback
+        print(f"es-lightning {' '.join(a for a in args[:2] if not a.startswith('-'))}: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from err
 
 
 def cli_main(args: list[str] | None = None) -> None:

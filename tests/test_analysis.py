@@ -335,6 +335,12 @@ def test_cli_help_bad_keys_and_list_values(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli_main(["analyze", "drift", "--tuned", "x.ckpt", "--tauz", "1"])
     assert exit_info.value.code != 0 and "tauz" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["eval", "--checkpoints", "./no/such.ckpt", "--num_samples", "4"])
+    assert exit_info.value.code == 2 and "does not exist" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["analyze", "ablation", "--tuned", BUILTIN, "--base", BUILTIN, "--top_percent", "150"])
+    assert exit_info.value.code == 2 and "(0, 100]" in capsys.readouterr().err
     assert join_list_values(["--tasks", "addition", "sort", "--seed", "1", "--taus", "0", "1e-5", "inf"],
                             {"tasks", "taus"}) == ["--tasks", '["addition", "sort"]', "--seed", "1", "--taus", "[0, 1e-5, inf]"]
     assert join_list_values(["--ks", "[1, 2]", "--labels", "null"], {"ks", "labels"}) == ["--ks", "[1, 2]", "--labels", "null"]
@@ -378,7 +384,7 @@ def test_forgetting_of_unchanged_and_of_broken_models(tmp_path, capsys):
 def test_population_sweep_matches_es_lightning_fit(tmp_path, capsys):
     recipe = str(ROOT / "recipes" / "es.yaml")
     overrides = ["--data.init_args.train_size", "16", "--model.init_args.max_new_tokens", "8"]
-    report = sweep_command(config=recipe, populations=[2, 4], steps=1, batch_size=2, overrides=overrides,
+    report = sweep_command(recipe=recipe, populations=[2, 4], steps=1, batch_size=2, overrides=overrides,
                            eval_problems=4, eval_samples=2, save_models=True, out_dir=str(tmp_path / "sweep"))
     assert [r["population_size"] for r in report.rows] == [0, 2, 4]
     assert [r["steps"] for r in report.rows] == [0, 1, 1]
@@ -404,9 +410,9 @@ def test_population_sweep_matches_es_lightning_fit(tmp_path, capsys):
     swept = dict(load_policy(row["path"]).model.named_parameters())
     assert all(torch.equal(p, swept[n]) for n, p in fitted.named_parameters())
     with pytest.raises(ValueError, match="population sizes must be >= 2"):
-        sweep_command(config=recipe, populations=[1], out_dir=str(tmp_path))
+        sweep_command(recipe=recipe, populations=[1], out_dir=str(tmp_path))
     with pytest.raises(FileNotFoundError, match="recipe"):
-        sweep_command(config=str(tmp_path / "none.yaml"), out_dir=str(tmp_path))
+        sweep_command(recipe=str(tmp_path / "none.yaml"), out_dir=str(tmp_path))
 
 
 def test_builtin_evaluate_script_runs_on_the_shared_evaluation(tmp_path):

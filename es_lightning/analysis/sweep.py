@@ -2,7 +2,7 @@
 
 To run (the built-in setting, ~10 minutes on one CPU core)::
 
-    es-lightning analyze sweep --config recipes/es.yaml --populations [8,16,32,64] --steps 10
+    es-lightning analyze sweep --recipe recipes/es.yaml --populations 8 16 32 64 --steps 10
 
 Each N is one ``fit`` of the ES recipe — parsed by the same :class:`~es_lightning.cli.ESLightningCLI` as
 ``es-lightning fit --config …``, with ``population_size`` and ``max_steps`` overridden — run in this process, one after
@@ -66,9 +66,9 @@ class SweepReport:
         return {"settings": self.settings, "ks": self.ks, "rows": self.rows}
 
 
-def _fit_args(config: str, population_size: int, steps: int, root: Path, batch_size: int | None, overrides: Sequence[str]) -> list[str]:
+def _fit_args(recipe: str, population_size: int, steps: int, root: Path, batch_size: int | None, overrides: Sequence[str]) -> list[str]:
     args = [
-        "--config", config,
+        "--config", recipe,
         "--model.init_args.population_size", str(population_size),
         "--trainer.max_steps", str(steps),
         "--trainer.logger", "false",
@@ -91,7 +91,7 @@ def _drop_evaluation_callbacks(trainer: L.Trainer) -> None:
 
 
 def population_sweep(
-    config: str = "recipes/es.yaml",
+    recipe: str = "recipes/es.yaml",
     populations: Sequence[int] = DEFAULT_POPULATIONS,
     steps: int = 10,
     batch_size: int | None = None,
@@ -109,9 +109,9 @@ def population_sweep(
     from es_lightning.analysis.evaluate import check_ks, evaluate_policy, heldout_problems, resolve_device
     from es_lightning.cli import ESLightningCLI
 
-    if not Path(config).is_file():
+    if not Path(recipe).is_file():
         raise FileNotFoundError(
-            f"ES recipe {config!r} not found; run from the repository root (recipes/es.yaml) or pass --config "
+            f"ES recipe {recipe!r} not found; run from the repository root (recipes/es.yaml) or pass --recipe "
             "path/to/es.yaml"
         )
     sizes = [int(n) for n in populations]
@@ -128,11 +128,11 @@ def population_sweep(
     for n in sizes:
         with warnings.catch_warnings():  # LightningCLI warns when args= is used while sys.argv holds the sweep's own
             warnings.filterwarnings("ignore", message=".*LightningCLI's args parameter.*")
-            cli = ESLightningCLI(args=_fit_args(config, n, steps, out / f"N{n}", batch_size, overrides), run=False,
+            cli = ESLightningCLI(args=_fit_args(recipe, n, steps, out / f"N{n}", batch_size, overrides), run=False,
                                  save_config_callback=None)
         module, trainer = cli.model, cli.trainer
         if not hasattr(module, "population_size"):
-            raise ValueError(f"{config!r} configures {type(module).__name__}, not an ES module with a population_size")
+            raise ValueError(f"{recipe!r} configures {type(module).__name__}, not an ES module with a population_size")
         _drop_evaluation_callbacks(trainer)
         recorder = _RewardRecorder()
         trainer.callbacks.append(recorder)
@@ -167,14 +167,14 @@ def population_sweep(
         gc.collect()
     for row in rows:
         row["base_pass@1"] = rows[0]["pass@1"]
-    settings = dict(config=config, steps=steps, batch_size=batch_size, overrides=list(overrides), task=task.name,
+    settings = dict(recipe=recipe, steps=steps, batch_size=batch_size, overrides=list(overrides), task=task.name,
                     eval_problems=eval_problems, eval_samples=eval_samples, eval_temperature=eval_temperature,
                     reward_window=reward_window, seed=seed)
     return SweepReport(rows=rows, ks=ks, settings=settings)
 
 
 def sweep_command(
-    config: str = "recipes/es.yaml",
+    recipe: str = "recipes/es.yaml",
     populations: list[int] = list(DEFAULT_POPULATIONS),  # noqa: B006,B008
     steps: int = 10,
     batch_size: int | None = None,
@@ -192,7 +192,7 @@ def sweep_command(
     """Population-size sweep: ES with each N for a fixed number of updates; final reward and Pass@1 (Ba et al. Table 6).
 
     Args:
-        config: the ES recipe every run starts from (its model, data, sigma, lr, seed).
+        recipe: the ES recipe every run starts from (its model, data, sigma, lr, seed).
         populations: the population sizes N to compare.
         steps: ES updates per run (the same for every N).
         batch_size: prompts per update (default: the recipe's).
@@ -210,11 +210,11 @@ def sweep_command(
     from es_lightning.analysis.plots import plot_sweep
 
     start = time.perf_counter()
-    report = population_sweep(config=config, populations=populations, steps=steps, batch_size=batch_size,
+    report = population_sweep(recipe=recipe, populations=populations, steps=steps, batch_size=batch_size,
                               overrides=overrides, eval_problems=eval_problems, eval_samples=eval_samples, ks=ks,
                               eval_temperature=eval_temperature, reward_window=reward_window, seed=seed, out_dir=out_dir,
                               save_models=save_models)
-    print(f"\npopulation sweep: {config}, {steps} updates per run, final evaluation on {eval_problems} held-out problems, "
+    print(f"\npopulation sweep: {recipe}, {steps} updates per run, final evaluation on {eval_problems} held-out problems, "
           f"n={eval_samples}, T={eval_temperature} ({time.perf_counter() - start:.0f}s)")
     print(report.table())
     out = Path(out_dir)
