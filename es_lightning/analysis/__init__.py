@@ -4,6 +4,7 @@ command of ``es-lightning eval`` / ``es-lightning analyze``."""
 
 from es_lightning.analysis.ablation import AblationReport, ablate_, ablation_command, sparsity_ablation, top_percent_threshold
 from es_lightning.analysis.checkpoints import LoadedModel, load_model
+from es_lightning.analysis.compare import CompareReport, compare_command, compare_methods
 from es_lightning.analysis.drift import DriftReport, drift_command, module_kind, parameter_drift
 from es_lightning.analysis.evaluate import EvalReport, eval_command, evaluate_models, evaluate_policy, heldout_problems
 from es_lightning.analysis.forgetting import ForgettingReport, forgetting, forgetting_command
@@ -11,6 +12,7 @@ from es_lightning.analysis.sweep import SweepReport, population_sweep, sweep_com
 
 __all__ = [
     "AblationReport",
+    "CompareReport",
     "DriftReport",
     "EvalReport",
     "ForgettingReport",
@@ -18,6 +20,8 @@ __all__ = [
     "SweepReport",
     "ablate_",
     "ablation_command",
+    "compare_command",
+    "compare_methods",
     "drift_command",
     "eval_command",
     "evaluate_models",

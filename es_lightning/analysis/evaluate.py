@@ -111,8 +111,10 @@ def evaluate_policy(
 ) -> dict[str, float]:
     """Pass@k, Maj@k, mean token entropy, mean reward and answer-format rate of ``policy`` on ``problems``.
 
-    Returns ``{"pass@1": …, …, "maj@1": …, …, "entropy": …, "reward_mean": …, "format": …}``; ``format`` is the
-    fraction of samples whose answer the task could extract at all. ``progress`` (a tqdm bar) advances per problem.
+    Returns ``{"pass@1": …, …, "maj@1": …, …, "entropy": …, "reward_mean": …, "format": …, "distinct_correct": …}``;
+    ``format`` is the fraction of samples whose answer the task could extract at all, ``distinct_correct`` the mean
+    number of distinct correct answers per problem (distinct solutions in the task's normal form: coverage in kind).
+    ``progress`` (a tqdm bar) advances per problem.
     """
     from es_lightning.callbacks.pass_at_k import PassAtKCallback
 
@@ -124,16 +126,20 @@ def evaluate_policy(
         batch_size=batch_size, seed=seed, prefix="eval",
     )
     extracted = [0, 0]  # answers extracted, samples
+    distinct: list[int] = []  # per problem: distinct correct answers (in the task's normal form)
 
     def on_batch(examples, result) -> None:
         extracted[0] += sum(answer is not None for row in result.answers for answer in row)
         extracted[1] += result.correct.numel()
+        for answers, correct in zip(result.answers, result.correct.tolist()):
+            distinct.append(len({a for a, ok in zip(answers, correct) if ok}))
         if progress is not None:
             progress.update(len(examples))
 
     metrics = evaluator.evaluate_examples(module, list(problems), on_batch=on_batch)
     out = {name.split("/", 1)[1]: value for name, value in metrics.items()}
     out["format"] = extracted[0] / max(1, extracted[1])
+    out["distinct_correct"] = sum(distinct) / max(1, len(distinct))
     return out
 
 

@@ -1,0 +1,235 @@
+"""Base / GRPO / ES / GRPO→ES / ES→GRPO on the built-in model: the miniature of Ba et al. 2026, Tables 2–3.
+
+To run (``make compare``; about 25 minutes on 2 CPU cores for 2 seeds)::
+
+    es-lightning analyze compare --seeds [0,1]
+    es-lightning analyze compare --seeds [0] --steps 40 --eval_problems 50      # a quick look
+
+Every method gets the same number of updates (``steps``; the sequential ones switch at ``steps // 2``, Ba et al.
+§3.2's 50/50 split), each fit is the recipe a user would run (``recipes/grpo.yaml``, ``es.yaml``, ``grpo_es.yaml``,
+``es_grpo.yaml``) parsed by the same :class:`~es_lightning.cli.ESLightningCLI` as ``es-lightning fit``, with the seeds
+of the model, the data order and Lightning set to each seed. The recipes' own evaluation callbacks are dropped; all
+final models — and the base model — are then evaluated on the *same* held-out problems with the *same* sampling seeds
+(a prototype found the Pass@16 of one model moves by up to 0.07 between a 100×16 and a 200×32 evaluation, so rows
+evaluated differently are not comparable): Pass@1/4/16, mean token entropy, and the number of distinct correct answers
+per problem (distinct solutions in the task's normal form — coverage in kind, not only in count).
+
+The claims the table is checked against (issue 5; Ba et al. §3): GRPO lowers entropy to at most half the base's, lowers
+Pass@16 and raises Pass@1; ES keeps Pass@1 at least the base's, Pass@16 within 0.05 and entropy at least 0.9× the
+base's; GRPO→ES has Pass@1 above the base's and Pass@16 above GRPO's. Each is printed as held / not held per seed.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from es_lightning.analysis.output import format_table, markdown_table, write_json
+
+#: method label → recipe file (relative to ``recipes_dir``)
+METHODS = {"GRPO": "grpo.yaml", "ES": "es.yaml", "GRPO→ES": "grpo_es.yaml", "ES→GRPO": "es_grpo.yaml"}
+COLUMNS = ("pass@1", "pass@4", "pass@16", "entropy", "distinct_correct")
+
+
+@dataclass
+class CompareReport:
+    """``results[seed][method]`` = evaluation metrics; ``base`` = the base model's (the same for every seed)."""
+
+    base: dict[str, float]
+    results: dict[int, dict[str, dict[str, float]]]
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    def mean(self) -> dict[str, dict[str, float]]:
+        methods = next(iter(self.results.values())).keys()
+        return {m: {c: sum(r[m][c] for r in self.results.values()) / len(self.results) for c in COLUMNS} for m in methods}
+
+    def _rows(self) -> list[list[Any]]:
+        rows = [["base", "-", *(self.base[c] for c in COLUMNS)]]
+        for seed, per_method in self.results.items():
+            rows += [[m, str(seed), *(r[c] for c in COLUMNS)] for m, r in per_method.items()]
+        if len(self.results) > 1:
+            rows += [[m, "mean", *(r[c] for c in COLUMNS)] for m, r in self.mean().items()]
+        return rows
+
+    def table(self, markdown: bool = False) -> str:
+        headers = ["method", "seed", "Pass@1", "Pass@4", "Pass@16", "entropy", "distinct correct"]
+        return (markdown_table if markdown else format_table)(headers, self._rows())
+
+    def claims(self) -> list[tuple[str, int, bool, str]]:
+        """(claim, seed, held, the numbers) for every claim of the module docstring and every seed."""
+        b = self.base
+        out = []
+        for seed, r in self.results.items():
+            g, e, ge = r.get("GRPO"), r.get("ES"), r.get("GRPO→ES")
+            if g:
+                out.append(("GRPO: entropy <= 0.5 x base", seed, g["entropy"] <= 0.5 * b["entropy"],
+                            f"{g['entropy']:.3f} vs {0.5 * b['entropy']:.3f}"))
+                out.append(("GRPO: Pass@16 < base", seed, g["pass@16"] < b["pass@16"], f"{g['pass@16']:.3f} vs {b['pass@16']:.3f}"))
+                out.append(("GRPO: Pass@1 > base", seed, g["pass@1"] > b["pass@1"], f"{g['pass@1']:.3f} vs {b['pass@1']:.3f}"))
+            if e:
+                out.append(("ES: Pass@1 >= base", seed, e["pass@1"] >= b["pass@1"], f"{e['pass@1']:.3f} vs {b['pass@1']:.3f}"))
+                out.append(("ES: |Pass@16 - base| <= 0.05", seed, abs(e["pass@16"] - b["pass@16"]) <= 0.05,
+                            f"{e['pass@16']:.3f} vs {b['pass@16']:.3f}"))
+                out.append(("ES: entropy >= 0.9 x base", seed, e["entropy"] >= 0.9 * b["entropy"],
+                            f"{e['entropy']:.3f} vs {0.9 * b['entropy']:.3f}"))
+            if ge:
+                out.append(("GRPO→ES: Pass@1 > base", seed, ge["pass@1"] > b["pass@1"], f"{ge['pass@1']:.3f} vs {b['pass@1']:.3f}"))
+                if g:
+                    out.append(("GRPO→ES: Pass@16 > GRPO's", seed, ge["pass@16"] > g["pass@16"],
+                                f"{ge['pass@16']:.3f} vs {g['pass@16']:.3f}"))
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "settings": self.settings, "base": self.base, "results": {str(s): r for s, r in self.results.items()},
+            "mean": self.mean(),
+            "claims": [{"claim": c, "seed": s, "held": h, "values": v} for c, s, h, v in self.claims()],
+        }
+
+
+def _fit(config: Path, seed: int, steps: int, root: Path, overrides: Sequence[str] = ()):
+    """One recipe fit for ``steps`` updates with every seed set to ``seed``; returns the trained module."""
+    from es_lightning.callbacks import HFExport, PassAtKCallback, SequentialStrategy, TrainingReport
+    from es_lightning.cli import ESLightningCLI
+
+    args = [
+        "--config", str(config),
+        "--seed_everything", str(seed),
+        "--model.init_args.seed", str(seed),
+        "--data.init_args.seed", str(seed),
+        "--trainer.max_steps", str(steps),
+        "--trainer.logger", "false",
+        "--trainer.enable_checkpointing", "false",
+        "--trainer.limit_val_batches", "0",
+        "--trainer.num_sanity_val_steps", "0",
+        "--trainer.enable_model_summary", "false",
+        "--trainer.default_root_dir", str(root),
+        *overrides,
+    ]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*LightningCLI's args parameter.*")
+        cli = ESLightningCLI(args=args, run=False, save_config_callback=None)
+    trainer = cli.trainer
+    keep = []
+    for cb in trainer.callbacks:
+        if isinstance(cb, (PassAtKCallback, TrainingReport, HFExport)):
+            continue  # evaluated below, all the same way; nothing exported
+        if isinstance(cb, SequentialStrategy):
+            cb.switch_step = steps // 2  # the 50/50 split of this comparison's budget
+        keep.append(cb)
+    trainer.callbacks[:] = keep
+    trainer.fit(cli.model, datamodule=cli.datamodule)
+    if trainer.global_step != steps:
+        raise RuntimeError(f"{config.name} (seed {seed}) stopped after {trainer.global_step} of {steps} updates")
+    return cli.model, cli.datamodule.task
+
+
+def compare_methods(
+    seeds: Sequence[int] = (0, 1),
+    steps: int = 120,
+    methods: Sequence[str] = tuple(METHODS),
+    recipes_dir: str | Path = "recipes",
+    eval_problems: int = 200,
+    eval_samples: int = 32,
+    eval_temperature: float = 1.0,
+    eval_seed: int = 1234,
+    out_dir: str | Path = "compare",
+    overrides: Sequence[str] = (),
+) -> CompareReport:
+    """Fit every method for every seed and evaluate everything the same way (see the module docstring)."""
+    from es_lightning.analysis.evaluate import evaluate_policy, heldout_problems, resolve_device
+    from es_lightning.policy import load_policy
+
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise ValueError(f"unknown methods {unknown}; choose from {list(METHODS)}")
+    if steps < 2:
+        raise ValueError(f"steps must be >= 2 (the sequential methods switch at steps // 2), got {steps}")
+    if eval_samples < 16:
+        raise ValueError(f"eval_samples must be >= 16 for Pass@16, got {eval_samples}")
+    recipes = {m: Path(recipes_dir) / METHODS[m] for m in methods}
+    missing = [str(p) for p in recipes.values() if not p.is_file()]
+    if missing:
+        raise FileNotFoundError(f"recipes not found: {missing}; run from the repository root or pass --recipes_dir")
+    out = Path(out_dir)
+    device = resolve_device("auto")
+    problems = task = None
+    base: dict[str, float] = {}
+    results: dict[int, dict[str, dict[str, float]]] = {}
+
+    def evaluate(module_or_policy, max_new_tokens: int) -> dict[str, float]:
+        metrics = evaluate_policy(
+            module_or_policy, task, problems, num_samples=eval_samples, ks=[1, 4, 16], temperature=eval_temperature,
+            max_new_tokens=max_new_tokens, seed=eval_seed, device=device,
+        )
+        return {c: metrics[c] for c in COLUMNS}
+
+    for seed in seeds:
+        results[int(seed)] = {}
+        for method, recipe in recipes.items():
+            start = time.perf_counter()
+            module, fit_task = _fit(recipe, int(seed), steps, out / f"seed{seed}" / recipe.stem, overrides)
+            if problems is None:  # the same problems and samples for every row
+                task = fit_task
+                problems = heldout_problems(task, eval_problems, eval_seed)
+                base_model = module.model_name
+                base = evaluate(load_policy(base_model), module.sampling.max_new_tokens)
+                print(f"base ({base_model}): " + ", ".join(f"{c} {v:.3f}" for c, v in base.items()), flush=True)
+            results[int(seed)][method] = evaluate(module.policy, module.sampling.max_new_tokens)
+            print(f"seed {seed} {method}: " + ", ".join(f"{c} {v:.3f}" for c, v in results[int(seed)][method].items())
+                  + f" ({time.perf_counter() - start:.0f}s)", flush=True)
+            del module
+            gc.collect()
+    settings = dict(seeds=list(seeds), steps=steps, overrides=list(overrides), methods=list(methods),
+                    recipes={m: str(p) for m, p in recipes.items()},
+                    task=task.name, eval_problems=eval_problems, eval_samples=eval_samples,
+                    eval_temperature=eval_temperature, eval_seed=eval_seed)
+    return CompareReport(base=base, results=results, settings=settings)
+
+
+def compare_command(
+    seeds: list[int] = [0, 1],  # noqa: B006
+    steps: int = 120,
+    methods: list[str] = list(METHODS),  # noqa: B006,B008
+    recipes_dir: str = "recipes",
+    eval_problems: int = 200,
+    eval_samples: int = 32,
+    eval_temperature: float = 1.0,
+    eval_seed: int = 1234,
+    out_dir: str = "compare",
+    overrides: list[str] = [],  # noqa: B006
+) -> CompareReport:
+    """Base / GRPO / ES / GRPO→ES / ES→GRPO with the same update budget, evaluated the same way (Ba et al. Tables 2–3).
+
+    Args:
+        seeds: one fit of every method per seed (model, data order and Lightning seeds).
+        steps: updates per method; the sequential methods switch at steps // 2.
+        methods: any of GRPO, ES, GRPO→ES, ES→GRPO.
+        recipes_dir: where grpo.yaml, es.yaml, grpo_es.yaml and es_grpo.yaml are.
+        eval_problems: held-out problems of the final evaluation (the same for every row).
+        eval_samples: samples per problem (n >= 16).
+        eval_temperature: sampling temperature of the evaluation (the built-in model is evaluated at 1.0).
+        eval_seed: seeds the held-out problems and the evaluation sampling.
+        out_dir: where compare.json and compare.md go.
+        overrides: further `es-lightning fit` arguments for every fit, e.g. [--data.init_args.batch_size, "32"].
+    """
+    start = time.perf_counter()
+    report = compare_methods(seeds=seeds, steps=steps, methods=methods, recipes_dir=recipes_dir,
+                             eval_problems=eval_problems, eval_samples=eval_samples, eval_temperature=eval_temperature,
+                             eval_seed=eval_seed, out_dir=out_dir, overrides=overrides)
+    print(f"\n{len(report.results)} seed(s), {steps} updates per method, evaluated on {eval_problems} held-out problems x "
+          f"{eval_samples} samples at T={eval_temperature} ({time.perf_counter() - start:.0f}s)")
+    print(report.table())
+    print()
+    for claim, seed, held, values in report.claims():
+        print(f"  [{'held' if held else 'NOT held'}] seed {seed}: {claim} ({values})")
+    out = Path(out_dir)
+    write_json(out / "compare.json", report.to_json())
+    (out / "compare.md").write_text(report.table(markdown=True) + "\n")
+    print(f"wrote {out / 'compare.json'}, {out / 'compare.md'}")
+    return report

@@ -1,0 +1,72 @@
+"""`es-lightning analyze compare`: every method fitted from its recipe, all rows evaluated the same way, claims checked."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from es_lightning.analysis.compare import CompareReport, compare_methods
+from es_lightning.analysis.evaluate import evaluate_policy, heldout_problems
+from es_lightning.cli import cli_main
+from es_lightning.policy import load_policy
+from es_lightning.tasks import CountdownTask
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _metrics(p1, p4, p16, ent, distinct=1.0):
+    return {"pass@1": p1, "pass@4": p4, "pass@16": p16, "entropy": ent, "distinct_correct": distinct}
+
+
+def test_claims_against_hand_checked_numbers():
+    base = _metrics(0.28, 0.60, 0.87, 0.26)
+    report = CompareReport(base=base, results={0: {
+        "GRPO": _metrics(0.33, 0.55, 0.76, 0.12),  # entropy 0.12 <= 0.13, Pass@16 down, Pass@1 up: all held
+        "ES": _metrics(0.27, 0.60, 0.80, 0.25),  # Pass@1 below base; Pass@16 0.07 below; entropy 0.25 >= 0.234
+        "GRPO→ES": _metrics(0.30, 0.58, 0.76, 0.2),  # Pass@1 up; Pass@16 equal to GRPO's: not above
+    }})
+    held = {c: h for c, _, h, _ in report.claims()}
+    assert held == {
+        "GRPO: entropy <= 0.5 x base": True, "GRPO: Pass@16 < base": True, "GRPO: Pass@1 > base": True,
+        "ES: Pass@1 >= base": False, "ES: |Pass@16 - base| <= 0.05": False, "ES: entropy >= 0.9 x base": True,
+        "GRPO→ES: Pass@1 > base": True, "GRPO→ES: Pass@16 > GRPO's": False,
+    }
+    assert "GRPO→ES" in report.table() and report.to_json()["claims"][0]["seed"] == 0
+
+
+def test_compare_fits_every_recipe_and_evaluates_all_rows_alike(tmp_path):
+    report = compare_methods(
+        seeds=[0], steps=2, recipes_dir=ROOT / "recipes", eval_problems=3, eval_samples=16, out_dir=tmp_path,
+        overrides=["--data.init_args.batch_size", "2", "--model.init_args.max_new_tokens", "8"],
+    )
+    rows = report.results[0]
+    assert list(rows) == ["GRPO", "ES", "GRPO→ES", "ES→GRPO"]
+    # the base row is an ordinary evaluation of the base model on the same problems with the same seeds
+    problems = heldout_problems(CountdownTask(), 3, 1234)
+    again = evaluate_policy(load_policy("builtin:countdown-tiny"), CountdownTask(), problems, num_samples=16, ks=[1, 4, 16],
+                            temperature=1.0, max_new_tokens=8, seed=1234)
+    assert report.base == {c: again[c] for c in report.base}
+    assert all(0 <= r["pass@1"] <= r["pass@4"] <= r["pass@16"] <= 1 for r in rows.values())
+    assert len(report.claims()) == 8
+    with pytest.raises(ValueError, match="unknown methods"):
+        compare_methods(methods=["PPO"])
+
+
+def test_compare_command_line_refuses_bad_input(tmp_path, capsys):
+    with pytest.raises(FileNotFoundError, match="recipes not found"):
+        cli_main(["analyze", "compare", "--recipes_dir", str(tmp_path), "--seeds", "0"])
+    with pytest.raises(ValueError, match="eval_samples"):
+        cli_main(["analyze", "compare", "--eval_samples", "8"])
+
+
+def test_distinct_correct_is_bounded_by_pass_at_k():
+    """Independent relations with n = 16: a problem with any correct sample has >= 1 distinct correct answer (so the
+    mean is >= Pass@16, the fraction of problems solved at all) and at most as many as its correct samples (so the mean
+    is <= n · Pass@1, the mean number of correct samples)."""
+    task = CountdownTask()
+    problems = heldout_problems(task, 6, 7)
+    out = evaluate_policy(load_policy("builtin:countdown-tiny"), task, problems, num_samples=16, ks=[1, 16],
+                          temperature=1.0, max_new_tokens=12, seed=5)
+    assert out["pass@16"] > 0
+    assert out["pass@16"] - 1e-6 <= out["distinct_correct"] <= 16 * out["pass@1"] + 1e-6
