@@ -11,6 +11,10 @@ the modules adapt. This file holds the two things a sharded policy needs beyond 
   whichever dimension is larger than 1, and over both as HSDP (replicate across ``data_parallel``, shard within
   ``tensor_parallel``) when both are: with the defaults that is full sharding on one node and, on many nodes, shards
   within a node and replicas across nodes — the usual layout, since intra-node links are the fast ones.
+- :func:`default_fsdp1_wrapping` — ``FSDPStrategy`` (FSDP1) without an ``auto_wrap_policy`` would wrap the whole
+  LightningModule as one unit, whose root keeps its gathered parameters after a forward (FSDP1 expects a backward to
+  free them; ES has none): the full model on every rank. es-lightning then wraps each transformer block as its own
+  unit (``ModuleWrapPolicy`` of ``_no_split_modules``), so only embeddings, final norm and head stay in the root.
 - :func:`gathered_for_generation` — FSDP1 (``FSDPStrategy``) gathers a unit's parameters only inside that unit's
   forward, and its root unit wraps the LightningModule, whose "forward" is the training/validation step. Generation
   inside a step is therefore fine, but a callback generating after the step (``PassAtKCallback``) must gather the root
@@ -61,6 +65,25 @@ def fully_shard_policy(model: nn.Module, mesh: Any, reshard_after_forward: bool 
     fully_shard(model, mesh=shard_mesh, reshard_after_forward=reshard_after_forward)
     model._is_fsdp_managed_module = True  # generate(synced_gpus=True): see sync_sharded_generation
     return model
+
+
+def _block_types(model: nn.Module) -> set[type[nn.Module]]:
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    return {type(m) for m in model.modules() if type(m).__name__ in names}
+
+
+def default_fsdp1_wrapping(strategy: Any, model: nn.Module) -> None:
+    """Give an ``FSDPStrategy`` without ``auto_wrap_policy`` one that wraps the policy's transformer blocks (called from
+    ``configure_model``, before the strategy wraps the module)."""
+    try:
+        from lightning.pytorch.strategies import FSDPStrategy
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    except ImportError:  # pragma: no cover
+        return
+    if isinstance(strategy, FSDPStrategy) and "auto_wrap_policy" not in strategy.kwargs:
+        blocks = _block_types(model)
+        if blocks:
+            strategy.kwargs["auto_wrap_policy"] = ModuleWrapPolicy(blocks)
 
 
 def sync_sharded_generation(model: nn.Module, root: nn.Module | None = None) -> bool:

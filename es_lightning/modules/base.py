@@ -93,6 +93,10 @@ class ReasoningModule(L.LightningModule):
             from es_lightning.distributed import fully_shard_policy
 
             fully_shard_policy(self.model, self._device_mesh)
+        elif self._trainer is not None:  # FSDPStrategy (FSDP1): one unit per transformer block unless configured
+            from es_lightning.distributed import default_fsdp1_wrapping
+
+            default_fsdp1_wrapping(self._trainer.strategy, self.model)
 
     @property
     def sharded(self) -> bool:
