@@ -54,10 +54,12 @@ def test_compare_fits_every_recipe_and_evaluates_all_rows_alike(tmp_path):
 
 
 def test_compare_command_line_refuses_bad_input(tmp_path, capsys):
-    with pytest.raises(FileNotFoundError, match="recipes not found"):
+    with pytest.raises(SystemExit) as err:
         cli_main(["analyze", "compare", "--recipes_dir", str(tmp_path), "--seeds", "0"])
-    with pytest.raises(ValueError, match="eval_samples"):
+    assert err.value.code == 2 and "recipes not found" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
         cli_main(["analyze", "compare", "--eval_samples", "8"])
+    assert "eval_samples must be >= 16" in capsys.readouterr().err
 
 
 def test_distinct_correct_is_bounded_by_pass_at_k():
