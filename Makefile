@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # This machine's CPU build of torch; a GPU user installs the package with their own torch instead.
 CONSTRAINTS ?= constraints-cpu.txt
 
-.PHONY: setup test eval pretrain lint clean
+.PHONY: setup test demo eval compare pretrain lint clean
 
 $(BIN)/es-lightning: pyproject.toml $(CONSTRAINTS)
 	$(PY) -m venv $(VENV)
@@ -18,6 +18,12 @@ setup: $(BIN)/es-lightning   ## create .venv and install the package with its de
 
 test: setup                  ## the test suite (what CI runs)
 	$(BIN)/pytest -q
+
+demo: setup                  ## the main command: GRPO then ES on the built-in model, table + plot + export
+	$(BIN)/es-lightning fit --config recipes/grpo_es.yaml
+
+compare: setup               ## base / GRPO / ES / GRPO->ES / ES->GRPO on 2 seeds, one table (README)
+	OMP_NUM_THREADS=1 $(BIN)/es-lightning analyze compare --seeds 0 1 --out_dir lightning_logs/compare
 
 eval: setup                  ## evaluate the built-in model: Pass@1/4/16 table
 	$(BIN)/es-lightning validate --config recipes/eval.yaml
