@@ -37,7 +37,8 @@ def test_claims_against_hand_checked_numbers():
 
 def test_compare_fits_every_recipe_and_evaluates_all_rows_alike(tmp_path):
     report = compare_methods(
-        seeds=[0], steps=2, recipes_dir=ROOT / "recipes", eval_problems=3, eval_samples=16, out_dir=tmp_path,
+        seeds=[0], steps=2, recipes_dir=ROOT / "recipes", eval_problems=3, eval_samples=16, eval_max_new_tokens=8,
+        out_dir=tmp_path,
         overrides=["--data.init_args.batch_size", "2", "--model.init_args.max_new_tokens", "8"],
     )
     rows = report.results[0]

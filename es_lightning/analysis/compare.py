@@ -138,6 +138,7 @@ def compare_methods(
     eval_samples: int = 32,
     eval_temperature: float = 1.0,
     eval_seed: int = 1234,
+    eval_max_new_tokens: int = 24,
     out_dir: str | Path = "compare",
     overrides: Sequence[str] = (),
 ) -> CompareReport:
@@ -162,10 +163,10 @@ def compare_methods(
     base: dict[str, float] = {}
     results: dict[int, dict[str, dict[str, float]]] = {}
 
-    def evaluate(module_or_policy, max_new_tokens: int) -> dict[str, float]:
+    def evaluate(policy) -> dict[str, float]:
         metrics = evaluate_policy(
-            module_or_policy, task, problems, num_samples=eval_samples, ks=[1, 4, 16], temperature=eval_temperature,
-            max_new_tokens=max_new_tokens, seed=eval_seed, device=device,
+            policy, task, problems, num_samples=eval_samples, ks=[1, 4, 16], temperature=eval_temperature,
+            max_new_tokens=eval_max_new_tokens, seed=eval_seed, device=device,
         )
         return {c: metrics[c] for c in COLUMNS}
 
@@ -178,9 +179,9 @@ def compare_methods(
                 task = fit_task
                 problems = heldout_problems(task, eval_problems, eval_seed)
                 base_model = module.model_name
-                base = evaluate(load_policy(base_model), module.sampling.max_new_tokens)
+                base = evaluate(load_policy(base_model))
                 print(f"base ({base_model}): " + ", ".join(f"{c} {v:.3f}" for c, v in base.items()), flush=True)
-            results[int(seed)][method] = evaluate(module.policy, module.sampling.max_new_tokens)
+            results[int(seed)][method] = evaluate(module.policy)
             print(f"seed {seed} {method}: " + ", ".join(f"{c} {v:.3f}" for c, v in results[int(seed)][method].items())
                   + f" ({time.perf_counter() - start:.0f}s)", flush=True)
             del module
@@ -188,7 +189,7 @@ def compare_methods(
     settings = dict(seeds=list(seeds), steps=steps, overrides=list(overrides), methods=list(methods),
                     recipes={m: str(p) for m, p in recipes.items()},
                     task=task.name, eval_problems=eval_problems, eval_samples=eval_samples,
-                    eval_temperature=eval_temperature, eval_seed=eval_seed)
+                    eval_temperature=eval_temperature, eval_seed=eval_seed, eval_max_new_tokens=eval_max_new_tokens)
     return CompareReport(base=base, results=results, settings=settings)
 
 
@@ -201,6 +202,7 @@ def compare_command(
     eval_samples: int = 32,
     eval_temperature: float = 1.0,
     eval_seed: int = 1234,
+    eval_max_new_tokens: int = 24,
     out_dir: str = "compare",
     overrides: list[str] = [],  # noqa: B006
 ) -> CompareReport:
@@ -215,13 +217,15 @@ def compare_command(
         eval_samples: samples per problem (n >= 16).
         eval_temperature: sampling temperature of the evaluation (the built-in model is evaluated at 1.0).
         eval_seed: seeds the held-out problems and the evaluation sampling.
+        eval_max_new_tokens: completion cap of the evaluation (the same for every row).
         out_dir: where compare.json and compare.md go.
         overrides: further `es-lightning fit` arguments for every fit, e.g. [--data.init_args.batch_size, "32"].
     """
     start = time.perf_counter()
     report = compare_methods(seeds=seeds, steps=steps, methods=methods, recipes_dir=recipes_dir,
                              eval_problems=eval_problems, eval_samples=eval_samples, eval_temperature=eval_temperature,
-                             eval_seed=eval_seed, out_dir=out_dir, overrides=overrides)
+                             eval_seed=eval_seed, eval_max_new_tokens=eval_max_new_tokens, out_dir=out_dir,
+                             overrides=overrides)
     print(f"\n{len(report.results)} seed(s), {steps} updates per method, evaluated on {eval_problems} held-out problems x "
           f"{eval_samples} samples at T={eval_temperature} ({time.perf_counter() - start:.0f}s)")
     print(report.table())
