@@ -48,6 +48,17 @@ class ESLightningCLI(LightningCLI):
             **kwargs,
         )
 
+    def instantiate_trainer(self, **kwargs):
+        try:
+            return super().instantiate_trainer(**kwargs)
+        except ValueError as err:  # Lightning's FSDPStrategy refuses CPUs: say what does shard on one
+            if "requires a GPU accelerator" not in str(err):
+                raise
+            raise ValueError(
+                f"{err}\nTo shard on CPUs use FSDP2 instead: --config configs/trainer/fsdp2_cpu.yaml "
+                "(ModelParallelStrategy, 2 gloo processes); strategy: fsdp is for GPU machines (configs/trainer/fsdp.yaml)"
+            ) from err
+
 
 class _ParseOnlyCLI(ESLightningCLI):
     """Parses and validates a command line against the code's signatures without building or running anything."""

@@ -174,3 +174,29 @@ def test_sharded_settings_are_checked_with_the_fix():
     module.generation_backend = "vllm"
     with pytest.raises(ValueError, match="generation_backend: hf"):
         check_sharded_settings(module)
+
+
+def test_fsdp1_on_cpu_is_refused_with_the_cpu_alternative(tmp_path):
+    from es_lightning.cli import cli_main
+
+    recipe = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes", "es.yaml")
+    with pytest.raises(ValueError, match="fsdp2_cpu.yaml"):
+        cli_main(["fit", "--config", recipe, "--trainer.accelerator", "cpu", "--trainer.strategy", "fsdp",
+                  "--trainer.default_root_dir", str(tmp_path)])
+
+
+def test_fsdp1_gets_one_unit_per_transformer_block_unless_configured(tiny_model_dir):
+    from lightning.pytorch.strategies import FSDPStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
+
+    from es_lightning.distributed import default_fsdp1_wrapping
+
+    model = ESModule(model=tiny_model_dir).policy.model
+    strategy = FSDPStrategy()
+    default_fsdp1_wrapping(strategy, model)
+    policy = strategy.kwargs["auto_wrap_policy"]
+    assert isinstance(policy, ModuleWrapPolicy) and policy._module_classes == {Qwen2DecoderLayer}
+    mine = FSDPStrategy(auto_wrap_policy={torch.nn.Linear})
+    default_fsdp1_wrapping(mine, model)
+    assert mine.kwargs["auto_wrap_policy"]._module_classes == {torch.nn.Linear}  # a configured policy is kept
