@@ -94,13 +94,15 @@ def plot_forgetting(changes: Mapping[str, Mapping[str, float]], ks: Sequence[int
     return _save(fig, path)
 
 
-def plot_sweep(rows: Sequence[Mapping[str, float]], path: str | Path) -> Path:
-    """Final training reward and held-out Pass@1 against the population size N (Ba et al. Table 6 as a picture)."""
+def plot_sweep(rows: Sequence[Mapping[str, float]], path: str | Path, k: int | None = None) -> Path:
+    """Final training reward and held-out Pass@1 (and Pass@k) against the population size N (Ba et al. Table 6)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
     sizes = [r["population_size"] for r in rows]
     ax.plot(sizes, [r["reward"] for r in rows], marker="o", label="train reward (last updates)")
     ax.plot(sizes, [r["pass@1"] for r in rows], marker="s", label="held-out pass@1")
+    if k is not None and k != 1:
+        ax.plot(sizes, [r[f"pass@{k}"] for r in rows], marker="^", label=f"held-out pass@{k}")
     base = rows[0].get("base_pass@1") if rows else None
     if base is not None:
         ax.axhline(base, color="gray", linestyle="--", label="base pass@1")

@@ -220,6 +220,6 @@ def sweep_command(
     out = Path(out_dir)
     written = [write_json(out / "sweep.json", report.to_json())]
     if plot:
-        written.append(plot_sweep(report.rows[1:], out / "sweep.png"))
+        written.append(plot_sweep(report.rows[1:], out / "sweep.png", k=max(report.ks)))
     print("wrote " + ", ".join(map(str, written)))
     return report
