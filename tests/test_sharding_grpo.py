@@ -5,7 +5,8 @@ The batch is fixed: 4 prompts, 2 per rank under 2 processes (the data module han
 together are the 1-process batch of 4), and each prompt's group is sampled on its own with a seed of its own, so the
 rollouts do not depend on which rank or batch row a prompt lands on. What is compared is what the strategy changes: the
 loss normalisation across ranks (``dapo``'s global token count), the gradient averaging of DDP / reduce-scatter of FSDP2,
-clipping of the global norm, and the AdamW step on full vs sharded parameters.
+clipping of the global norm, and the AdamW step on full vs sharded parameters. The FSDP2 run then also switches a
+sharded GRPO fit to ES with ``SequentialStrategy`` and checks that the ES stage ran sharded and moved the weights.
 """
 
 from __future__ import annotations
@@ -86,9 +87,27 @@ SCRIPT = textwrap.dedent(
         trainer.fit(module, ReasoningDataModule(batch_size=2, **DATA_KW))
         weights = {{n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().flatten().tolist()
                    for n, p in module.model.named_parameters()}}
+        switch = {{}}
+        if mode == "fsdp2":  # GRPO -> ES on the sharded policy: SequentialStrategy switches at step 1
+            from es_lightning import SequentialStrategy
+            from es_lightning.modules.es import ESModule
+            from test_sharding_es import LengthTask  # a reward ES members earn differently
+            seq = PerPromptGRPO(model={model!r}, task=LengthTask(), **GRPO_KW)
+            stages = {{}}
+            class Stage(L.Callback):
+                def on_train_batch_end(self, trainer, pl_module, *a):
+                    stages[trainer.global_step] = type(pl_module).__name__
+            t2 = L.Trainer(max_steps=2, accelerator="cpu", devices=2, strategy=ModelParallelStrategy(), logger=False,
+                           enable_checkpointing=False, limit_val_batches=0, num_sanity_val_steps=0,
+                           enable_progress_bar=False, enable_model_summary=False,
+                           callbacks=[Stage(), SequentialStrategy(switch_step=1, es=dict(
+                               population_size=4, sigma=0.5, lr=0.05, reward_normalization="centered"))])
+            t2.fit(seq, ReasoningDataModule(batch_size=2, **DATA_KW))
+            switch = {{"stages": stages, "es_sharded": isinstance(seq, ESModule) and seq.sharded,
+                      "update_norm": float(t2.callback_metrics["train/update_norm"])}}
         if trainer.global_rank == 0:
             json.dump({{"weights": weights, "step": trainer.global_step, "sharded": module.sharded,
-                       "grad_norm": float(trainer.callback_metrics["train/grad_norm"])}},
+                       "grad_norm": float(trainer.callback_metrics["train/grad_norm"]), "switch": switch}},
                       open({out!r} + f"/{{mode}}.json", "w"))
     """
 )
@@ -130,3 +149,7 @@ def test_grpo_step_on_two_processes_equals_single_process(mode, single, tiny_mod
     assert moved > 1e-3, "the 1-process step changed the weights"
     diff = max(float((torch.tensor(result["weights"][n]) - single[n]).abs().max()) for n in single)
     assert diff < 1e-4, diff  # lr / 100; AdamW's first step is ~±lr per element, so any wrong direction shows
+    if mode == "fsdp2":  # SequentialStrategy turned the sharded GRPO fit into sharded ES, which updated the weights
+        switch = result["switch"]
+        assert switch["stages"] == {"1": "PerPromptGRPO", "2": "ESModule"} and switch["es_sharded"]
+        assert switch["update_norm"] > 0

@@ -308,9 +308,12 @@ class ESModule(ReasoningModule):
         }
         if self._theta0 is not None and self.log_drift_every_n_steps and step % self.log_drift_every_n_steps == 0:
             logs["train/drift"] = self.relative_drift()
-        self.log("train/reward_mean", stats.pop("train/reward_mean"), prog_bar=True)
+        # identical on every rank already; sync_dist as GRPOModule logs the same keys, so a SequentialStrategy switch in a
+        # multi-process fit logs them with the same arguments (Lightning refuses a change within an epoch)
+        sync = self.trainer.world_size > 1
+        self.log("train/reward_mean", stats.pop("train/reward_mean"), prog_bar=True, sync_dist=sync)
         logs.pop("train/reward_mean", None)
-        self.log_dict({k: float(v) for k, v in logs.items()})
+        self.log_dict({k: float(v) for k, v in logs.items()}, sync_dist=sync)
 
     def _member_weights(self, rewards: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         """Normalised rewards z_n; non-finite rewards are dropped (weight 0) with a warning, never reach the weights."""
