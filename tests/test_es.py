@@ -82,6 +82,10 @@ def test_bad_hyperparameters_fail_clearly():
         ESModule(population_size=1)
     with pytest.raises(ValueError, match="reward_normalization"):
         ESModule(reward_normalization="softmax")
+    with pytest.raises(NotImplementedError, match="use generation_backend: hf"):
+        ESModule(generation_backend="vllm")
+    with pytest.raises(ValueError, match="generation_backend must be 'hf'"):
+        ESModule(generation_backend="sglang")
 
 
 # ---------------------------------------------------------------------------------------------------- the step

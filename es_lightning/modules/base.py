@@ -46,7 +46,8 @@ class ReasoningModule(L.LightningModule):
         max_new_tokens: completion length cap for training rollouts.
         temperature: training rollout temperature (0 = greedy).
         top_p: training rollout nucleus threshold.
-        generation_backend: ``"hf"`` (transformers ``generate``); ``"vllm"`` is an optional extra.
+        generation_backend: ``"hf"`` (transformers ``generate``), the only backend in this version; a vLLM backend
+            (the ``vllm`` extra, CUDA only) is planned behind the same :class:`~es_lightning.generation.Generator`.
         seed: base seed of the module's sampling streams (rollouts are seeded from it and the step, so a resumed run
             draws the same samples as an uninterrupted one).
     """
@@ -66,8 +67,13 @@ class ReasoningModule(L.LightningModule):
         super().__init__()
         self.save_hyperparameters(ignore=["task"])
         self.automatic_optimization = False
-        if generation_backend not in ("hf", "vllm"):
-            raise ValueError(f"generation_backend must be 'hf' or 'vllm', got {generation_backend!r}")
+        if generation_backend == "vllm":
+            raise NotImplementedError(
+                "generation_backend='vllm' is not available in this version of es-lightning (planned, CUDA only); "
+                "use generation_backend: hf"
+            )
+        if generation_backend != "hf":
+            raise ValueError(f"generation_backend must be 'hf', got {generation_backend!r}")
         self.model_name = model
         self.dtype_name = dtype
         self.trust_remote_code = trust_remote_code
@@ -115,12 +121,7 @@ class ReasoningModule(L.LightningModule):
     @property
     def generator(self) -> Generator:
         if self._generator is None:
-            if self.generation_backend == "vllm":
-                from es_lightning.generation.vllm import VLLMGenerator  # optional extra
-
-                self._generator = VLLMGenerator(self.policy)
-            else:
-                self._generator = HFGenerator(self.policy)
+            self._generator = HFGenerator(self.policy)
         return self._generator
 
     @property
