@@ -1,7 +1,8 @@
 """ES on a sharded policy: 2 real CPU processes (gloo) under Lightning's ModelParallelStrategy (FSDP2, ``fully_shard``).
 
 One subprocess run does, on both ranks: an ES fit of 2 steps that saves a distributed (sharded) checkpoint after each
-step, then a fresh fit resumed from the step-1 checkpoint. Checked against independent computations: the weights after
+step (with training-time Pass@k), then a fresh fit resumed from the step-1 checkpoint, then the shard-view checks of
+:func:`check_dtensor_views` on other DTensor layouts. Checked against independent computations: the weights after
 step 1 equal those of a 1-process fit run here (fp tolerance); the resumed run's step-2 weights equal the uninterrupted
 run's exactly; and the parameters really were sharded (each rank held part of them, one tensor unevenly).
 """
@@ -35,13 +36,53 @@ class LengthTask(CountdownTask):
         return answers, correct, self.reward(completions, examples)
 
 
+def check_dtensor_views() -> str:
+    """DTensor shard views on every rank of a 2-process gloo group (run inside the FSDP2 script): each rank's noise is
+    exactly its slice of the whole tensor's noise for row shards (even and uneven), column shards (not one contiguous
+    run) and replicated (HSDP) layouts; writes land in the DTensor; θ₀ pieces reassemble into the full tensor and cut
+    back; drift counts replicas once. Raises on any mismatch."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from es_lightning.es.noise import param_noise
+    from es_lightning.es.sharding import gather_full, local_snapshot, localize, shard_views, sharded_drift
+
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (2,))
+    cases = {"rows_uneven": ((5, 3), [Shard(0)]), "cols": ((4, 5), [Shard(1)]), "vector": ((3,), [Shard(0)]),
+             "one_row_cols": ((1, 7), [Shard(1)]), "replicated": ((2, 3), [Replicate()])}
+    for name, (shape, placements) in cases.items():
+        full = torch.randn(shape)
+        dt = distribute_tensor(full.clone(), mesh, placements)
+        (view,) = shard_views([(name, dt)])
+        whole_noise = param_noise(7, 3, 1, name, full.numel()).view(shape)
+        idx = distribute_tensor(torch.arange(full.numel()).view(shape), mesh, placements).to_local().flatten()
+        assert torch.equal(view.noise(7, 3, 1), whole_noise.flatten()[idx]), name
+        assert view.shape == shape and view.numel == full.numel()
+        assert view.replicas == (2 if name == "replicated" else 1)
+        theta0 = local_snapshot([view])
+        view.write(view.read().float() + view.noise(7, 3, 1))
+        assert torch.equal(dt.full_tensor(), full + whole_noise), name  # every rank wrote its own elements
+        assert torch.equal(gather_full([view], theta0)[name], full), name
+        assert torch.equal(localize([view], {name: full})[name], theta0[name]), name
+        drift = sharded_drift([view], theta0)
+        expected = float(whole_noise.norm() / full.norm())
+        assert abs(drift - expected) < 1e-5 * expected, (name, drift, expected)  # each element counted once
+    # HSDP: 2-D mesh, replicate over the first dimension, shard over the second (size 1 here: 2 processes)
+    mesh2 = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+    dt = distribute_tensor(torch.ones(4, 2), mesh2, [Replicate(), Shard(0)])
+    (view,) = shard_views([("hsdp", dt)])
+    assert view.replicas == 2 and (view.start, view.end) == (0, 8)
+    return "ok"
+
+
 SCRIPT = textwrap.dedent(
     """
     import json, sys, torch, lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.strategies import ModelParallelStrategy
     sys.path.insert(0, {tests!r})
-    from test_sharding_es import ES_KW, DATA_KW, LengthTask
+    from test_sharding_es import ES_KW, DATA_KW, LengthTask, check_dtensor_views
     from es_lightning import ESModule, PassAtKCallback, ReasoningDataModule
 
     def full_weights(module):  # a collective under FSDP2: every rank calls it
@@ -81,12 +122,17 @@ SCRIPT = textwrap.dedent(
         history = [cb for cb in trainer.callbacks if isinstance(cb, PassAtKCallback)][0].history
         shards = [(n, p.to_local().numel(), p.numel()) for n, p in module.model.named_parameters()]
         trainer2, module2, resumed = fit(ckpt_path=out + "/ckpt/step=1.ckpt")
+        try:  # the shard-view primitives on other layouts, in the same process group
+            views = check_dtensor_views()
+        except AssertionError as err:
+            views = "failed: " + repr(err)
         if trainer.global_rank == 0:
             json.dump({{"weights": first.weights, "drift": first.drift, "resumed_weights": resumed.weights,
                        "resumed_drift": resumed.drift, "steps": [trainer.global_step, trainer2.global_step],
                        "rewards": module.last_rewards.tolist(), "pass_history": history}},
                       open(out + "/result.json", "w"))
-        json.dump({{"shards": shards, "sharded": module.sharded}}, open(out + f"/shards{{trainer.global_rank}}.json", "w"))
+        json.dump({{"shards": shards, "sharded": module.sharded, "views": views}},
+                  open(out + f"/shards{{trainer.global_rank}}.json", "w"))
     """
 )
 
@@ -128,6 +174,11 @@ def test_fsdp2_es_step_equals_single_process(fsdp2_run, tiny_model_dir):
     assert len(set(single_rewards)) > 1 and _max_diff(single_weights, start) > 1e-3  # a real update happened
     diff = _max_diff(result["weights"]["1"], single_weights)
     assert diff < 1e-5, diff
+
+
+def test_dtensor_shard_views_match_the_whole_tensor(fsdp2_run):
+    _, shards, _ = fsdp2_run
+    assert [s["views"] for s in shards] == ["ok", "ok"]
 
 
 def test_fsdp2_really_shards_the_policy(fsdp2_run):
