@@ -329,6 +329,10 @@ class GRPOModule(ReasoningModule):
         norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self.device)
         if hasattr(norm, "full_tensor"):  # DTensor under FSDP2
             norm = norm.full_tensor()
+        elif self.trainer.world_size > 1 and self.sharded:  # FSDP1: each rank holds a disjoint piece of every gradient
+            from es_lightning.es.sharding import all_reduce_sum
+
+            norm = torch.tensor(all_reduce_sum([float(norm) ** 2], norm.device)[0] ** 0.5, device=norm.device)
         if self.max_grad_norm:
             self.clip_gradients(opt, gradient_clip_val=self.max_grad_norm, gradient_clip_algorithm="norm")
         return norm.detach().float()
