@@ -215,6 +215,12 @@ class ReasoningModule(L.LightningModule):
     def configure_optimizers(self):
         return None
 
+    def on_fit_start(self) -> None:
+        """Mark a sharded policy for lockstep generation before anything generates (FSDP1 wraps only at setup)."""
+        _ = self.sharded
+
+    on_validation_start = on_test_start = on_fit_start
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self._theta0 is not None:
             checkpoint["theta0"] = self._full_theta0() if self.sharded else self._theta0

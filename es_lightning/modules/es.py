@@ -9,7 +9,9 @@ Invariants (each tested): no autograd (``torch.no_grad``; no ``.grad`` is ever a
 update; noise a pure function of (seed, step, member, parameter name, element index); exact restore of the centre
 weights (a copy of θ is the one model-sized buffer); fp32 accumulation of the update; non-finite rewards dropped;
 population-parallel under DDP (each rank evaluates members ``rank, rank + W, …`` on the same batch, rewards are summed
-across ranks, and every rank applies the same update).
+across ranks, and every rank applies the same update); prompt-parallel under FSDP, when the parameters are sharded
+(every rank evaluates every member on its share of the batch, perturbing and updating only its own shard:
+:mod:`es_lightning.modules.es_sharded`).
 
 When sampling (``temperature > 0``) all members share the prompts *and* the sampling random numbers (common random
 numbers: one rollout seed per step), so reward differences come from the weights, not from sampling luck.
