@@ -17,9 +17,11 @@ def _cell(value: Any, digits: int) -> str:
     if isinstance(value, float):
         if math.isnan(value):
             return "nan"
+        if _signed(value):  # a change: fixed point, so a column of changes lines up
+            return f"{value:+.{digits}f}"
         if value != 0 and (abs(value) < 10 ** -digits or abs(value) >= 1e6):
             return f"{value:.2e}"
-        return f"{value:+.{digits}f}" if _signed(value) else f"{value:.{digits}f}"
+        return f"{value:.{digits}f}"
     return str(value)
 
 
