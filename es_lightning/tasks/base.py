@@ -96,7 +96,7 @@ class Task(ABC):
 
     def reward(self, completions: Sequence[str], examples: Sequence[dict[str, Any]]) -> list[float]:
         """One float per completion: ``correct_reward`` / ``format_reward`` / 0 (Ba et al. convention)."""
-        return self.grade(completions, examples)[2]
+        return self._grade(completions, examples)[2]  # not grade(): a subclass's reward() may call super().reward()
 
     def grade(
         self, completions: Sequence[str], examples: Sequence[dict[str, Any]]
@@ -107,6 +107,18 @@ class Task(ABC):
         what :meth:`is_correct` says, ``rewards`` what :meth:`reward` says. Training and evaluation call this so that a
         completion is never parsed twice. Subclasses customise :meth:`reward` / :meth:`is_correct` and this follows.
         """
+        answers, correct, rewards = self._grade(completions, examples)
+        # a subclass that overrides reward() or is_correct() (a custom reward, e.g. length shaping) is obeyed
+        if type(self).reward is not Task.reward:
+            rewards = [float(r) for r in self.reward(completions, examples)]
+        if type(self).is_correct is not Task.is_correct:
+            correct = [bool(self.is_correct(c, e)) for c, e in zip(completions, examples)]
+        return answers, correct, rewards
+
+    def _grade(
+        self, completions: Sequence[str], examples: Sequence[dict[str, Any]]
+    ) -> tuple[list[str | None], list[bool], list[float]]:
+        """The base class's answers, verdicts and rewards, ignoring subclass overrides of reward()/is_correct()."""
         if len(completions) != len(examples):
             raise ValueError(
                 f"grade() got {len(completions)} completions but {len(examples)} examples; pass one example per "
@@ -124,11 +136,6 @@ class Task(ABC):
             answers.append(answer)
             correct.append(ok)
             rewards.append(self.correct_reward if ok else self.format_reward if answer is not None else 0.0)
-        # a subclass that overrides reward() or is_correct() (a custom reward, e.g. length shaping) is obeyed
-        if type(self).reward is not Task.reward:
-            rewards = [float(r) for r in self.reward(completions, examples)]
-        if type(self).is_correct is not Task.is_correct:
-            correct = [bool(self.is_correct(c, e)) for c, e in zip(completions, examples)]
         return answers, correct, rewards
 
     def _safe_extract(self, completion: str) -> str | None:
