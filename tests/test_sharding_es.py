@@ -1,7 +1,8 @@
 """ES on a sharded policy: 2 real CPU processes (gloo) under Lightning's ModelParallelStrategy (FSDP2, ``fully_shard``).
 
 One subprocess run does, on both ranks: an ES fit of 2 steps that saves a distributed (sharded) checkpoint after each
-step (with training-time Pass@k), then a fresh fit resumed from the step-1 checkpoint, then the shard-view checks of
+step (with training-time Pass@k), then a fresh fit resumed from the step-1 checkpoint, the same with a full
+(single-file) checkpoint, then the shard-view checks of
 :func:`check_dtensor_views` on other DTensor layouts. Checked against independent computations: the weights after
 step 1 equal those of a 1-process fit run here (fp tolerance); the resumed run's step-2 weights equal the uninterrupted
 run's exactly; and the parameters really were sharded (each rank held part of them, one tensor unevenly).
@@ -98,17 +99,19 @@ SCRIPT = textwrap.dedent(
             self.weights[trainer.global_step] = full_weights(module)
             self.drift[trainer.global_step] = float(trainer.callback_metrics["train/drift"])
 
-    def fit(ckpt_path=None, checkpoints=None):
+    def fit(ckpt_path=None, checkpoints=None, full=False, max_steps=2):
         module = ESModule(model={model!r}, task=LengthTask(), **ES_KW)
         record = Record()
         callbacks = [record]
         if checkpoints:
             callbacks.append(ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=1, save_top_k=-1,
                                              filename="{{step}}"))
+        if checkpoints and not full:
             # training-time Pass@k on 3 problems, 1 per call: rank 0 makes 2 generate calls, rank 1 one (+1 spare)
             callbacks.append(PassAtKCallback(num_samples=2, ks=(1,), every_n_train_steps=1, num_problems=3,
                                              batch_size=1))
-        trainer = L.Trainer(max_steps=2, accelerator="cpu", devices=2, strategy=ModelParallelStrategy(),
+        strategy = ModelParallelStrategy(save_distributed_checkpoint=not full)
+        trainer = L.Trainer(max_steps=max_steps, accelerator="cpu", devices=2, strategy=strategy,
                             logger=False, enable_checkpointing=bool(checkpoints), limit_val_batches=0,
                             num_sanity_val_steps=0, enable_progress_bar=False, enable_model_summary=False,
                             callbacks=callbacks)
@@ -122,6 +125,8 @@ SCRIPT = textwrap.dedent(
         history = [cb for cb in trainer.callbacks if isinstance(cb, PassAtKCallback)][0].history
         shards = [(n, p.to_local().numel(), p.numel()) for n, p in module.model.named_parameters()]
         trainer2, module2, resumed = fit(ckpt_path=out + "/ckpt/step=1.ckpt")
+        fit(checkpoints=out + "/full", full=True, max_steps=1)  # a full (single-file) checkpoint of a sharded run
+        _, _, from_full = fit(ckpt_path=out + "/full/step=1.ckpt")
         try:  # the shard-view primitives on other layouts, in the same process group
             views = check_dtensor_views()
         except AssertionError as err:
@@ -129,7 +134,8 @@ SCRIPT = textwrap.dedent(
         if trainer.global_rank == 0:
             json.dump({{"weights": first.weights, "drift": first.drift, "resumed_weights": resumed.weights,
                        "resumed_drift": resumed.drift, "steps": [trainer.global_step, trainer2.global_step],
-                       "rewards": module.last_rewards.tolist(), "pass_history": history}},
+                       "rewards": module.last_rewards.tolist(), "pass_history": history,
+                       "from_full_weights": from_full.weights}},
                       open(out + "/result.json", "w"))
         json.dump({{"shards": shards, "sharded": module.sharded, "views": views}},
                   open(out + f"/shards{{trainer.global_rank}}.json", "w"))
@@ -199,6 +205,17 @@ def test_fsdp2_resume_from_sharded_checkpoint_continues_exactly(fsdp2_run):
     assert _max_diff(result["resumed_weights"]["2"], result["weights"]["2"]) == 0.0
     assert _max_diff(result["weights"]["2"], result["weights"]["1"]) > 1e-4  # step 2 moved the weights
     assert result["resumed_drift"]["2"] == pytest.approx(result["drift"]["2"], rel=1e-6)  # θ₀ came back too
+
+
+def test_fsdp2_full_checkpoint_is_one_file_and_resumes_exactly(fsdp2_run):
+    result, _, out = fsdp2_run
+    path = out / "full" / "step=1.ckpt"
+    assert path.is_file(), "save_distributed_checkpoint=False gathers one file"
+    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    single = dict(ESModule(model=ckpt["hyper_parameters"]["model"]).policy.model.named_parameters())
+    for name, t0 in ckpt["theta0"].items():  # θ₀ stored whole, as an unsharded run stores it
+        assert t0.shape == single[name].shape and torch.equal(t0, single[name].detach()), name
+    assert _max_diff(result["from_full_weights"]["2"], result["weights"]["2"]) == 0.0
 
 
 def test_training_time_pass_at_k_runs_sharded_with_uneven_rank_shares(fsdp2_run):

@@ -69,11 +69,12 @@ class ESOptimizer(torch.optim.Optimizer):
         self.last_update_norm = 0.0
         #: the trainer's wrapped model when it may hold FSDP1 units (set by ESModule); DTensors need nothing
         self.shard_root: torch.nn.Module | None = None
-        # the count of applied updates is the optimizer's only state, one scalar per parameter: distributed
-        # checkpoints (FSDP) want state for every parameter, and "initialise" a stateless optimizer by stepping it
-        # with zero gradients, which would allocate a .grad per parameter
+        # the count of applied updates is the optimizer's only state, one per parameter: distributed checkpoints
+        # (FSDP) want state for every parameter, "initialise" a stateless optimizer by stepping it with zero gradients
+        # (which would allocate a .grad per parameter), and load a full checkpoint into a sharded run only when some
+        # state tensor has a dimension (it tells them the device): hence a 1-element tensor on the parameter's device
         for p in self.param_groups[0]["params"]:
-            self.state[p]["step"] = torch.zeros((), dtype=torch.float32)
+            self.state[p]["step"] = torch.zeros(1, dtype=torch.float32, device=p.device)
 
     def set_update(
         self,
@@ -109,7 +110,7 @@ class ESOptimizer(torch.optim.Optimizer):
         active = [(int(i), float(w)) for i, w in zip(noise_ids, weights) if w != 0.0]
         sq = 0.0
         for p in group["params"]:
-            self.state[p]["step"] = self.state[p].get("step", torch.zeros(())) + 1
+            self.state[p]["step"] = self.state[p].get("step", torch.zeros(1, device=p.device)) + 1
         if coef == 0.0 or not active:
             self.last_update_norm = 0.0
             return None
