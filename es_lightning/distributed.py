@@ -19,6 +19,9 @@ the modules adapt. This file holds the two things a sharded policy needs beyond 
   forward, and its root unit wraps the LightningModule, whose "forward" is the training/validation step. Generation
   inside a step is therefore fine, but a callback generating after the step (``PassAtKCallback``) must gather the root
   unit's parameters itself: ``FSDP.summon_full_params(root, recurse=False)`` (the inner units gather themselves).
+- :func:`consolidate_checkpoint` — a sharded checkpoint directory of ``ModelParallelStrategy`` (torch distributed
+  checkpoint files plus Lightning's ``meta.pt``) as one ordinary Lightning ``.ckpt`` file, readable without a process
+  group (``es-lightning eval``/``analyze``, ``torch.load``). ``python -m es_lightning.distributed DIR OUT.ckpt``.
 - :func:`sync_sharded_generation` — every FSDP forward all-gathers parameters, a collective all ranks must join. Ranks
   generating different prompts finish at different lengths; transformers keeps the finished ones stepping (dummy
   forwards) when ``generate(synced_gpus=True)``, which it turns on by itself for a module marked
@@ -108,3 +111,38 @@ def gathered_for_generation(module) -> AbstractContextManager:
     if not isinstance(root, FSDP) or root.training_state != TrainingState.IDLE:  # not FSDP1, or inside the step
         return nullcontext()
     return FSDP.summon_full_params(root, recurse=False, writeback=False)
+
+
+def consolidate_checkpoint(directory: str, output: str) -> str:
+    """Write the sharded checkpoint ``directory`` (``ModelParallelStrategy(save_distributed_checkpoint=True)``) as one
+    Lightning checkpoint file ``output``: full ``state_dict``, Lightning's metadata (step, loops, callbacks,
+    hyperparameters, θ₀) and the optimizer states as torch's distributed checkpointing keeps them (keyed by parameter
+    name). Runs in one process; needs memory for the whole model. For evaluation and analysis; resume a sharded run
+    from the directory itself."""
+    import os
+    import tempfile
+
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    meta = os.path.join(directory, "meta.pt")
+    if not os.path.isfile(meta):
+        raise FileNotFoundError(f"{directory} is not a sharded Lightning checkpoint (no meta.pt)")
+    with tempfile.TemporaryDirectory() as tmp:
+        flat = os.path.join(tmp, "state.pt")
+        dcp_to_torch_save(directory, flat)
+        state = torch.load(flat, map_location="cpu", weights_only=False)
+    checkpoint = torch.load(meta, map_location="cpu", weights_only=False)
+    checkpoint["state_dict"] = state.pop("state_dict")
+    optimizers = sorted(k for k in state if k.startswith("optimizer_"))
+    checkpoint["optimizer_states"] = [state[k] for k in optimizers]
+    torch.save(checkpoint, output)
+    return output
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) != 3:
+        sys.exit("usage: python -m es_lightning.distributed SHARDED_CHECKPOINT_DIR OUTPUT.ckpt")
+    print(consolidate_checkpoint(sys.argv[1], sys.argv[2]))

@@ -268,3 +268,17 @@ def test_fsdp1_gets_one_unit_per_transformer_block_unless_configured(tiny_model_
     mine = FSDPStrategy(auto_wrap_policy={torch.nn.Linear})
     default_fsdp1_wrapping(mine, model)
     assert mine.kwargs["auto_wrap_policy"]._module_classes == {torch.nn.Linear}  # a configured policy is kept
+
+
+def test_sharded_checkpoint_consolidates_to_the_full_one(fsdp2_run, tmp_path):
+    from es_lightning.distributed import consolidate_checkpoint
+
+    _, _, out = fsdp2_run
+    merged = torch.load(consolidate_checkpoint(str(out / "ckpt" / "step=1.ckpt"), str(tmp_path / "one.ckpt")),
+                        map_location="cpu", weights_only=False)
+    full = torch.load(out / "full" / "step=1.ckpt", map_location="cpu", weights_only=False)
+    assert merged["global_step"] == full["global_step"] == 1
+    assert merged["state_dict"].keys() == full["state_dict"].keys()
+    for key, value in full["state_dict"].items():  # the same step of the same run, saved sharded and saved whole
+        assert torch.equal(merged["state_dict"][key], value), key
+    assert all(torch.equal(merged["theta0"][k], v) for k, v in full["theta0"].items())
