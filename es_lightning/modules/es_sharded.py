@@ -20,8 +20,8 @@ exactly those of an unsharded run; the other ranks' prompts sit at different bat
 valid) random numbers. All members still share the random numbers of each prompt (common random numbers). Greedy
 decoding — the papers' ES setting — is layout-independent.
 
-Limits: ``members_per_batch > 1`` (population-batched forwards stack full weight copies) and the vLLM backend are
-refused; ``data.batch_size`` must be at least the world size.
+Limits: the vLLM backend is refused; ``members_per_batch > 1`` (population-batched forwards stack full weight copies)
+falls back to one member at a time, with a warning; ``data.batch_size`` must be at least the world size.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 
 from es_lightning.es.sharding import prompt_share, shard_views
 
@@ -38,11 +39,14 @@ if TYPE_CHECKING:
 
 
 def check_sharded_settings(module: ESModule) -> None:
-    """Refuse ES settings that cannot run on a sharded policy, naming the fix."""
+    """Refuse ES settings that cannot run on a sharded policy, naming the fix. ``members_per_batch > 1`` (a speed knob:
+    the rewards are the same) falls back to one member at a time with a warning, so that a recipe written for one
+    device runs sharded by changing only the trainer fragment."""
     if getattr(module, "members_per_batch", 1) > 1:
-        raise ValueError(
-            f"members_per_batch={module.members_per_batch} stacks full copies of the weights and cannot run on a sharded "
-            "(FSDP) policy; set members_per_batch: 1, or use DDP (configs/trainer/ddp.yaml) if the model fits on one device"
+        rank_zero_warn(
+            f"members_per_batch={module.members_per_batch} stacks full copies of the weights, which a sharded (FSDP) "
+            "policy does not have: members are evaluated one at a time (same rewards). Use DDP "
+            "(configs/trainer/ddp.yaml) to batch members if the model fits on one device."
         )
     if module.generation_backend != "hf":
         raise ValueError(
