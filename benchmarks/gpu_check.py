@@ -12,7 +12,8 @@ unsharded run of the same step (the CPU suite's tests/test_sharding_*.py do the 
    after each and training-time Pass@k (generation outside the step: the root unit is gathered by
    ``gathered_for_generation``); the step-1 weights equal the unsharded step's; a fit resumed from the step-1
    checkpoint ends with the uninterrupted run's step-2 weights.
-2. ``es_fsdp2``: ES, ``ModelParallelStrategy`` (FSDP2) on CUDA with NCCL: step-1 weights equal the unsharded step's.
+2. ``es_fsdp2``: ES, ``ModelParallelStrategy`` (FSDP2) on CUDA with NCCL: step-1 weights equal the unsharded step's;
+   ``es_ddp``: the same for ES population-parallel under DDP (NCCL).
 3. ``grpo_fsdp1``: one GRPO step under ``FSDPStrategy`` on a fixed batch of per-prompt-seeded rollouts equals the
    unsharded step (weights and global gradient norm).
 
@@ -72,7 +73,7 @@ def run(args) -> None:
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    strategy = {"single": "auto", "fsdp1": "fsdp"}.get(args.strategy)
+    strategy = {"single": "auto", "fsdp1": "fsdp", "ddp": "ddp"}.get(args.strategy)
     if args.strategy == "fsdp2":
         from lightning.pytorch.strategies import ModelParallelStrategy
 
@@ -178,6 +179,7 @@ def main() -> None:
         for name, kw in {
             "es_fsdp1": dict(strategy=fsdp1, algo="es", steps=2, checkpoints=os.path.join(tmp, "ckpt1")),
             "es_fsdp2": dict(strategy="fsdp2", algo="es", steps=1),
+            "es_ddp": dict(strategy="ddp", algo="es", steps=1),
         }.items():
             kw.update(common)
             try:

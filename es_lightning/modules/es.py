@@ -270,8 +270,8 @@ class ESModule(ReasoningModule):
                 p.copy_(b)  # bit-for-bit restore of the centre weights
             del base
         if world > 1:  # each rank filled only its members; the others are zero
-            rewards = self.trainer.strategy.reduce(rewards, reduce_op="sum")
-            success = self.trainer.strategy.reduce(success, reduce_op="sum")
+            rewards = self.trainer.strategy.reduce(rewards.to(self.device), reduce_op="sum").cpu()  # NCCL: on the GPU
+            success = self.trainer.strategy.reduce(success.to(self.device), reduce_op="sum").cpu()
         self._update_and_log(step, rewards, success, t_gen, t_score, noise_cache)
 
     def _update_and_log(
