@@ -59,7 +59,8 @@ def read_checkpoint(path: str) -> dict[str, Any]:
     if file.is_dir():
         raise ValueError(
             f"{path!r} is a directory: a sharded (distributed, e.g. FSDP) checkpoint. Consolidate it into one file with "
-            f"`python -m lightning.fabric.utilities.consolidate_checkpoint {path}` and pass the result, or pass a "
+            f"`python -m es_lightning.distributed {path} consolidated.ckpt` (FSDP2 / ModelParallelStrategy; FSDP1: "
+            f"`python -m lightning.pytorch.utilities.consolidate_checkpoint {path}`) and pass the result, or pass a "
             "Hugging Face export of the model (HFExport)"
         )
     if not file.is_file():
