@@ -17,10 +17,10 @@ SCRIPT = textwrap.dedent(
         def reward(self, completions, examples):
             return [sum(map(ord, c)) % 97 / 97 for c in completions]
 
-    model_dir, devices, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    model_dir, devices, out, members_per_batch = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
     torch.set_num_threads(1)
     module = ESModule(model=model_dir, population_size=4, sigma=0.5, lr=0.05, max_new_tokens=6, temperature=1.0,
-                      reward_normalization="centered", task=LengthTask())
+                      reward_normalization="centered", task=LengthTask(), members_per_batch=members_per_batch)
     dm = ReasoningDataModule(task="countdown", train_size=32, val_size=4, test_size=4, batch_size=4)
     trainer = L.Trainer(max_steps=2, accelerator="cpu", devices=devices,
                         strategy="ddp" if devices > 1 else "auto", logger=False, enable_checkpointing=False,
@@ -35,18 +35,20 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def _run(tmp_path, model_dir, devices):
+def _run(tmp_path, model_dir, devices, members_per_batch=1):
     script = tmp_path / "es_ddp.py"
     script.write_text(SCRIPT)
     out = tmp_path / f"result{devices}"
-    proc = subprocess.run([sys.executable, str(script), model_dir, str(devices), str(out)], capture_output=True,
+    proc = subprocess.run([sys.executable, str(script), model_dir, str(devices), str(out), str(members_per_batch)],
+                          capture_output=True,
                           text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads((tmp_path / f"result{devices}.{r}").read_text()) for r in range(devices)]
 
 
 def test_ddp_population_parallel_matches_single_process(tmp_path, tiny_model_dir):
-    rank0, rank1 = _run(tmp_path, tiny_model_dir, 2)
+    # the 2 ranks each score their 2 members in one batched generate; the 1-process run goes member by member
+    rank0, rank1 = _run(tmp_path, tiny_model_dir, 2, members_per_batch=2)
     (single,) = _run(tmp_path, tiny_model_dir, 1)
     assert rank0["step"] == rank1["step"] == single["step"] == 2
     assert rank0["weights"] == rank1["weights"]  # identical on every rank, bitwise
