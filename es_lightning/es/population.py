@@ -56,7 +56,7 @@ class PopulationForward:
                 raise ValueError(f"stacked {name!r} has shape {tuple(value.shape)}, expected (k, *{tuple(p.shape)})")
             by_id[id(p)] = value
         self._by_id = by_id
-        self._patched: list[nn.Module] = []
+        self._patched: list[tuple[nn.Module, object]] = []  # (module, the instance forward it had, if any)
 
     # ------------------------------------------------------------------ context
     def __enter__(self) -> PopulationForward:
@@ -65,13 +65,17 @@ class PopulationForward:
             if not own or not any(id(p) in self._by_id for p in own.values()):
                 continue
             members = {n: self._by_id.get(id(p), p.unsqueeze(0).expand(self.k, *p.shape)) for n, p in own.items()}
-            module.forward = types.MethodType(_batched_forward(module, members, self.k), module)
-            self._patched.append(module)
+            batched = types.MethodType(_batched_forward(module, members, self.k), module)
+            self._patched.append((module, module.__dict__.get("forward")))
+            module.forward = batched
         return self
 
     def __exit__(self, *exc) -> None:
-        for module in self._patched:
-            del module.forward  # the class's forward again
+        for module, previous in self._patched:
+            if previous is None:
+                del module.forward  # the class's forward again
+            else:
+                module.forward = previous  # e.g. a forward some other library had set on the instance
         self._patched.clear()
 
 
