@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import gc
 import time
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,36 +92,16 @@ class CompareReport:
 
 
 def _fit(config: Path, seed: int, steps: int, root: Path, overrides: Sequence[str] = ()):
-    """One recipe fit for ``steps`` updates with every seed set to ``seed``; returns the trained module."""
-    from es_lightning.callbacks import HFExport, PassAtKCallback, SequentialStrategy, TrainingReport
-    from es_lightning.cli import ESLightningCLI
+    """One recipe fit for ``steps`` updates with every seed set to ``seed``; returns the trained module and its task."""
+    from es_lightning.analysis.runs import recipe_cli
+    from es_lightning.callbacks import SequentialStrategy
 
-    args = [
-        "--config", str(config),
-        "--seed_everything", str(seed),
-        "--model.init_args.seed", str(seed),
-        "--data.init_args.seed", str(seed),
-        "--trainer.max_steps", str(steps),
-        "--trainer.logger", "false",
-        "--trainer.enable_checkpointing", "false",
-        "--trainer.limit_val_batches", "0",
-        "--trainer.num_sanity_val_steps", "0",
-        "--trainer.enable_model_summary", "false",
-        "--trainer.default_root_dir", str(root),
-        *overrides,
-    ]
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*LightningCLI's args parameter.*")
-        cli = ESLightningCLI(args=args, run=False, save_config_callback=None)
+    seeds = ["--seed_everything", str(seed), "--model.init_args.seed", str(seed), "--data.init_args.seed", str(seed)]
+    cli = recipe_cli(config, steps, root, [*seeds, *overrides], progress_bar=True)
     trainer = cli.trainer
-    keep = []
     for cb in trainer.callbacks:
-        if isinstance(cb, (PassAtKCallback, TrainingReport, HFExport)):
-            continue  # evaluated below, all the same way; nothing exported
         if isinstance(cb, SequentialStrategy):
             cb.switch_step = steps // 2  # the 50/50 split of this comparison's budget
-        keep.append(cb)
-    trainer.callbacks[:] = keep
     trainer.fit(cli.model, datamodule=cli.datamodule)
     if trainer.global_step != steps:
         raise RuntimeError(f"{config.name} (seed {seed}) stopped after {trainer.global_step} of {steps} updates")

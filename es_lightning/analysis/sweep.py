@@ -20,7 +20,6 @@ from __future__ import annotations
 import functools
 import gc
 import time
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,30 +65,6 @@ class SweepReport:
         return {"settings": self.settings, "ks": self.ks, "rows": self.rows}
 
 
-def _fit_args(recipe: str, population_size: int, steps: int, root: Path, batch_size: int | None, overrides: Sequence[str]) -> list[str]:
-    args = [
-        "--config", recipe,
-        "--model.init_args.population_size", str(population_size),
-        "--trainer.max_steps", str(steps),
-        "--trainer.logger", "false",
-        "--trainer.enable_checkpointing", "false",
-        "--trainer.limit_val_batches", "0",
-        "--trainer.num_sanity_val_steps", "0",
-        "--trainer.enable_progress_bar", "false",
-        "--trainer.enable_model_summary", "false",
-        "--trainer.default_root_dir", str(root),
-    ]
-    if batch_size is not None:
-        args += ["--data.init_args.batch_size", str(batch_size)]
-    return args + list(overrides)
-
-
-def _drop_evaluation_callbacks(trainer: L.Trainer) -> None:
-    from es_lightning.callbacks import PassAtKCallback, TrainingReport
-
-    trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, (PassAtKCallback, TrainingReport))]
-
-
 def population_sweep(
     recipe: str = "recipes/es.yaml",
     populations: Sequence[int] = DEFAULT_POPULATIONS,
@@ -107,7 +82,7 @@ def population_sweep(
 ) -> SweepReport:
     """Fit the ES recipe once per population size and evaluate every result the same way (see the module docstring)."""
     from es_lightning.analysis.evaluate import check_ks, evaluate_policy, heldout_problems, resolve_device
-    from es_lightning.cli import ESLightningCLI
+    from es_lightning.analysis.runs import recipe_cli
 
     if not Path(recipe).is_file():
         raise FileNotFoundError(
@@ -126,14 +101,13 @@ def population_sweep(
     rows: list[dict[str, Any]] = []
     problems = task = None
     for n in sizes:
-        with warnings.catch_warnings():  # LightningCLI warns when args= is used while sys.argv holds the sweep's own
-            warnings.filterwarnings("ignore", message=".*LightningCLI's args parameter.*")
-            cli = ESLightningCLI(args=_fit_args(recipe, n, steps, out / f"N{n}", batch_size, overrides), run=False,
-                                 save_config_callback=None)
+        args = ["--model.init_args.population_size", str(n)]
+        if batch_size is not None:
+            args += ["--data.init_args.batch_size", str(batch_size)]
+        cli = recipe_cli(recipe, steps, out / f"N{n}", [*args, *overrides])
         module, trainer = cli.model, cli.trainer
         if not hasattr(module, "population_size"):
             raise ValueError(f"{recipe!r} configures {type(module).__name__}, not an ES module with a population_size")
-        _drop_evaluation_callbacks(trainer)
         recorder = _RewardRecorder()
         trainer.callbacks.append(recorder)
         cli.datamodule.setup("fit")

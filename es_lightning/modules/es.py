@@ -177,11 +177,6 @@ class ESModule(ReasoningModule):
         return ESOptimizer(self.es_parameters(), lr=self.lr, sigma=self.sigma, scale=self.update_scale)
 
     def on_fit_start(self) -> None:
-        if self.members_per_batch > 1 and self.generation_backend != "hf":
-            raise ValueError(
-                f"members_per_batch={self.members_per_batch} needs generation_backend='hf' (population-batched forwards "
-                "patch the transformers model); set members_per_batch: 1 with other backends"
-            )
         for _, p in self.policy.model.named_parameters():
             p.grad = None
         if self.sharded:  # FSDP: θ₀ of this rank's elements only (a checkpoint's full θ₀ is cut down to them)
