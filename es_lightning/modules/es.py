@@ -173,6 +173,13 @@ class ESModule(ReasoningModule):
             eps = param_noise(self.seed, step, noise_id, name, centre.numel(), device=centre.device)
         return (centre.float() + (sign * self.sigma) * eps.view_as(centre)).to(centre.dtype)
 
+    def _population_progress(self, done: int, total: int) -> None:
+        """Record members evaluated so far and tell callbacks that listen (e.g. StageProgressBar)."""
+        self.population_progress = (done, total)
+        for cb in self.trainer.callbacks:
+            if hasattr(cb, "on_population_progress"):
+                cb.on_population_progress(self.trainer, self, done, total)
+
     def configure_optimizers(self):
         return ESOptimizer(self.es_parameters(), lr=self.lr, sigma=self.sigma, scale=self.update_scale)
 
@@ -256,11 +263,7 @@ class ESModule(ReasoningModule):
                 success[member] = ok[j].mean(-1)
             t_score += time.perf_counter() - t1
             t_gen += t1 - t0
-            done = start + len(chunk)
-            self.population_progress = (done, len(mine))
-            for cb in self.trainer.callbacks:  # e.g. es_lightning.callbacks.StageProgressBar
-                if hasattr(cb, "on_population_progress"):
-                    cb.on_population_progress(self.trainer, self, done, len(mine))
+            self._population_progress(start + len(chunk), len(mine))
         if base is not None:
             for (_, p), b in zip(named, base):
                 p.copy_(b)  # bit-for-bit restore of the centre weights

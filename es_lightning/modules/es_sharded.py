@@ -82,20 +82,18 @@ def evaluate_population_sharded(
     for member in range(N):
         noise_id, sign = module.member_noise(member)
         for v, b in zip(views, base):
-            v.write((b.float() + (sign * module.sigma) * v.noise(module.seed, step, noise_id)).to(b.dtype))
+            v.write(module._perturbed(b, v.name, step, noise_id, sign, eps=v.noise(module.seed, step, noise_id)))
         t0 = time.perf_counter()
         rollout = module.generator.generate(prompts, spm, params, seed=rollout_seed)
         t1 = time.perf_counter()
-        r = torch.tensor(task.reward(rollout.texts, repeated), dtype=torch.float64)
-        ok = torch.tensor([task.is_correct(t, e) for t, e in zip(rollout.texts, repeated)], dtype=torch.float32)
+        _, ok, r = task.grade(rollout.texts, repeated)  # each completion parsed once
+        r = torch.tensor(r, dtype=torch.float64)
+        ok = torch.tensor(ok, dtype=torch.float32)
         reward_sums[member] = r.sum()
         success[member, share] = ok.view(len(local), spm).mean(-1)
         t_score += time.perf_counter() - t1
         t_gen += t1 - t0
-        module.population_progress = (member + 1, N)
-        for cb in trainer.callbacks:  # e.g. es_lightning.callbacks.StageProgressBar
-            if hasattr(cb, "on_population_progress"):
-                cb.on_population_progress(trainer, module, member + 1, N)
+        module._population_progress(member + 1, N)
     for v, b in zip(views, base):
         v.write(b)  # bit-for-bit restore of this rank's centre shard
     del base
