@@ -3,7 +3,15 @@
 Public API — everything else may change between releases.
 """
 
-from es_lightning.callbacks import HFExport, PassAtKCallback, SequentialStrategy, StageProgressBar, TrainingReport
+from es_lightning.callbacks import (
+    HFExport,
+    PassAtKCallback,
+    ProgressLines,
+    RunCheckpoint,
+    SequentialStrategy,
+    StageProgressBar,
+    TrainingReport,
+)
 from es_lightning.data import ReasoningDataModule
 from es_lightning.generation import Generator, HFGenerator, Rollout, SamplingParams
 from es_lightning.metrics import MajorityAtK, PassAtK, PopulationDiversity, TokenEntropy, js_succ, pass_at_k
@@ -29,10 +37,12 @@ __all__ = [
     "PassAtK",
     "PassAtKCallback",
     "Policy",
+    "ProgressLines",
     "PopulationDiversity",
     "ReasoningDataModule",
     "ReasoningModule",
     "Rollout",
+    "RunCheckpoint",
     "SamplingParams",
     "SequentialStrategy",
     "SortTask",
