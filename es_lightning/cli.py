@@ -31,7 +31,10 @@ import typing
 from collections.abc import Callable
 
 import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
+
+from es_lightning.command import CommandMixin
 
 
 class ESLightningCLI(LightningCLI):
@@ -49,6 +52,10 @@ class ESLightningCLI(LightningCLI):
         )
 
     def instantiate_trainer(self, **kwargs):
+        trainer = self._get(self.config_init, "trainer", default={})
+        if trainer.get("enable_checkpointing") is False and isinstance(trainer.get("callbacks"), list):
+            # `--trainer.enable_checkpointing false` also turns off a recipe's RunCheckpoint (Lightning would refuse both)
+            trainer["callbacks"] = [cb for cb in trainer["callbacks"] if not isinstance(cb, ModelCheckpoint)]
         try:
             return super().instantiate_trainer(**kwargs)
         except ValueError as err:  # Lightning's FSDPStrategy refuses CPUs: say what does shard on one
@@ -58,6 +65,11 @@ class ESLightningCLI(LightningCLI):
                 f"{err}\nTo shard on CPUs use FSDP2 instead: --config configs/trainer/fsdp2_cpu.yaml "
                 "(ModelParallelStrategy, 2 gloo processes); strategy: fsdp is for GPU machines (configs/trainer/fsdp.yaml)"
             ) from err
+
+
+class CommandCLI(CommandMixin, ESLightningCLI):
+    """The LightningCLI of the ``es-lightning`` command: one-line errors, run directories, ``--ckpt_path last``,
+    progress display (:mod:`es_lightning.command`)."""
 
 
 class _ParseOnlyCLI(ESLightningCLI):
@@ -159,19 +171,37 @@ def run_analysis(args: list[str]):
         raise SystemExit(2) from err
 
 
+def _help_preamble() -> str:
+    """What `es-lightning --help` says before Lightning's usage: the analysis commands, where outputs go, the switches."""
+    analyses = ",".join(analysis_commands()["analyze"])
+    return (
+        f"es-lightning fit | validate | test  (below)   es-lightning eval | analyze {{{analyses}}}  (`--help` of each)\n\n"
+        "Outputs: each fit writes one run directory, <save_dir>/<name>/version_N/ (the recipes: lightning_logs/<recipe>/"
+        "version_N/): config.yaml, metrics.csv, checkpoints/last.ckpt (every K steps and at the end), report.json/.png,\n"
+        "export/ (the trained model for transformers). Resume the newest run of a recipe: add --ckpt_path last.\n"
+        "Switches: --debug (or ES_LIGHTNING_DEBUG=1) shows full tracebacks; ES_LIGHTNING_NUM_THREADS=N sets torch's CPU "
+        "threads (default 1 per process); ES_LIGHTNING_PROGRESS_SECONDS=S the progress-line interval in logs.\n"
+    )
+
+
 def cli_main(args: list[str] | None = None) -> None:
     """Entry point of the ``es-lightning`` console script."""
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import es_lightning  # noqa: F401  (registers the package's classes for short class_path names)
+    from es_lightning import cli_errors, console
 
-    argv = sys.argv[1:] if args is None else list(args)
-    if argv and argv[0] in ("eval", "analyze"):
-        run_analysis(argv)
-        return
-    if argv and argv[0] in ("-h", "--help"):
-        print("es-lightning eval | analyze {drift,ablation,forgetting,sweep}: see `es-lightning eval --help`, "
-              "`es-lightning analyze --help`\n")
-    ESLightningCLI(args=args)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    argv = cli_errors.pop_debug_flag(sys.argv[1:] if args is None else list(args))
+    cli_errors.remember(argv)
+    console.quiet_libraries()
+    with cli_errors.one_line_errors():
+        console.configure_threads()
+        import es_lightning  # noqa: F401  (registers the package's classes for short class_path names)
+
+        if argv and argv[0] in ("eval", "analyze"):
+            run_analysis(argv)
+            return
+        if argv and argv[0] in ("-h", "--help"):
+            print(_help_preamble())
+        CommandCLI(args=argv)
 
 
 if __name__ == "__main__":
