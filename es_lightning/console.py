@@ -72,7 +72,10 @@ def quiet_libraries() -> None:
     if not sys.stdout.isatty():
         from transformers.utils import logging as hf_logging
 
-        hf_logging.disable_progress_bar()  # "Loading weights" bars are carriage-return noise in a log file
+        hf_logging.disable_progress_bar()  # "Loading weights" / "Generating train split" bars: carriage-return noise
+        import datasets
+
+        datasets.disable_progress_bars()
 
 
 def progress_every_seconds() -> float:

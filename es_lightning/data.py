@@ -294,7 +294,7 @@ class ReasoningDataModule(L.LightningDataModule):
         missing = [c for c in raw_needed if c not in ds.column_names]
         if missing:
             raise ValueError(
-                f"the {split} split of {self.source!r} lacks column(s) {missing} that task {self.task.name!r} needs; "
+                f"data.source {self.source!r}: its {split} split lacks column(s) {missing} that task {self.task.name!r} needs; "
                 f"it has {ds.column_names}. Map them with data.column_mapping, e.g. "
                 f"column_mapping: {{{ds.column_names[0] if ds.column_names else 'your_column'}: {missing[0]}}}"
             )
