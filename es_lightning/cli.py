@@ -6,16 +6,19 @@ To run::
     es-lightning fit --config recipes/grpo_es.yaml --trainer.max_steps 20   # any key can be overridden
     es-lightning fit --config configs/trainer/cpu.yaml --config recipes/es.yaml --print_config
 
-``--config`` stacks (later files override earlier ones). Unknown keys and wrong types are refused by jsonargparse with
-a message naming the key, and a non-zero exit.
+``--config`` stacks (later files override earlier ones). A mistake (unknown key, wrong type or value, missing file)
+prints one line naming the file:line or option and the fix, and exits with status 2 (:mod:`es_lightning.cli_errors`;
+``--debug`` shows the traceback). Each fit writes ``lightning_logs/<recipe>/version_N/`` (config, metrics,
+``checkpoints/last.ckpt``, report, export); ``--ckpt_path last`` resumes the newest run of the recipe
+(:mod:`es_lightning.run_dirs`).
 
 The analysis commands (:mod:`es_lightning.analysis`) are plain functions whose signatures and docstrings become the
 options and ``--help`` (as litgpt's ``__main__``)::
 
-    es-lightning eval --checkpoints builtin:countdown-tiny runs/es/last.ckpt --tasks countdown addition sort
-    es-lightning analyze drift --tuned runs/es/last.ckpt
-    es-lightning analyze ablation --tuned runs/es/last.ckpt --top_percent 50 10 1
-    es-lightning analyze forgetting --tuned runs/es/last.ckpt --tasks addition sort
+    es-lightning eval --checkpoints builtin:countdown-tiny lightning_logs/es/version_0/checkpoints/last.ckpt --tasks countdown
+    es-lightning analyze drift --tuned lightning_logs/es/version_0/checkpoints/last.ckpt
+    es-lightning analyze ablation --tuned lightning_logs/es/version_0/checkpoints/last.ckpt --top_percent 50 10 1
+    es-lightning analyze forgetting --tuned lightning_logs/es/version_0/checkpoints/last.ckpt --tasks addition sort
     es-lightning analyze sweep --recipe recipes/es.yaml --populations 8 16 32 64 --steps 10
     es-lightning analyze compare --seeds 0 1          # base / GRPO / ES / GRPO→ES / ES→GRPO table (make compare)
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from es_lightning.analysis.checkpoints import LoadedModel, load_model
+from es_lightning.analysis.checkpoints import LoadedModel, check_model_spec, load_model
 from es_lightning.analysis.output import format_table, markdown_table, write_json
 from es_lightning.data import ReasoningDataModule, procedural_split
 from es_lightning.policy import Policy
@@ -192,6 +192,9 @@ def evaluate_models(
     if labels is not None and len(labels) != len(models):
         raise ValueError(f"got {len(labels)} labels for {len(models)} models; give one label per model or none")
     ks = check_ks(ks, num_samples)
+    for model in models:  # every path checked before the first model spends minutes being evaluated
+        if not isinstance(model, LoadedModel):
+            check_model_spec(model)
     task_objs = [get_task(t) for t in tasks]
     if not task_objs:
         raise ValueError("name at least one task, e.g. --tasks countdown addition sort")
