@@ -68,7 +68,7 @@ class OneLineErrorParser(LightningArgumentParser):
 
 
 # ---------------------------------------------------------------------- context the messages refer to
-_CONTEXT: dict[str, Any] = {"argv": [], "config": None, "building": False}
+_CONTEXT: dict[str, Any] = {"argv": [], "config": None}
 
 
 def remember(argv: Sequence[str] | None = None, config: Any = None) -> None:
@@ -82,11 +82,11 @@ def remember(argv: Sequence[str] | None = None, config: Any = None) -> None:
 @contextlib.contextmanager
 def building() -> Iterator[None]:
     """Mark the construction of the trainer and its classes (errors raised there by Lightning are configuration's)."""
-    _CONTEXT["building"] = True
     try:
         yield
-    finally:
-        _CONTEXT["building"] = False
+    except Exception as exc:
+        exc.raised_while_building = True  # read by explain() once the exception has left this block
+        raise
 
 
 def debug_requested(argv: Sequence[str] | None = None) -> bool:
@@ -156,7 +156,8 @@ def explain(exc: BaseException) -> str | None:
         line = _hub_problem(e) or _missing_package(e) or _unwritable(e)
         if line:
             return line
-        if type(e).__name__ == "MisconfigurationException" or (_CONTEXT["building"] and isinstance(e, ValueError)):
+        building = any(getattr(x, "raised_while_building", False) for x in chain)
+        if type(e).__name__ == "MisconfigurationException" or (building and isinstance(e, ValueError)):
             return _squash(str(e))
     return None
 
