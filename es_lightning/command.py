@@ -22,6 +22,8 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities import rank_zero_only
 
 from es_lightning import cli_errors, console, run_dirs
+from es_lightning.callbacks import PassAtKCallback, TrainingReport
+from es_lightning.callbacks.report import format_table
 
 
 class _FitRecord(L.Callback):
@@ -87,6 +89,11 @@ class CommandMixin:
             print(f"nothing was trained: {why}")
             return
         lines = []
+        if not any(isinstance(cb, TrainingReport) for cb in trainer.callbacks):  # it prints its own table
+            history = next((cb.history for cb in trainer.callbacks if isinstance(cb, PassAtKCallback) and cb.history), [])
+            if history:
+                step, metrics = history[-1]
+                lines.append(format_table([("last evaluation", step, metrics)]))
         if trainer.log_dir is not None:
             root = Path(trainer.log_dir)
             found = [name for name in ("config.yaml", "metrics.csv", "report.json", "report.png", "export") if (root / name).exists()]

@@ -73,6 +73,19 @@ def test_only_last_ckpt_by_default(tmp_path):
     assert _fit(tmp_path, _Regression(), max_steps=5, every=2, save_top_k=0) == ["last.ckpt"]
 
 
+def test_stage_progress_bar_counts_optimizer_steps_without_v_num(tmp_path):
+    from es_lightning import StageProgressBar
+
+    bar = StageProgressBar()
+    x = torch.linspace(-1, 1, 64).unsqueeze(1)
+    trainer = L.Trainer(max_steps=6, callbacks=[bar], logger=False, enable_checkpointing=False, accelerator="cpu",
+                        enable_model_summary=False, default_root_dir=tmp_path)
+    trainer.fit(_Regression(steps_per_batch=2), DataLoader(TensorDataset(x, 3 * x), batch_size=4))
+    assert (bar.train_progress_bar.n, bar.train_progress_bar.total) == (6, 6)  # steps of max_steps, not batches
+    assert bar.train_progress_bar.desc.startswith("_Regression")  # the stage (here: the module's name)
+    assert "v_num" not in bar.get_metrics(trainer, trainer.lightning_module)
+
+
 def test_bad_interval_is_refused():
     with pytest.raises(ValueError, match="every_n_train_steps must be >= 1"):
         RunCheckpoint(every_n_train_steps=0)

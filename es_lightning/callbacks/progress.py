@@ -4,8 +4,9 @@ A run is counted in optimizer steps (``max_steps``), not epochs: the data is a s
 default bars show ``Epoch 0/-2`` and a ``v_num`` that mean nothing here. An ES step scores N perturbed models before it
 updates once, so a step can take minutes on a real model; both displays show how much of the population is scored.
 
-- :class:`StageProgressBar` (a terminal): ``GRPO step 12/120 ━━━ reward 0.372`` — the stage, the step, the metrics the
-  module shows (``prog_bar=True``), and ``ES 5/16`` while the members are scored.
+- :class:`StageProgressBar` (a terminal): ``GRPO: 10%|██   | 12/120 [...] train/reward_mean=0.372`` — the stage, the
+  optimizer step out of ``max_steps``, the metrics the module shows (``prog_bar=True``), and ``ES 5/16 members`` while
+  the population is scored.
 - :class:`ProgressLines` (stdout is not a terminal): one line at the first step, then at most one every
   ``every_seconds`` (and always at the last step, at each validation and at a stage switch) —
   ``step 12/120 [GRPO]  reward_mean 0.372  1.42 s/step  elapsed 0:00:17  eta 0:02:33``. A Rich or tqdm bar writes
@@ -61,7 +62,7 @@ class StageProgressBar(TQDMProgressBar):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self.train_progress_bar is not None:
-            self.train_progress_bar.set_description(f"{stage_name(pl_module)} step")
+            self.train_progress_bar.set_description(stage_name(pl_module))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         bar = self.train_progress_bar
@@ -73,7 +74,8 @@ class StageProgressBar(TQDMProgressBar):
     def on_population_progress(self, trainer, pl_module, done: int, total: int) -> None:
         bar = self.train_progress_bar
         if bar is not None and not bar.disable:
-            bar.set_description(f"{stage_name(pl_module)} {done}/{total}")
+            stage = stage_name(pl_module)
+            bar.set_description(f"{stage} {done}/{total} members" if done < total else stage)
 
 
 def _clock(seconds: float) -> str:
