@@ -178,12 +178,12 @@ def _help_preamble() -> str:
     """What `es-lightning --help` says before Lightning's usage: the analysis commands, where outputs go, the switches."""
     analyses = ",".join(analysis_commands()["analyze"])
     return (
-        f"es-lightning fit | validate | test  (below)   es-lightning eval | analyze {{{analyses}}}  (`--help` of each)\n\n"
-        "Outputs: each fit writes one run directory, <save_dir>/<name>/version_N/ (the recipes: lightning_logs/<recipe>/"
-        "version_N/): config.yaml, metrics.csv, checkpoints/last.ckpt (every K steps and at the end), report.json/.png,\n"
-        "export/ (the trained model for transformers). Resume the newest run of a recipe: add --ckpt_path last.\n"
-        "Switches: --debug (or ES_LIGHTNING_DEBUG=1) shows full tracebacks; ES_LIGHTNING_NUM_THREADS=N sets torch's CPU "
-        "threads (default 1 per process); ES_LIGHTNING_PROGRESS_SECONDS=S the progress-line interval in logs.\n"
+        f"es-lightning fit | validate | test (below);  es-lightning eval | analyze {{{analyses}}} (each has --help)\n\n"
+        "Outputs: each fit writes one run directory, <save_dir>/<name>/version_N/ (recipes: lightning_logs/<recipe>/...):\n"
+        "  config.yaml, metrics.csv, checkpoints/last.ckpt (every K steps and at the end), report.json/.png, export/.\n"
+        "Resume the newest run of a recipe: the same command with --ckpt_path last.\n"
+        "Switches: --debug (or ES_LIGHTNING_DEBUG=1) full tracebacks;  ES_LIGHTNING_NUM_THREADS=N torch CPU threads\n"
+        "  (default 1 per process);  ES_LIGHTNING_PROGRESS_SECONDS=S seconds between progress lines in a log.\n"
     )
 
 
