@@ -39,6 +39,7 @@ _QUIET = (
     r".*Experiment logs directory .* exists and is not empty.*",
     r".*`max_epochs` was not set.*",
     r".*Starting from v1.9.0, `tensorboardX` has been removed.*",
+    r".*It is recommended to use `self.log\('val/.*sync_dist=True.*",  # PassAtK's figures are synced by torchmetrics
 )
 
 

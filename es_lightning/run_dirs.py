@@ -96,12 +96,14 @@ def output_dirs(config: Any) -> list[tuple[str, str]]:
     """``[(option, path)]`` of every directory the run will write: loggers' ``save_dir``, callbacks' ``dirpath``,
     ``trainer.default_root_dir``."""
     trainer = _get(config, "trainer")
-    out = [("trainer.default_root_dir", _get(trainer, "default_root_dir") or os.getcwd())]
+    out = []
     for i, logger in enumerate(_loggers(trainer)):
         save_dir = _get(_get(logger, "init_args"), "save_dir")
         if save_dir is not None:
             key = "trainer.logger.init_args.save_dir" if len(_loggers(trainer)) == 1 else f"trainer.logger[{i}].init_args.save_dir"
             out.append((key, str(save_dir)))
+    if _get(trainer, "default_root_dir") is not None or not out:  # Lightning writes there only without a logger's dir
+        out.insert(0, ("trainer.default_root_dir", _get(trainer, "default_root_dir") or os.getcwd()))
     callbacks = _get(trainer, "callbacks") or []
     for i, cb in enumerate(callbacks if isinstance(callbacks, list) else [callbacks]):
         dirpath = _get(_get(cb, "init_args"), "dirpath")
