@@ -5,7 +5,8 @@ Sampling is done as greedy decoding over Gumbel-perturbed logits (the Gumbel-max
 seeded per call and created on the device that holds the logits (DESIGN.md: all sampling randomness is drawn there —
 no ``[rows, V]`` host→device copy per token), so the same seed gives every caller the same random numbers at every
 position — what ES needs for common random numbers across population members, and what makes a resumed run sample the
-same tokens. (The stream is a function of the seed *and the device type*: CPU and CUDA draw different numbers.)
+same tokens. (The stream is a function of the seed *and the device*: CPU and CUDA draw different numbers, and CUDA's
+Philox kernels spread a stream over elements by launch geometry, so GPU models with different SM counts may too.)
 
 Nothing of the checkpoint's ``generation_config.json`` applies (:mod:`es_lightning.generation.config`): the only logits
 processor is :class:`_Sampler`, so the log-probs it records are the policy's own, as the training forward computes them.
