@@ -166,3 +166,19 @@ def test_gradient_checkpointing_recomputes_blocks_and_keeps_gradients(qwen_like_
         completion_logprobs(model, rollout, slice(None), 1.0, share_prompt=True)
     with torch.no_grad():  # no backward, no conflict: the reference model may share prompts
         completion_logprobs(model, rollout, slice(None), 1.0, share_prompt=True)
+
+
+def test_models_with_logits_transformed_after_the_head_use_their_full_logits(qwen_like_small_dir):
+    """A config naming a post-head transform (Gemma-2's soft-capping, Cohere's logit scale) makes the head's selective
+    projection step aside: the model's own logits go through the same chunked log-softmax (Qwen2 ignores the
+    attribute, so the numbers must still be the float64 forward's)."""
+    policy = load_policy(qwen_like_small_dir)
+    model = policy.model
+    rollout = HFGenerator(policy).generate(PROMPTS, 2, SamplingParams(max_new_tokens=6), seed=4)
+    model.config.final_logit_softcapping = 30.0
+    seen = []
+    model.lm_head.register_forward_hook(lambda m, i, o: seen.append(o.shape[-1]))
+    logp, ent = completion_logprobs(model, rollout, slice(None), 0.7, share_prompt=True, chunk_size=4)
+    assert seen and all(v == model.config.vocab_size for v in seen)  # the real head ran: full logits
+    ref_logp, ref_ent = _brute_force(copy.deepcopy(model).double(), rollout, slice(None), 0.7)
+    assert (logp.double() - ref_logp).abs().max() < 1e-5 and (ent.double() - ref_ent).abs().max() < 1e-5
