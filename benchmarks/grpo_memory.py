@@ -1,7 +1,7 @@
 """Peak memory of one GRPO micro-step (forward + backward of the loss) at Qwen's vocabulary size: the plain path (full
 logits, fp32 ``log_softmax``, gather — the code before issue 11) vs ``es_lightning.grpo.logprobs`` (chunked, selective).
 
-To run (builds the Qwen-like fixture, V = 151,936, in a temporary directory; ~1 minute, ≤ ~6 GB)::
+To run (builds the Qwen-like fixture, V = 151,936, in a temporary directory; ~1 minute, ≤ 5 GB of RAM)::
 
     python benchmarks/grpo_memory.py
     python benchmarks/grpo_memory.py --rows 16 --completion 512 --rounds 5 --dtype float32
@@ -188,8 +188,9 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=8, help="completions in the micro-batch (mini_batch_size)")
     parser.add_argument("--group", type=int, default=4, help="completions per prompt (G)")
     parser.add_argument("--prompt", type=int, default=64, help="prompt tokens")
-    parser.add_argument("--completion", type=int, default=256, help="completion tokens, all real")
-    parser.add_argument("--chunk-size", type=int, default=256, help="tokens per vocabulary projection (new path)")
+    parser.add_argument("--completion", type=int, default=128, help="completion tokens, all real")
+    parser.add_argument("--chunk-size", type=int, default=128,
+                        help="tokens per vocabulary projection (new path; the library's default is 512)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--memory-model", action="store_true", help="print the memory model of the Qwen recipes")
