@@ -7,7 +7,7 @@ To run (``make compare``; about 25 minutes on 2 CPU cores for 2 seeds)::
 
 Every method gets the same number of updates (``steps``; the sequential ones switch at ``steps // 2``, Ba et al.
 §3.2's 50/50 split), each fit is the recipe a user would run (``recipes/grpo.yaml``, ``es.yaml``, ``grpo_es.yaml``,
-``es_grpo.yaml``) parsed by the same :class:`~es_lightning.cli.ESLightningCLI` as ``es-lightning fit``, with the seeds
+``es_grpo.yaml``) parsed by the same :class:`~es_lightning.lightning_cli.ESLightningCLI` as ``es-lightning fit``, with the seeds
 of the model, the data order and Lightning set to each seed. The recipes' own evaluation callbacks are dropped; all
 final models — and the base model — are then evaluated on the *same* held-out problems with the *same* sampling seeds
 (a prototype found the Pass@16 of one model moves by up to 0.07 between a 100×16 and a 200×32 evaluation, so rows

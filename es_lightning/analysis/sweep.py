@@ -4,7 +4,7 @@ To run (the built-in setting, ~10 minutes on one CPU core)::
 
     es-lightning analyze sweep --recipe recipes/es.yaml --populations 8 16 32 64 --steps 10
 
-Each N is one ``fit`` of the ES recipe — parsed by the same :class:`~es_lightning.cli.ESLightningCLI` as
+Each N is one ``fit`` of the ES recipe — parsed by the same :class:`~es_lightning.lightning_cli.ESLightningCLI` as
 ``es-lightning fit --config …``, with ``population_size`` and ``max_steps`` overridden — run in this process, one after
 the other, from the same base weights, seed and prompts. The recipe's own evaluation callbacks are dropped (no
 mid-run evaluations, no validation); instead the final weights of every run are evaluated on the same held-out
