@@ -14,16 +14,20 @@ options and ``--help`` (as litgpt's ``__main__``)::
 
     es-lightning eval --checkpoints builtin:countdown-tiny runs/es/last.ckpt --tasks countdown addition sort
     es-lightning analyze drift --tuned runs/es/last.ckpt
-    es-lightning analyze ablation --tuned runs/es/last.ckpt --top_percent 50 10 1
+    es-lightning analyze ablation --tuned runs/es/last.ckpt --top_percent 50 10 1 --eval.num_samples 16
     es-lightning analyze forgetting --tuned runs/es/last.ckpt --tasks addition sort
     es-lightning analyze sweep --recipe recipes/es.yaml --populations 8 16 32 64 --steps 10
     es-lightning analyze compare --seeds 0 1          # base / GRPO / ES / GRPO→ES / ES→GRPO table (make compare)
 
-List options take space-separated values (``--tasks addition sort``) or a YAML list (``--tasks [addition, sort]``).
+The commands that evaluate (``eval``, ``ablation``, ``forgetting``, ``sweep``, ``compare``) share one set of evaluation
+options, ``--eval.num_problems``, ``--eval.num_samples``, ``--eval.ks``, ``--eval.temperature``, … (the fields of
+:class:`~es_lightning.analysis.settings.EvalSettings`), or ``--eval file.yaml`` for all of them. List options take
+space-separated values (``--tasks addition sort``) or a YAML list (``--tasks [addition, sort]``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import types
@@ -53,13 +57,19 @@ def analysis_commands() -> dict[str, Callable | dict[str, Callable]]:
     }
 
 
-def _list_options(function: Callable) -> set[str]:
-    """Names of a function's list-typed parameters (``list[int]``, ``list[str] | None``, ...)."""
+def _list_options(function: Callable, prefix: str = "") -> set[str]:
+    """Names of a function's list-typed parameters (``list[int]``, ``list[str] | None``, ...), with those of dataclass
+    parameters as ``eval.ks``."""
     names = set()
     for name, hint in typing.get_type_hints(function).items():
+        if name == "return":
+            continue
+        if dataclasses.is_dataclass(hint):
+            names |= _list_options(hint, f"{prefix}{name}.")
+            continue
         options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
         if any(typing.get_origin(o) is list or o is list for o in options):
-            names.add(name)
+            names.add(prefix + name)
     return names
 
 
@@ -97,10 +107,11 @@ def join_list_values(args: list[str], list_options: set[str]) -> list[str]:
 
 def run_analysis(args: list[str]):
     """Run ``eval`` or ``analyze <name>`` with jsonargparse over the command's function signature."""
-    from jsonargparse import CLI
+    from jsonargparse import CLI, set_parsing_settings
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # one bar per analysis, not one per model load
+    set_parsing_settings(docstring_parse_attribute_docstrings=True)  # EvalSettings' field docstrings are its --help
     commands = analysis_commands()
     target = commands.get(args[0])
     if isinstance(target, dict) and len(args) > 1:
