@@ -47,7 +47,7 @@ class EvalSettings:
     temperature: float = 0.6
     """sampling temperature (Ba et al. 2026: 0.6; 0 = greedy)."""
     top_p: float = 1.0
-    """nucleus sampling threshold (1.0 = the whole distribution, as Ba et al.)."""
+    """nucleus sampling threshold (1.0 = the whole distribution)."""
     max_new_tokens: int | None = 32
     """completion length cap (the built-in tasks need ~16 tokens, reasoning models ~1024); null = the fitted recipe's
     own cap (sweep's default; the other commands need a number)."""
