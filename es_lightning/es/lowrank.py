@@ -128,10 +128,12 @@ class LowRankPopulationForward:
     - any other module holding a perturbed matrix (not ``nn.Linear``/``nn.Embedding``, e.g. GPT-2's ``Conv1D``):
       falls back to explicitly merged per-member copies ``W + σE`` (k copies of that matrix), with a warning.
 
-    Precision: the rank-r term is computed in the activation dtype (the model's, e.g. bf16) and added into the base
-    output. Its size is ~σ/|W| of the output's, so its own rounding (2⁻⁸ of the term in bf16) is far below one ulp of
-    the output; fp32 would cost fp32 copies of every activation for no visible change after the output is rounded. It
-    is also closer to the fp32 ``W + σE`` than merged bf16 weights are (those round σE against W's ulp).
+    Precision: the rank-r term is computed in the activation dtype (the model's, e.g. bf16; matmuls accumulate in fp32
+    inside the kernel) and added in place into the base output. The term is ~σ/|W| of the output, so its own rounding
+    (2⁻⁸ of the term in bf16) is far below one ulp of the output; computing it in fp32 would need fp32 copies of the
+    activations and outputs for no gain, since the bf16 output is rounded either way. Measured against the fp32
+    ``W + σE``, a bf16 low-rank member is as accurate as bf16 inference of that member's merged weights
+    (``tests/test_lowrank.py::test_bf16_base_weights``).
 
     Args:
         model: the policy.
