@@ -410,3 +410,13 @@ def test_noise_rank_is_validated(tiny):
         check_noise_rank(17, named)
     with pytest.raises(ValueError, match="rank 0 is full-rank"):
         LowRankPopulationForward(tiny.model, named, MEMBERS, seed=0, step=0, sigma=0.1, rank=0)
+
+
+def test_a_failure_while_patching_leaves_the_model_unpatched(tiny):
+    model = tiny.model
+    bad_cache = {(0, "model.norm.weight"): torch.zeros(3)}  # the last module patched gets a malformed cached noise
+    with pytest.raises(RuntimeError):
+        with LowRankPopulationForward(model, list(model.named_parameters()), [(0, 1.0)], seed=SEED, step=STEP,
+                                      sigma=SIGMA, rank=RANK, cache=bad_cache):
+            pass
+    assert not any("forward" in m.__dict__ for m in model.modules())
