@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from es_lightning.es.lowrank import lowrank_view_delta
 from es_lightning.es.sharding import all_reduce_sum, is_dtensor, shard_views
 
 NORMALIZATIONS = ("zscore", "rank", "centered", "none")
@@ -55,11 +56,14 @@ def normalize_rewards(rewards: Tensor, method: str = "zscore", eps: float = 0.0)
 class ESOptimizer(torch.optim.Optimizer):
     """Applies ``θ += scale · Σ_n w_n ε_n`` for the member weights set by :meth:`set_update`.
 
-    It holds the parameters by name (the name is part of each noise key) and no per-parameter state.
+    It holds the parameters by name (the name is part of each noise key) and no per-parameter state. With
+    ``noise_rank = r > 0`` a matrix's ε is the EGGROLL direction ``A Bᵀ/√r`` (es_lightning/es/lowrank.py).
     ``lr`` lives in ``param_groups`` so Lightning's LR schedulers act on α.
     """
 
-    def __init__(self, named_params: Sequence[tuple[str, Tensor]], lr: float, sigma: float, scale: str = "alpha"):
+    def __init__(
+        self, named_params: Sequence[tuple[str, Tensor]], lr: float, sigma: float, scale: str = "alpha", noise_rank: int = 0
+    ):
         if scale not in ("alpha", "textbook"):
             raise ValueError(f"update scale must be 'alpha' or 'textbook', got {scale!r}")
         self.names = [n for n, _ in named_params]
@@ -67,6 +71,8 @@ class ESOptimizer(torch.optim.Optimizer):
         self._pending: tuple[int, int, Tensor, Tensor] | None = None
         self._noise_cache: dict[tuple[int, str], Tensor] = {}
         self.last_update_norm = 0.0
+        #: > 0: matrices were perturbed by rank-``noise_rank`` factors (EGGROLL); their update is one matmul (lowrank.py)
+        self.noise_rank = noise_rank
         #: the trainer's wrapped model when it may hold FSDP1 units (set by ESModule); DTensors need nothing
         self.shard_root: torch.nn.Module | None = None
         # the count of applied updates is the optimizer's only state, one per parameter: distributed checkpoints
@@ -88,7 +94,8 @@ class ESOptimizer(torch.optim.Optimizer):
 
         ``noise_cache`` maps ``(noise id, parameter name)`` to that noise, flat fp32, when the caller still holds it
         (``ESModule`` with ``members_per_batch > 1`` drew it this step): it is the same function's output, so using it
-        instead of regenerating changes nothing but the time. Missing entries are regenerated.
+        instead of regenerating changes nothing but the time. Missing entries are regenerated. With ``noise_rank > 0`` a
+        matrix's entry is its factor pair ``(A, B)`` (``LowRankPopulationForward`` fills the cache).
         """
         self._pending = (seed, step, noise_ids.clone(), weights.detach().float().cpu().clone())
         self._noise_cache = noise_cache or {}
@@ -116,8 +123,10 @@ class ESOptimizer(torch.optim.Optimizer):
             return None
         # each rank updates the elements it holds (all of them unless sharded): see es_lightning/es/sharding.py
         for view in shard_views(zip(self.names, group["params"]), self.shard_root):
-            acc = torch.zeros(view.local.numel(), dtype=torch.float32, device=view.local.device)  # fp32 accumulator
-            for member, w in active:
+            lowrank = bool(self.noise_rank) and view.shape is not None and len(view.shape) == 2  # Σ w E: one matmul
+            acc = (lowrank_view_delta(view, seed, step, active, self.noise_rank, cache) if lowrank else
+                   torch.zeros(view.local.numel(), dtype=torch.float32, device=view.local.device))  # fp32 accumulator
+            for member, w in ([] if lowrank else active):
                 cached = cache.get((member, view.name))
                 usable = cached is not None and view.index is None and cached.numel() == view.local.numel()
                 acc.add_(cached.to(acc.device) if usable else view.noise(seed, step, member), alpha=w)
