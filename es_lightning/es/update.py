@@ -111,6 +111,8 @@ class ESOptimizer(MasterState, torch.optim.Optimizer):
 
     def _master_pairs(self):
         """Through the shard views, so an FSDP1 parameter's shard segment pairs with its master."""
+        if not any(self.has_master(p) for p in self.param_groups[0]["params"]):
+            return
         for v in self._views():
             master = self._master_view(v)
             if master is not None:
