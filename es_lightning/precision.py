@@ -35,23 +35,25 @@ longer equals the rounded master — a weight changed outside the optimizer wins
 
 Memory (bytes per parameter; GB = 1e9 bytes; Qwen2.5 sizes 0.49B / 1.54B / 7.62B parameters, embeddings included):
 
-    ======================================  ======  =========  =========  =========
-    what is held                            B/param  0.5B       1.5B       7B
-    ======================================  ======  =========  =========  =========
-    ES in place, fp32 model (+ fp32 copy)    8       3.9        12.3       60.9
-    ES in place, bf16, no master (+ copy)    4       2.0        6.2        30.5
-    ES in place, bf16 + fp32 master          6       3.0        9.3        45.7
-    GRPO, fp32 model (w, grad, m, v)         16      7.9        24.7       121.9
-    GRPO, bf16, no master (bf16 m, v)        8       4.0        12.3       60.9
-    GRPO, bf16 + fp32 master (w, g, θ, m, v) 16      7.9        24.7       121.9
-    ======================================  ======  =========  =========  =========
+    what is held                                   B/param    0.5B     1.5B      7B
+    ES in place, fp32 model (+ fp32 copy of θ)          8     4.0 GB   12.3 GB   60.9 GB
+    ES in place, bf16, no master (+ bf16 copy)          4     2.0 GB    6.2 GB   30.5 GB
+    ES in place, bf16 + fp32 master                     6     3.0 GB    9.3 GB   45.7 GB
+    GRPO, fp32 model (weight, grad, m, v)              16     7.9 GB   24.7 GB  121.8 GB
+    GRPO, bf16, no master (bf16 grad, m, v)             8     4.0 GB   12.3 GB   60.9 GB
+    GRPO, bf16 + fp32 master (w, g, θ, m, v)           16     7.9 GB   24.7 GB  121.8 GB
 
 The master costs +4 bytes per parameter; for ES it doubles as the exact copy the in-place evaluation restores the
 centre from (a bf16 run without master keeps a 2-byte copy instead), so the net cost over bf16 ES is +2 bytes per
 parameter. For GRPO the total equals fp32 training (16 bytes: the ZeRO paper's mixed-precision count) while generation
 runs on bf16 weights; AdamW's step upcasts one gradient at a time (transiently +4 bytes × the largest tensor, e.g. the
-0.93 GB embedding of the 1.5B model). FSDP divides every row by the number of shards. ``master_dtype: same`` drops the
-master and updates the model's dtype directly (the memory of the "no master" rows, and the lost updates above).
+0.93 GB embedding of the 1.5B model). FSDP divides every row by the number of shards; activations, the KV cache and
+ES's ``members_per_batch > 1`` copies come on top. ``master_dtype: same`` drops the master and updates the model's
+dtype directly (the "no master" rows, and the lost updates above).
+
+Limit: gradients stay in the model's dtype — accumulated over GRPO's mini-batches and all-reduced in bf16. That is a
+relative error of ~2^-8 per accumulation in the update's *direction*, not a lost update; Megatron accumulates in an
+fp32 ``main_grad`` buffer (+4 bytes per parameter) if it ever matters.
 """
 
 from __future__ import annotations
@@ -188,7 +190,9 @@ class MasterState:
         saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
         params = chain.from_iterable(g["params"] for g in self.param_groups)
         for saved_id, p in zip(saved_ids, params):
-            if not self.needs_master(p):
+            if not self.needs_master(p):  # a checkpoint with masters resumed with master_dtype: same
+                if p in self.state:
+                    self.state[p].pop("master", None)
                 continue
             for key, value in state_dict["state"].get(saved_id, {}).items():
                 if key != "step" and isinstance(value, Tensor) and value.is_floating_point():

@@ -209,6 +209,36 @@ def test_es_masters_follow_weights_restored_after_the_optimizer_was_built(tiny_m
         assert torch.equal(opt.centre(p), p.float())
 
 
+def test_es_master_step_is_the_same_under_bf16_as_the_default_dtype(tiny_model_dir):
+    """Lightning's bf16-true makes bf16 the default dtype inside steps: nothing in the step may depend on it."""
+    z = normalize_rewards(torch.randn(N, generator=torch.Generator().manual_seed(4)))
+    results = []
+    for default in (torch.float32, torch.bfloat16):
+        model = _bf16_model(tiny_model_dir)
+        opt, named = _es_step(model, torch.float32, z)
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(default)
+        try:
+            opt.step()
+        finally:
+            torch.set_default_dtype(previous)
+        results.append([(p.clone(), opt.centre(p).clone(), opt.state[p]["step"].dtype) for _, p in named])
+    for (p, m, s), (q, n, t) in zip(*results):
+        assert torch.equal(p, q) and torch.equal(m, n) and s == t == torch.float32
+
+
+def test_es_checkpoint_without_masters_takes_them_from_the_restored_weights(tiny_model_dir):
+    model = _bf16_model(tiny_model_dir)
+    opt, named = _es_step(model, None, normalize_rewards(torch.randn(N, generator=torch.Generator().manual_seed(5))))
+    opt.step()
+    fresh = _bf16_model(tiny_model_dir)
+    fresh_opt = ESOptimizer(list(fresh.named_parameters()), lr=ALPHA, sigma=SIGMA, master_dtype=torch.float32)
+    fresh.load_state_dict(model.state_dict())
+    fresh_opt.load_state_dict(opt.state_dict())  # a run without masters (master_dtype: same) resumed with them
+    for (_, p), (_, q) in zip(named, fresh.named_parameters()):
+        assert fresh_opt.centre(q).dtype == torch.float32 and torch.equal(fresh_opt.centre(q), p.float())
+
+
 # ---------------------------------------------------------------------------------------------------- AdamW
 def _lm_loss(model, seed: int) -> torch.Tensor:
     ids = torch.randint(3, model.config.vocab_size, (4, 12), generator=torch.Generator().manual_seed(seed))
