@@ -11,6 +11,7 @@ from es_lightning.modules.base import ReasoningModule
 from es_lightning.modules.es import ESModule
 from es_lightning.modules.grpo import GRPOModule
 from es_lightning.policy import Policy, load_policy
+from es_lightning.precision import MasterAdamW, check_device_dtype, resolve_master_dtype
 from es_lightning.tasks import AdditionTask, CountdownTask, GSM8KTask, MathTask, SortTask, Task
 
 __version__ = "0.1.0.dev0"
@@ -25,6 +26,7 @@ __all__ = [
     "Generator",
     "HFGenerator",
     "MajorityAtK",
+    "MasterAdamW",
     "MathTask",
     "PassAtK",
     "PassAtKCallback",
@@ -40,7 +42,9 @@ __all__ = [
     "Task",
     "TokenEntropy",
     "TrainingReport",
+    "check_device_dtype",
     "js_succ",
     "load_policy",
     "pass_at_k",
+    "resolve_master_dtype",
 ]
