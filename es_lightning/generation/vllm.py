@@ -251,7 +251,8 @@ class VLLMGenerator(Generator):
     @property
     def engine_worker(self):
         """The engine's worker (in-process engine, one worker): for tests and inspection."""
-        return self.llm.llm_engine.model_executor.driver_worker
+        wrapper = self.llm.llm_engine.model_executor.driver_worker
+        return getattr(wrapper, "worker", wrapper)
 
     @property
     def engine_model(self) -> torch.nn.Module:

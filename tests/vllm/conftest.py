@@ -108,3 +108,27 @@ def qwen_pair(qwen_like_dir):
     gen = _engine(policy)
     yield policy, gen
     gen.close()
+
+
+@pytest.fixture(scope="session")
+def hf_generate():
+    """HFGenerator.generate with the checkpoint's sampling defaults removed for the call. transformers' ``generate``
+    fills the fields a GenerationConfig leaves at their defaults from ``model.generation_config``: the Qwen-like
+    fixture's repetition penalty 1.1 reached HFGenerator's greedy rollouts (found here; for the real-models fix in
+    generation/hf.py, after which this is a no-op). vLLM is checked on its own by
+    ``test_checkpoint_sampling_defaults_do_not_leak``."""
+    from transformers import GenerationConfig
+
+    from es_lightning.generation import HFGenerator
+
+    def generate(policy, *args, **kwargs):
+        saved = policy.model.generation_config
+        policy.model.generation_config = GenerationConfig(
+            bos_token_id=saved.bos_token_id, eos_token_id=saved.eos_token_id, pad_token_id=saved.pad_token_id
+        )
+        try:
+            return HFGenerator(policy).generate(*args, **kwargs)
+        finally:
+            policy.model.generation_config = saved
+
+    return generate

@@ -2,31 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
-from transformers import GenerationConfig
 
 pytest.importorskip("vllm")
 
-from es_lightning.generation import HFGenerator, SamplingParams  # noqa: E402
-
-
-@contextlib.contextmanager
-def _checkpoint_defaults_off(policy):
-    """HFGenerator with the checkpoint's sampling defaults removed. transformers' ``generate`` fills the fields a
-    GenerationConfig leaves at their defaults from ``model.generation_config`` — the Qwen-like fixture's repetition
-    penalty 1.1 reached HFGenerator's greedy rollouts (found here, for the real-models fix in generation/hf.py).
-    Harmless once that lands; ``test_checkpoint_sampling_defaults_do_not_leak`` checks vLLM on its own."""
-    saved = policy.model.generation_config
-    g = saved
-    policy.model.generation_config = GenerationConfig(bos_token_id=g.bos_token_id, eos_token_id=g.eos_token_id,
-                                                      pad_token_id=g.pad_token_id)
-    try:
-        yield
-    finally:
-        policy.model.generation_config = saved
+from es_lightning.generation import SamplingParams  # noqa: E402
 
 PAIRS = {"builtin": "builtin_pair", "qwen_like": "qwen_pair"}
 BUILTIN_PROMPTS = ["12 34 56 = ", "3 5 7 =", "1 2 3 =", "90 4 2 ="]
@@ -51,7 +32,7 @@ def _forward_logprobs(model, rollout, temperature: float) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("name", ["builtin", "qwen_like"])
-def test_greedy_equals_hf(name, request):
+def test_greedy_equals_hf(name, request, hf_generate):
     """Greedy ids, texts, masks and truncation flags equal HFGenerator's (the Qwen-like checkpoint's sampling
     defaults — repetition penalty 1.1, top-k 20 — reach neither)."""
     policy, gen = request.getfixturevalue(PAIRS[name])
@@ -65,8 +46,7 @@ def test_greedy_equals_hf(name, request):
                    SamplingParams(max_new_tokens=3, temperature=0.0)):
         a = gen.generate(prompts, 2, params, seed=0)
         truncated.append(a.truncated)
-        with _checkpoint_defaults_off(policy):
-            b = HFGenerator(policy).generate(prompts, 2, params, seed=0)
+        b = hf_generate(policy, prompts, 2, params, seed=0)
         assert a.texts == b.texts
         if params.stop and name != "builtin":
             # transformers' StopStringCriteria stops one token late on this byte-level vocabulary; vLLM's completion
@@ -86,7 +66,7 @@ def test_greedy_equals_hf(name, request):
 
 @pytest.mark.parametrize("name", ["builtin", "qwen_like"])
 @pytest.mark.parametrize("temperature,top_p", [(0.0, 1.0), (0.7, 1.0), (1.0, 0.9)])
-def test_logprobs_equal_training_forward(name, temperature, top_p, request):
+def test_logprobs_equal_training_forward(name, temperature, top_p, request, hf_generate):
     """Log-probs of the sampled tokens at the sampling temperature (T=1 if greedy) within 1e-5 of a plain forward pass
     (fp32); with top_p < 1 too (vLLM's nucleus-renormalised values are replaced). Entropies agree as well."""
     policy, gen = request.getfixturevalue(PAIRS[name])
@@ -96,9 +76,8 @@ def test_logprobs_equal_training_forward(name, temperature, top_p, request):
     assert rollout.logprobs.shape == rollout.completion_ids.shape
     assert (rollout.logprobs - expected).abs().max() < 1e-5
     assert bool((rollout.logprobs[rollout.completion_mask.bool()] < 0).all())
-    with _checkpoint_defaults_off(policy):
-        hf = HFGenerator(policy).generate(_prompts(name, policy), 1, SamplingParams(max_new_tokens=8, temperature=0.0),
-                                          return_logprobs=True)
+    hf = hf_generate(policy, _prompts(name, policy), 1, SamplingParams(max_new_tokens=8, temperature=0.0),
+                     return_logprobs=True)
     if temperature == 0.0:  # same greedy tokens: the HF generator's recorded entropies are the reference
         assert (rollout.entropy[::3] - hf.entropy).abs().max() < 1e-4
 
