@@ -37,8 +37,8 @@ $(VLLM_BIN)/.installed: pyproject.toml $(CONSTRAINTS) $(VLLM_CONSTRAINTS)
 
 setup-vllm: $(VLLM_BIN)/.installed  ## create .venv-vllm: the package plus vLLM's CPU build (a few minutes, ~3 GB)
 
-test-vllm: setup-vllm        ## the vLLM backend's tests (tests/vllm), on vLLM's CPU build
-	OMP_NUM_THREADS=1 $(VLLM_BIN)/pytest -q tests/vllm
+test-vllm: setup-vllm        ## the vLLM backend's tests (tests/vllm_backend), on vLLM's CPU build
+	OMP_NUM_THREADS=1 $(VLLM_BIN)/pytest -q tests/vllm_backend
 
 demo: setup                  ## the main command: GRPO then ES on the built-in model, table + plot + export
 	$(BIN)/es-lightning fit --config recipes/grpo_es.yaml

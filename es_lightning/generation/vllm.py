@@ -33,7 +33,7 @@ Stop strings: the text is cut after the first stop string, as HFGenerator cuts i
 a token, vLLM ends the completion at that token, while transformers' ``StopStringCriteria`` waits for a token sequence
 that *ends* with the string — the texts agree, the completion masks may not (vLLM's are the tokens of the text).
 
-Engine side effects handled here (each tested in tests/vllm/): vLLM reseeds Python's, NumPy's and torch's global RNGs
+Engine side effects handled here (each tested in tests/vllm_backend/): vLLM reseeds Python's, NumPy's and torch's global RNGs
 while it builds the engine and draws from torch's global RNG while sampling — both are saved and restored; its CPU
 worker replaces ``torch.set_num_threads`` by a no-op and sets process-wide environment variables (``LD_PRELOAD``,
 ``LOCAL_WORLD_SIZE``, …) — restored; on a CPU it packs fp32 linear weights for oneDNN, after which ``load_weights``
