@@ -40,6 +40,19 @@ worker replaces ``torch.set_num_threads`` by a no-op and sets process-wide envir
 cannot update them and ``reload_weights`` leaves a tied ``lm_head`` stale — packing is turned off. It initialises a
 one-process ``torch.distributed`` group that the engine needs while it lives: :meth:`VLLMGenerator.close` removes it
 (a single-process fit is unaffected meanwhile: every collective over one rank is the identity).
+
+The calls a training step makes (what the ES and GRPO evaluators wire; ``gen = make_generator("vllm", policy, ...)``):
+
+- GRPO step: ``gen.generate(prompts, G, params, seed, return_logprobs=True)`` → loss → optimizer step →
+  ``gen.push_weights()`` (before the next rollout; with an fp32 master and a bf16 policy push the policy's weights).
+- ES, members pushed in place (any model size that fits twice): per member ``θ + σε`` written into the policy as
+  today → ``gen.push_weights(es_parameters)`` → ``gen.generate(prompts, n, params, seed=rollout_seed)``; after the
+  population the policy is restored, ESOptimizer steps, and ``gen.push_weights(es_parameters)`` sends the new centre.
+- ES engine-side: ``gen.es_set_centre(es_parameters)`` at fit start (and after a GRPO stage or a resume); per member
+  ``gen.es_perturb(seed, step, noise_id, sign, sigma)`` → ``gen.generate(...)``; then ``gen.es_restore()``;
+  ESOptimizer steps on the policy and ``gen.es_update(seed, step, noise_ids, weights * signs, lr, sigma, scale)``
+  applies the same update in the engine (the two agree bit for bit: tested). ``members_per_batch > 1`` has no meaning
+  here (the engine holds one set of weights): an evaluator refuses it, or batches prompts instead.
 """
 
 from __future__ import annotations

@@ -141,3 +141,37 @@ def test_engine_side_es_refuses_before_a_centre(builtin_pair):
             gen.es_perturb(SEED, STEP, 0, 1.0, 0.01)
     finally:
         worker._es_master = saved
+
+
+def test_bf16_engine_keeps_an_fp32_master(builtin_pair):
+    """A bf16 engine fed an fp32 policy: four engine-side updates, each below half a bf16 ulp for most weights, equal
+    ESOptimizer's four fp32 updates bit for bit, and the engine's weights are that master rounded once — whereas adding
+    each update to the bf16 weights (Qiu et al.'s public code) loses them."""
+    import copy
+
+    from es_lightning.generation.vllm import VLLMGenerator
+    from es_lightning.policy import load_policy
+
+    policy = load_policy("builtin:countdown-tiny", dtype="float32")
+    gen = VLLMGenerator(policy, dtype="bfloat16", max_model_len=128, cpu_kv_cache_gib=0.0625, max_num_seqs=16)
+    # not closed: closing an engine removes vLLM's process-wide groups, which the session's engines still use
+    gen.es_set_centre(policy.model.named_parameters())
+    reference = copy.deepcopy(policy.model)
+    opt = ESOptimizer(list(reference.named_parameters()), lr=2e-4, sigma=1e-3)
+    ids, weights = torch.tensor([0, 1, 2, 3]), torch.tensor([1.0, -0.4, 0.3, -0.9])
+    name = "model.norm.weight"  # not fused: the engine's tensor is the HF tensor
+    naive = policy.model.get_parameter(name).detach().to(torch.bfloat16)
+    for step in range(4):
+        before = reference.get_parameter(name).detach().clone()
+        opt.set_update(SEED, step, ids, weights)
+        opt.step()
+        naive = (naive.float() + (reference.get_parameter(name).detach() - before)).to(torch.bfloat16)
+        gen.es_update(SEED, step, ids.tolist(), weights.tolist(), lr=2e-4, sigma=1e-3)
+    master = gen.engine_worker._es_master
+    assert all(torch.equal(master[n], p.detach()) for n, p in reference.named_parameters())
+    engine = dict(gen.engine_model.named_parameters())[name]
+    assert engine.dtype == torch.bfloat16
+    assert torch.equal(engine, reference.get_parameter(name).detach().to(torch.bfloat16))
+    assert int((engine != naive).sum()) > 0  # updates the bf16 path rounded away
+    out = gen.generate(["12 34 56 = "], 1, SamplingParams(max_new_tokens=6, temperature=0.0))
+    assert out.completion_lengths.item() > 0
