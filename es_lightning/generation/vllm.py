@@ -324,7 +324,11 @@ class VLLMGenerator(Generator):
         common_random_blocks: int = 1,
     ) -> Rollout:
         """See :meth:`Generator.generate`; ``common_random_blocks`` as for
-        :meth:`~es_lightning.generation.hf.HFGenerator.generate`."""
+        :meth:`~es_lightning.generation.hf.HFGenerator.generate`.
+
+        With ``return_logprobs`` the entropies (and, when ``top_p < 1``, the log-probs) come from a forward pass of the
+        policy: they describe the engine's rollout when the policy holds the engine's weights (after
+        :meth:`push_weights`), not while a member is perturbed engine-side (ES needs neither)."""
         from vllm import SamplingParams as VSamplingParams
         from vllm.inputs import TokensPrompt
 
