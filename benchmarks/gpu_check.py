@@ -4,6 +4,7 @@ To run on a machine with 1 or more NVIDIA GPUs (about 3–5 minutes; nothing is 
 
     python benchmarks/gpu_check.py              # prints PASS/FAIL per check, exits 1 on any failure
     python benchmarks/gpu_check.py --devices 2  # shard over 2 GPUs (default: min(2, GPUs available))
+    python benchmarks/gpu_check.py --vllm       # and the vLLM checks and speed table (see 4.)
 
 Every check is a real ``Trainer.fit`` in a fresh process group, compared with an independent computation — a one-GPU
 unsharded run of the same step (the CPU suite's tests/test_sharding_*.py do the same with gloo and FSDP2):
@@ -16,7 +17,10 @@ unsharded run of the same step (the CPU suite's tests/test_sharding_*.py do the 
    ``es_ddp``: the same for ES population-parallel under DDP (NCCL).
 3. ``grpo_fsdp1``: one GRPO step under ``FSDPStrategy`` on a fixed batch of per-prompt-seeded rollouts equals the
    unsharded step (weights and global gradient norm).
-4. ``noise_on_device``: ES noise drawn by a CUDA generator (``es/noise.py``) is layout-independent on the GPU (a row
+4. ``--vllm``: the vLLM backend on CUDA (benchmarks/gpu_check_vllm.py, in its own process): greedy parity with HF in
+   fp32, engine-side ES members/restore/update in bf16 on a Qwen2.5-0.5B-shaped model, and the HF-vs-vLLM speed table
+   of an ES member and a GRPO rollout. Needs ``pip install "es-lightning[vllm]"``.
+5. ``noise_on_device``: ES noise drawn by a CUDA generator (``es/noise.py``) is layout-independent on the GPU (a row
    shard's slice equals the whole tensor's), and is timed against the old host path (CPU draw + copy) on a
    ``--noise-numel`` parameter (default 64M elements, ~a 1.5B model's largest matrices together); ``gumbel_on_device``:
    a rollout's sampler makes its generator on the GPU and its draws land there.
@@ -211,6 +215,7 @@ def main() -> None:
     parser.add_argument("--resume", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--accelerator", default="gpu", help=argparse.SUPPRESS)
     parser.add_argument("--noise-numel", type=int, default=64 * 2**20, help="elements of the noise timing check")
+    parser.add_argument("--vllm", action="store_true", help="also run benchmarks/gpu_check_vllm.py (CUDA vLLM)")
     parser.add_argument("--cpu-rehearsal", action="store_true",
                         help="run this script's plumbing on 2 CPU processes, FSDP2 standing in for FSDP1 (no GPU)")
     args = parser.parse_args()
@@ -275,6 +280,10 @@ def main() -> None:
             _device_randomness(check, args.noise_numel)
         except Exception as err:
             check("device randomness", False, str(err)[-1500:])
+    if args.vllm and not args.cpu_rehearsal:
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_check_vllm.py")
+        proc = subprocess.run([sys.executable, script], env={**os.environ, "PYTHONPATH": ROOT}, timeout=3600)
+        check("vllm (gpu_check_vllm.py)", proc.returncode == 0, f"exit code {proc.returncode}; its lines are above")
     print("all checks passed" if failures == 0 else f"{failures} check(s) failed")
     sys.exit(1 if failures else 0)
 

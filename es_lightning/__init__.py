@@ -5,12 +5,14 @@ Public API — everything else may change between releases.
 
 from es_lightning.callbacks import HFExport, PassAtKCallback, SequentialStrategy, StageProgressBar, TrainingReport
 from es_lightning.data import ReasoningDataModule
-from es_lightning.generation import Generator, HFGenerator, Rollout, SamplingParams
+from es_lightning.generation import Generator, HFGenerator, Rollout, SamplingParams, make_generator
+from es_lightning.generation.vllm import VLLMGenerator  # importable without vLLM; building one needs it
 from es_lightning.metrics import MajorityAtK, PassAtK, PopulationDiversity, TokenEntropy, js_succ, pass_at_k
 from es_lightning.modules.base import ReasoningModule
 from es_lightning.modules.es import ESModule
 from es_lightning.modules.grpo import GRPOModule
 from es_lightning.policy import Policy, load_policy
+from es_lightning.precision import MasterAdamW, check_device_dtype, resolve_master_dtype
 from es_lightning.tasks import AdditionTask, CountdownTask, GSM8KTask, MathTask, SortTask, Task
 
 __version__ = "0.1.0.dev0"
@@ -25,6 +27,7 @@ __all__ = [
     "Generator",
     "HFGenerator",
     "MajorityAtK",
+    "MasterAdamW",
     "MathTask",
     "PassAtK",
     "PassAtKCallback",
@@ -40,7 +43,11 @@ __all__ = [
     "Task",
     "TokenEntropy",
     "TrainingReport",
+    "VLLMGenerator",
+    "check_device_dtype",
     "js_succ",
     "load_policy",
+    "make_generator",
     "pass_at_k",
+    "resolve_master_dtype",
 ]
