@@ -3,35 +3,53 @@
 Public API — everything else may change between releases.
 """
 
-from es_lightning.callbacks import HFExport, PassAtKCallback, SequentialStrategy, StageProgressBar, TrainingReport
+from es_lightning.algorithms import Algorithm, get_algorithm, register_algorithm
+from es_lightning.callbacks import (
+    HFExport,
+    ParameterDrift,
+    PassAtKCallback,
+    SequentialStrategy,
+    StageProgressBar,
+    TrainingReport,
+)
 from es_lightning.data import ReasoningDataModule
+from es_lightning.es.algorithm import ESAlgorithm, ESSettings
 from es_lightning.generation import Generator, HFGenerator, Rollout, SamplingParams
+from es_lightning.grpo.algorithm import GRPOAlgorithm, GRPOSettings
 from es_lightning.metrics import MajorityAtK, PassAtK, PopulationDiversity, TokenEntropy, js_succ, pass_at_k
 from es_lightning.modules.base import ReasoningModule
 from es_lightning.modules.es import ESModule
 from es_lightning.modules.grpo import GRPOModule
 from es_lightning.policy import Policy, load_policy
+from es_lightning.scoring import RewardError
 from es_lightning.tasks import AdditionTask, CountdownTask, GSM8KTask, MathTask, SortTask, Task
 
 __version__ = "0.1.0.dev0"
 
 __all__ = [
     "AdditionTask",
+    "Algorithm",
     "CountdownTask",
+    "ESAlgorithm",
     "ESModule",
+    "ESSettings",
     "GSM8KTask",
     "HFExport",
+    "GRPOAlgorithm",
     "GRPOModule",
+    "GRPOSettings",
     "Generator",
     "HFGenerator",
     "MajorityAtK",
     "MathTask",
+    "ParameterDrift",
     "PassAtK",
     "PassAtKCallback",
     "Policy",
     "PopulationDiversity",
     "ReasoningDataModule",
     "ReasoningModule",
+    "RewardError",
     "Rollout",
     "SamplingParams",
     "SequentialStrategy",
@@ -40,7 +58,9 @@ __all__ = [
     "Task",
     "TokenEntropy",
     "TrainingReport",
+    "get_algorithm",
     "js_succ",
     "load_policy",
     "pass_at_k",
+    "register_algorithm",
 ]

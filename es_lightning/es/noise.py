@@ -56,5 +56,5 @@ def param_noise(
         gen.manual_seed(noise_key(seed, step, member, name, chunk))
         block = torch.randn(size, generator=gen, dtype=torch.float32)
         parts.append(block[max(start - lo, 0) : min(end - lo, size)])
-    out = torch.cat(parts) if parts else torch.empty(0)
+    out = torch.cat(parts) if parts else torch.empty(0, dtype=torch.float32)
     return out.to(device) if device is not None else out

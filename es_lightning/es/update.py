@@ -110,7 +110,7 @@ class ESOptimizer(torch.optim.Optimizer):
         active = [(int(i), float(w)) for i, w in zip(noise_ids, weights) if w != 0.0]
         sq = 0.0
         for p in group["params"]:
-            self.state[p]["step"] = self.state[p].get("step", torch.zeros(1, device=p.device)) + 1
+            self.state[p]["step"] = self.state[p].get("step", torch.zeros(1, dtype=torch.float32, device=p.device)) + 1
         if coef == 0.0 or not active:
             self.last_update_norm = 0.0
             return None

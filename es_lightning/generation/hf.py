@@ -66,7 +66,8 @@ class _Sampler(LogitsProcessor):
             scores = scores.scatter(-1, order, sorted_scores.masked_fill(remove, float("-inf")))
         rows, vocab = scores.shape
         # blocks of rows that are the same prompts for different ES members draw the same numbers (CRN)
-        u = torch.rand(rows // self.blocks, vocab, generator=self.generator, device=self.generator.device)
+        u = torch.rand(rows // self.blocks, vocab, generator=self.generator, device=self.generator.device,
+                       dtype=torch.float32)  # fp32 whatever the default dtype (bf16-true sets bf16)
         u = u.repeat(self.blocks, 1) if self.blocks > 1 else u
         gumbel = -torch.log(-torch.log(u.clamp(min=1e-20, max=1.0 - 1e-7)))
         return scores + gumbel.to(scores.device)
