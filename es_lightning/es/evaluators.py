@@ -18,12 +18,14 @@ Evaluators (chosen in one place, :func:`select_evaluator`):
 * :class:`ShardedEvaluator` — FSDP (the parameters are sharded, a forward is a collective): every rank runs every
   member on its share of the prompts, perturbing only its own shard.
 
-Every evaluator fills a :class:`_Tally` of per-member sums for what it ran; the tally is summed across ranks in one
+Every evaluator fills a :class:`MemberTally` of per-member sums for what it ran; the tally is summed across ranks in one
 collective, so member-split and prompt-split layouts produce the same :class:`PopulationScores`.
+:class:`PopulationStep` holds a step's shared state and does generate → grade → tally for a block of members.
 
 Adding an evaluator (EGGROLL low-rank members, vLLM engine-side perturbation) = one subclass of
-:class:`PopulationEvaluator` implementing :meth:`~PopulationEvaluator.evaluate` (use :class:`_Tally` for the reduction)
-and one line in :func:`select_evaluator`.
+:class:`PopulationEvaluator` implementing :meth:`~PopulationEvaluator.evaluate` — put the members' weights in place
+(or in the engine), call ``PopulationStep.run(members)``, return ``step.tally.finish(module)`` — and one line in
+:func:`select_evaluator`.
 """
 
 from __future__ import annotations
@@ -51,8 +53,8 @@ if TYPE_CHECKING:
     from es_lightning.modules.base import ReasoningModule
 
 __all__ = [
-    "BatchedMembersEvaluator", "InPlaceEvaluator", "Member", "PopulationEvaluator", "PopulationScores",
-    "ShardedEvaluator", "perturb", "perturbed_parameters", "rollout_seed", "select_evaluator",
+    "BatchedMembersEvaluator", "InPlaceEvaluator", "Member", "MemberTally", "PopulationEvaluator", "PopulationScores",
+    "PopulationStep", "ShardedEvaluator", "perturb", "perturbed_parameters", "rollout_seed", "select_evaluator",
 ]
 
 
@@ -134,7 +136,7 @@ def report_progress(module: ReasoningModule, done: int, total: int) -> None:
             cb.on_population_progress(trainer, module, done, total)
 
 
-class _Tally:
+class MemberTally:
     """Per-member sums of what this rank ran; :meth:`finish` sums them across ranks and divides.
 
     Sums (not means) make the reduction exact whichever way the work was split: by member (DDP: a member's sums live on
@@ -182,19 +184,36 @@ class _Tally:
         )
 
 
-def _setup(module: ReasoningModule, settings: ESSettings, examples: list[dict[str, Any]], step: int):
-    """What every evaluator needs once per step: sampling parameters, seed, and a fresh tally."""
-    params = module.sampling_params()
-    sampled = params.temperature > 0
-    tally = _Tally(settings.population_size, len(examples), settings.samples_per_member, sampled)
-    return params, rollout_seed(module.seed, step), tally
+class PopulationStep:
+    """One population evaluation's shared state — sampling settings, the step's seed, the rendered prompts (this rank's
+    ``local`` share, default all) and the tally — and the generate → grade → tally of one block of members."""
 
+    def __init__(self, module: ReasoningModule, settings: ESSettings, examples: list[dict[str, Any]], step: int,
+                 local: list[dict[str, Any]] | None = None) -> None:
+        local = examples if local is None else local
+        self.module, self.step, self.samples = module, step, settings.samples_per_member
+        self.params = module.sampling_params()
+        self.seed = rollout_seed(module.seed, step)
+        self.prompts = module.prompts(local)  # the same for every member: rendered once per step
+        self.repeated = [e for e in local for _ in range(self.samples)]  # one example per completion
+        self.tally = MemberTally(settings.population_size, len(examples), self.samples, self.params.temperature > 0)
 
-def _score(module: ReasoningModule, tally: _Tally, rollout: Rollout, examples: list[dict[str, Any]], step: int) -> Scores:
-    t0 = time.perf_counter()
-    scores = module.score(rollout.texts, examples, step=step)  # each completion graded once
-    tally.score_s += time.perf_counter() - t0
-    return scores
+    def run(self, members: Sequence[Member], columns: slice = slice(None)) -> None:
+        """Score ``members`` (whose weights the caller has put in place) in one ``generate`` call, member-major rows,
+        all members drawing the same sampling random numbers; ``columns``: the batch's prompts these are."""
+        k = len(members)
+        t0 = time.perf_counter()
+        blocks = {"common_random_blocks": k} if k > 1 else {}  # a population-batched call (HF generator)
+        rollout = self.module.generator.generate(self.prompts * k, self.samples, self.params, seed=self.seed,
+                                                 return_logprobs=self.tally.sampled, **blocks)
+        t1 = time.perf_counter()
+        scores = self.module.score(rollout.texts, self.repeated * k, step=self.step)  # each completion graded once
+        self.tally.generate_s += t1 - t0
+        self.tally.score_s += time.perf_counter() - t1
+        rows = len(self.repeated)
+        for j, member in enumerate(members):
+            block = slice(j * rows, (j + 1) * rows)
+            self.tally.add(member.index, columns, rollout, _slice_scores(scores, block), rows=block)
 
 
 # ---------------------------------------------------------------------- evaluators
@@ -203,12 +222,9 @@ class InPlaceEvaluator(PopulationEvaluator):
 
     def evaluate(self, module, examples, step, members):
         s = self.settings
-        trainer = module.trainer
-        mine = list(members)[trainer.global_rank::trainer.world_size]
+        mine = list(members)[module.trainer.global_rank::module.trainer.world_size]
         named = perturbed_parameters(module.policy.model, s.trainable)
-        params, seed, tally = _setup(module, s, examples, step)
-        prompts = module.prompts(examples)  # the same for every member: render once per step
-        repeated = [e for e in examples for _ in range(s.samples_per_member)]
+        run = PopulationStep(module, s, examples, step)
         base = [p.detach().clone() for _, p in named]
         report_progress(module, 0, len(mine))
         try:
@@ -216,16 +232,12 @@ class InPlaceEvaluator(PopulationEvaluator):
                 for (name, p), b in zip(named, base):
                     eps = param_noise(module.seed, step, member.noise_id, name, p.numel(), device=p.device)
                     p.copy_(perturb(b, eps, member.sign, s.sigma))
-                t0 = time.perf_counter()
-                rollout = module.generator.generate(prompts, s.samples_per_member, params, seed=seed,
-                                                    return_logprobs=tally.sampled)
-                tally.generate_s += time.perf_counter() - t0
-                tally.add(member.index, slice(None), rollout, _score(module, tally, rollout, repeated, step))
+                run.run([member])
                 report_progress(module, done, len(mine))
         finally:
             for (_, p), b in zip(named, base):
                 p.copy_(b)  # bit-for-bit restore of the centre weights, also when scoring raised
-        return tally.finish(module)
+        return run.tally.finish(module)
 
 
 class BatchedMembersEvaluator(PopulationEvaluator):
@@ -236,19 +248,15 @@ class BatchedMembersEvaluator(PopulationEvaluator):
 
     def evaluate(self, module, examples, step, members):
         s = self.settings
-        trainer = module.trainer
-        mine = list(members)[trainer.global_rank::trainer.world_size]
+        mine = list(members)[module.trainer.global_rank::module.trainer.world_size]
         named = perturbed_parameters(module.policy.model, s.trainable)
-        params, seed, tally = _setup(module, s, examples, step)
-        prompts = module.prompts(examples)
-        repeated = [e for e in examples for _ in range(s.samples_per_member)]
+        run = PopulationStep(module, s, examples, step)
         k = s.members_per_batch
         keep_noise = 1 < len(mine) <= k  # the noise is held anyway: hand it to the update
         cache: dict[tuple[int, str], Tensor] = {}
         report_progress(module, 0, len(mine))
         for start in range(0, len(mine), k):
             chunk = mine[start:start + k]
-            t0 = time.perf_counter()
             stacked = {}  # {name: [k, *shape]}
             for name, p in named:
                 values = []
@@ -261,17 +269,10 @@ class BatchedMembersEvaluator(PopulationEvaluator):
                     values.append(perturb(p.detach(), eps, m.sign, s.sigma))
                 stacked[name] = torch.stack(values)
             with PopulationForward(module.policy.model, stacked):
-                rollout = module.generator.generate(prompts * len(chunk), s.samples_per_member, params, seed=seed,
-                                                    return_logprobs=tally.sampled, common_random_blocks=len(chunk))
+                run.run(chunk)
             del stacked
-            tally.generate_s += time.perf_counter() - t0
-            scores = _score(module, tally, rollout, repeated * len(chunk), step)
-            rows = len(repeated)
-            for j, m in enumerate(chunk):
-                block = slice(j * rows, (j + 1) * rows)
-                tally.add(m.index, slice(None), rollout, _slice_scores(scores, block), rows=block)
             report_progress(module, start + len(chunk), len(mine))
-        return tally.finish(module, cache)
+        return run.tally.finish(module, cache)
 
 
 class ShardedEvaluator(PopulationEvaluator):
@@ -306,27 +307,20 @@ class ShardedEvaluator(PopulationEvaluator):
         s = self.settings
         trainer = module.trainer
         share = prompt_share(len(examples), trainer.global_rank, trainer.world_size)
-        local = examples[share]
         views = shard_views(perturbed_parameters(module.policy.model, s.trainable), trainer.strategy.model)
-        params, seed, tally = _setup(module, s, examples, step)
-        prompts = module.prompts(local)
-        repeated = [e for e in local for _ in range(s.samples_per_member)]
+        run = PopulationStep(module, s, examples, step, local=examples[share])
         base = [v.read() for v in views]  # this rank's shard of θ: exact restore
         report_progress(module, 0, len(members))
         try:
             for done, member in enumerate(members, 1):
                 for v, b in zip(views, base):
                     v.write(perturb(b, v.noise(module.seed, step, member.noise_id), member.sign, s.sigma))
-                t0 = time.perf_counter()
-                rollout = module.generator.generate(prompts, s.samples_per_member, params, seed=seed,
-                                                    return_logprobs=tally.sampled)
-                tally.generate_s += time.perf_counter() - t0
-                tally.add(member.index, share, rollout, _score(module, tally, rollout, repeated, step))
+                run.run([member], columns=share)
                 report_progress(module, done, len(members))
         finally:
             for v, b in zip(views, base):
                 v.write(b)  # bit-for-bit restore of this rank's centre shard
-        return tally.finish(module)
+        return run.tally.finish(module)
 
 
 def _slice_scores(scores: Scores, rows: slice) -> Scores:

@@ -199,16 +199,10 @@ class ReasoningModule(L.LightningModule):
         :mod:`es_lightning.scoring` (a reward function that raises or miscounts stops the fit with the fix)."""
         return score_completions(self.task, completions, examples, step)
 
-    def rollout(
-        self,
-        examples: Sequence[dict[str, Any]],
-        num_samples: int = 1,
-        params: SamplingParams | None = None,
-        seed: int | None = None,
-        return_logprobs: bool = False,
-    ) -> tuple[Rollout, Scores]:
-        """:meth:`sample` then :meth:`score`: ``(rollout, scores)`` with ``B * num_samples`` rows."""
-        rollout = self.sample(examples, num_samples, params, seed, return_logprobs)
+    def rollout(self, examples: Sequence[dict[str, Any]], num_samples: int = 1, **sample: Any) -> tuple[Rollout, Scores]:
+        """:meth:`sample` (``sample``: its ``params``, ``seed``, ``return_logprobs``) then :meth:`score`:
+        ``(rollout, scores)`` with ``B * num_samples`` rows."""
+        rollout = self.sample(examples, num_samples, **sample)
         return rollout, self.score(rollout.texts, [e for e in examples for _ in range(num_samples)])
 
     @torch.no_grad()
@@ -216,7 +210,7 @@ class ReasoningModule(L.LightningModule):
         self, examples: Sequence[dict[str, Any]], num_samples: int, params: SamplingParams, seed: int
     ) -> EvalBatch:
         """``num_samples`` completions per problem → correctness matrix, answers and token entropies."""
-        rollout, scores = self.rollout(examples, num_samples, params, seed=seed, return_logprobs=True)
+        rollout, scores = self.rollout(examples, num_samples, params=params, seed=seed, return_logprobs=True)
         n = num_samples
         return EvalBatch(
             correct=scores.correct.view(-1, n),
