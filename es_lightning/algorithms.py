@@ -36,11 +36,11 @@ import textwrap
 import typing
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
-if TYPE_CHECKING:
-    from es_lightning.generation import SamplingParams
-    from es_lightning.modules.base import ReasoningModule
+from lightning import LightningModule
+
+from es_lightning.generation import SamplingParams
 
 __all__ = ["Algorithm", "algorithm_names", "get_algorithm", "register_algorithm", "settings_docs", "settings_hints"]
 
@@ -54,7 +54,9 @@ class Algorithm(ABC):
     """One training algorithm: its settings, its optimizer and its training step, acting on a module.
 
     Subclasses set :attr:`name` and :attr:`Settings` and implement :meth:`configure_optimizers` and
-    :meth:`training_step`; the other methods are optional hooks. An algorithm holds no policy weights (the module
+    :meth:`training_step`; the other methods are optional hooks. ``module`` is always the
+    :class:`~es_lightning.modules.base.ReasoningModule` (annotated by its Lightning base class: ``modules.base`` imports
+    this file, so this file imports nothing of ``modules``). An algorithm holds no policy weights (the module
     does); it may hold per-fit helpers (ES: its population evaluator; GRPO: the frozen reference policy).
 
     Args:
@@ -80,11 +82,11 @@ class Algorithm(ABC):
 
     # ------------------------------------------------------------------ what every algorithm supplies
     @abstractmethod
-    def configure_optimizers(self, module: ReasoningModule) -> Any:
+    def configure_optimizers(self, module: LightningModule) -> Any:
         """What :meth:`LightningModule.configure_optimizers` returns for this algorithm (optimizer, schedulers)."""
 
     @abstractmethod
-    def training_step(self, module: ReasoningModule, batch: list[dict[str, Any]], batch_idx: int) -> None:
+    def training_step(self, module: LightningModule, batch: list[dict[str, Any]], batch_idx: int) -> None:
         """One training step on ``batch`` (manual optimization: call ``module.optimizers().step()``)."""
 
     # ------------------------------------------------------------------ optional hooks
@@ -103,11 +105,11 @@ class Algorithm(ABC):
         """Optimizer steps (``trainer.global_step`` increments) per training batch."""
         return 1
 
-    def configure_model(self, module: ReasoningModule) -> None:
+    def configure_model(self, module: LightningModule) -> None:
         """Called whenever the module (re)configures its policy, and when a switch makes this algorithm active."""
         return None
 
-    def on_fit_start(self, module: ReasoningModule) -> None:
+    def on_fit_start(self, module: LightningModule) -> None:
         """Called at fit start, and at a switch, once the policy is placed (sharded, on its device)."""
         return None
 
@@ -132,8 +134,7 @@ def register_algorithm(cls: type[Algorithm]) -> type[Algorithm]:
 
 
 def get_algorithm(name: str) -> type[Algorithm]:
-    """The algorithm class registered as ``name``."""
-    _load_builtin()
+    """The algorithm class registered as ``name`` (ES and GRPO register when ``es_lightning`` is imported)."""
     try:
         return _REGISTRY[name]
     except KeyError:
@@ -141,14 +142,7 @@ def get_algorithm(name: str) -> type[Algorithm]:
 
 
 def algorithm_names() -> list[str]:
-    _load_builtin()
     return sorted(_REGISTRY)
-
-
-def _load_builtin() -> None:
-    """The built-in algorithms register themselves when their modules are imported."""
-    import es_lightning.es.algorithm  # noqa: F401
-    import es_lightning.grpo.algorithm  # noqa: F401
 
 
 # ---------------------------------------------------------------------- settings dataclasses

@@ -44,12 +44,12 @@ from torch import Tensor
 
 from es_lightning.es.noise import param_noise
 from es_lightning.es.population import PopulationForward
+from es_lightning.es.settings import ESSettings
 from es_lightning.es.sharding import clean_name, prompt_share, shard_views
 from es_lightning.generation import Rollout
 from es_lightning.scoring import Scores
 
 if TYPE_CHECKING:
-    from es_lightning.es.algorithm import ESSettings
     from es_lightning.modules.base import ReasoningModule
 
 __all__ = [

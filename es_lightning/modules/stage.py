@@ -15,12 +15,10 @@ so a resume there that changes stage is refused with a clear error rather than r
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from es_lightning.modules.base import ReasoningModule
+from lightning import LightningModule
 
 #: the key of the stage record in a checkpoint
 STAGE_KEY = "es_lightning_stage"
@@ -44,7 +42,7 @@ def read_stage_record(path: Any) -> dict[str, Any] | None:
     return checkpoint.get(STAGE_KEY) if isinstance(checkpoint, dict) else None
 
 
-def peek_stage_on_load(module: ReasoningModule, strategy: Any) -> None:
+def peek_stage_on_load(module: LightningModule, strategy: Any) -> None:
     """Make ``strategy.load_checkpoint`` restore the module's stage (and rebuild the optimizers) before it loads the
     optimizer states. Idempotent; only needed when ``strategy.restore_checkpoint_after_setup``."""
     if getattr(strategy, "_es_lightning_stage_peek", None) is module:
@@ -61,7 +59,7 @@ def peek_stage_on_load(module: ReasoningModule, strategy: Any) -> None:
     strategy._es_lightning_stage_peek = module
 
 
-def rebuild_optimizers(module: ReasoningModule, strategy: Any) -> None:
+def rebuild_optimizers(module: LightningModule, strategy: Any) -> None:
     """Replace the strategy's optimizers and LR schedulers by the module's (active algorithm's) fresh ones."""
     from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 
