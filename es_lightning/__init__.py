@@ -21,6 +21,7 @@ from es_lightning.modules.base import ReasoningModule
 from es_lightning.modules.es import ESModule
 from es_lightning.modules.grpo import GRPOModule
 from es_lightning.policy import Policy, load_policy
+from es_lightning.precision import MasterAdamW, check_device_dtype, resolve_master_dtype
 from es_lightning.scoring import RewardError
 from es_lightning.tasks import AdditionTask, CountdownTask, GSM8KTask, MathTask, SortTask, Task
 
@@ -41,6 +42,7 @@ __all__ = [
     "Generator",
     "HFGenerator",
     "MajorityAtK",
+    "MasterAdamW",
     "MathTask",
     "ParameterDrift",
     "PassAtK",
@@ -58,9 +60,11 @@ __all__ = [
     "Task",
     "TokenEntropy",
     "TrainingReport",
+    "check_device_dtype",
     "get_algorithm",
     "js_succ",
     "load_policy",
     "pass_at_k",
     "register_algorithm",
+    "resolve_master_dtype",
 ]

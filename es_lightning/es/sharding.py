@@ -289,6 +289,19 @@ def gather_full(views: Sequence[ShardView], theta0: dict[str, Tensor]) -> dict[s
     return out
 
 
+def sync_mirrors(views: Sequence[ShardView]) -> None:
+    """Refill each FSDP1 gathered mirror among ``views`` from every rank's shard piece of its parameter (a collective:
+    every rank calls it with the same parameters). Needed when a shard was written with values the mirror's own
+    elements cannot reproduce — the rounding of an fp32 master held shard by shard. A no-op without mirrors."""
+    mirrors = {v.name: v for v in views if v.mirror}
+    if not mirrors:
+        return
+    shards = [v for v in views if not v.mirror and v.name in mirrors]
+    full = gather_full(shards, {v.name: v.local.detach().float().reshape(-1) for v in shards})
+    for name, mirror in mirrors.items():
+        mirror.write(full[name].reshape(-1))
+
+
 def _collective_device(views: Sequence[ShardView]) -> torch.device:
     """CPU under gloo; the parameters' accelerator under NCCL (which moves only device tensors)."""
     if dist.get_backend() == "gloo" or not views:
