@@ -8,8 +8,9 @@ Every :class:`~es_lightning.modules.base.ReasoningModule` fit gets one by defaul
 :class:`~es_lightning.PassAtKCallback`. Cost: θ₀ is a **fp32 copy of the weights in host memory** (4 bytes a parameter:
 6 GB for a 1.5B model; 1/W of that per rank under FSDP, which keeps only the rank's shard) and in every checkpoint
 (saved whole, so checkpoints load into sharded and unsharded runs alike); each logged step reads every parameter once.
-Choose the cadence with ``ParameterDrift(every_n_steps=10)`` in the trainer's callbacks, or turn it off — no copy kept —
-with ``every_n_steps: 0``::
+A run resumed from a checkpoint that holds no θ₀ (drift was off) measures from the resumed weights. Choose the cadence
+with ``ParameterDrift(every_n_steps=10)`` in the trainer's callbacks, or turn it off — no copy kept — with
+``every_n_steps: 0``::
 
     callbacks:
       - class_path: es_lightning.ParameterDrift
