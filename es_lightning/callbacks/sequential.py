@@ -25,7 +25,7 @@ from typing import Any
 
 import lightning as L
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from es_lightning.algorithms import SAMPLING_KEYS, get_algorithm
 from es_lightning.generation import SamplingParams
@@ -106,7 +106,12 @@ class SequentialStrategy(L.Callback):
             )
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if pl_module.algorithm.name == self.target and trainer.global_step <= self.switch_step and self.switch_step:
+        algorithm = pl_module.algorithm
+        if algorithm.name == self.target and trainer.global_step > self.switch_step:
+            if algorithm.settings != self.stage_settings:  # resumed after the switch: the checkpoint's stage runs
+                rank_zero_warn(f"SequentialStrategy: continuing {self.target} with the settings the checkpoint saved, "
+                               f"{algorithm.settings}; this callback's differ: {self.stage_settings}")
+        elif algorithm.name == self.target and self.switch_step:
             raise TypeError(
                 f"SequentialStrategy(…, {self.target}=…) switches a fit to {self.target.upper()} at step "
                 f"{self.switch_step}, but the module already runs {self.target.upper()} at step {trainer.global_step}: "

@@ -251,10 +251,9 @@ class ReasoningModule(L.LightningModule):
         docstring for which settings apply)."""
         current = self.stage_record()
         if current is not None and record["algorithm"] == current["algorithm"]:
-            if record != current:
-                changed = sorted(k for k in {**record["settings"], **record["sampling"]}
-                                 if {**record["settings"], **record["sampling"]}.get(k)
-                                 != {**current["settings"], **current["sampling"]}.get(k))
+            saved, now = {**record["settings"], **record["sampling"]}, {**current["settings"], **current["sampling"]}
+            changed = sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k))
+            if changed:
                 rank_zero_warn(f"resuming {record['algorithm']} with the configured settings; the checkpoint's differ "
                                f"in {changed}")
             return False
