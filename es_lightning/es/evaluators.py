@@ -24,7 +24,8 @@ collective, so member-split and prompt-split layouts produce the same :class:`Po
 
 Adding an evaluator (EGGROLL low-rank members, vLLM engine-side perturbation) = one subclass of
 :class:`PopulationEvaluator` implementing :meth:`~PopulationEvaluator.evaluate` — put the members' weights in place
-(or in the engine), call ``PopulationStep.run(members)``, return ``step.tally.finish(module)`` — and one line in
+(or in the engine), ``run = PopulationStep(module, settings, examples, step)``, ``run.run(members)``, return
+``run.tally.finish(module)`` — and one line in
 :func:`select_evaluator`.
 """
 
