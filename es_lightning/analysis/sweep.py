@@ -103,7 +103,7 @@ def population_sweep(
             args += ["--data.init_args.batch_size", str(batch_size)]
         cli = recipe_cli(recipe, steps, out / f"N{n}", [*args, *overrides])
         module, trainer = cli.model, cli.trainer
-        if not hasattr(module, "population_size"):
+        if getattr(getattr(module, "algorithm", None), "name", None) != "es":
             raise ValueError(f"{recipe!r} configures {type(module).__name__}, not an ES module with a population_size")
         recorder = _RewardRecorder()
         trainer.callbacks.append(recorder)

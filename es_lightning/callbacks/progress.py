@@ -14,7 +14,8 @@ class StageProgressBar(TQDMProgressBar):
     """Lightning's TQDM bar plus the stage name and the population progress of ES steps."""
 
     def _stage(self, pl_module) -> str:
-        return type(pl_module).__name__.removesuffix("Module")  # the class changes at a SequentialStrategy switch
+        algorithm = getattr(pl_module, "algorithm", None)  # swapped by a SequentialStrategy switch
+        return algorithm.name.upper() if algorithm is not None else type(pl_module).__name__.removesuffix("Module")
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self.train_progress_bar is not None:

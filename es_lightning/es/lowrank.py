@@ -132,7 +132,8 @@ class LowRankPopulationForward:
 
     Args:
         model: the policy.
-        named_params: the ``(name, parameter)`` pairs ES perturbs; the name is the noise key (``ESModule.es_parameters``).
+        named_params: the ``(name, parameter)`` pairs ES perturbs; the name is the noise key
+            (``es_lightning.es.evaluators.perturbed_parameters``).
         members: ``(noise id, sign)`` per block (antithetic pairs share an id with opposite signs).
         seed, step, sigma, rank: the step's noise (``rank >= 1``).
         cache: a dict filled with every factor/noise drawn (``(noise id, name)`` → ``(A, B)`` or flat ε, fp32) and
@@ -172,7 +173,7 @@ class LowRankPopulationForward:
         return torch.stack([a for a, _ in pairs]), torch.stack([b for _, b in pairs])
 
     def _vectors(self, name: str, p: Tensor) -> Tensor:
-        """``[k, *p.shape]`` full-rank perturbed copies, computed as ``ESModule._perturbed`` does (fp32, cast once)."""
+        """``[k, *p.shape]`` full-rank perturbed copies, computed as ``es_lightning.es.evaluators.perturb`` does (fp32, cast once)."""
         out = []
         for i, s in self.members:
             eps = _cached_noise(self.cache, self.seed, self.step, i, name, p)

@@ -77,7 +77,7 @@ class ShardView:
     def noise(self, seed: int, step: int, member: int) -> Tensor:
         """fp32 noise of this rank's elements, 1-D, on the parameter's device."""
         if self.local.numel() == 0:
-            return torch.zeros(0, device=self.local.device)
+            return torch.zeros(0, dtype=torch.float32, device=self.local.device)
         eps = param_noise(seed, step, member, self.name, self.numel, self.start, self.end, device=self.local.device)
         return eps if self.index is None else eps[self.index.to(eps.device)]
 

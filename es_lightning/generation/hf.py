@@ -85,7 +85,8 @@ class _Sampler(LogitsProcessor):
             self.generator = device_generator(scores.device, self.seed)
         rows, vocab = scores.shape
         # blocks of rows that are the same prompts for different ES members draw the same numbers (CRN)
-        u = torch.rand(rows // self.blocks, vocab, generator=self.generator, device=scores.device)  # [B*n/k, V]
+        u = torch.rand(rows // self.blocks, vocab, generator=self.generator, device=scores.device,
+                       dtype=torch.float32)  # [B*n/k, V] fp32 whatever the default dtype (bf16-true sets bf16)
         u = u.repeat(self.blocks, 1) if self.blocks > 1 else u  # [B*n, V]
         gumbel = -torch.log(-torch.log(u.clamp(min=1e-20, max=1.0 - 1e-7)))
         return scores + gumbel

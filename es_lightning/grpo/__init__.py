@@ -1,4 +1,5 @@
-"""GRPO's pieces: completion log-probs at real vocabulary size (:mod:`es_lightning.grpo.logprobs`)."""
+"""GRPO: the settings and training step (:mod:`.algorithm`), the loss (:mod:`.loss`) and the training forward's
+log-probs (:mod:`.logprobs`)."""
 
 from es_lightning.grpo.logprobs import completion_logprobs, enable_gradient_checkpointing, selective_logprobs
 
