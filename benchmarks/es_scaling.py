@@ -35,7 +35,7 @@ def run_one(args) -> None:
     import lightning as L
     import torch
 
-    from es_lightning import ESModule, ReasoningDataModule
+    from es_lightning import ESModule, ParameterDrift, ReasoningDataModule
 
     torch.set_num_threads(args.threads)
 
@@ -60,12 +60,13 @@ def run_one(args) -> None:
         strategy = ModelParallelStrategy()
     timer = Timer()
     module = ESModule(model=args.model, population_size=args.population, sigma=1e-3, lr=1e-3,
-                      max_new_tokens=args.max_new_tokens, temperature=0.0, log_drift_every_n_steps=0)
+                      max_new_tokens=args.max_new_tokens, temperature=0.0)
     data = ReasoningDataModule(task="countdown", train_size=args.batch * (args.steps + 2), val_size=4, test_size=4,
                                batch_size=args.batch)
     trainer = L.Trainer(max_steps=args.steps + 1, accelerator=args.accelerator, devices=devices, strategy=strategy,
                         logger=False, enable_checkpointing=False, limit_val_batches=0, num_sanity_val_steps=0,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[timer])
+                        enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[timer, ParameterDrift(every_n_steps=0)])  # the step alone, no drift
     trainer.fit(module, data)
     elapsed = time.perf_counter() - timer.start
     if trainer.global_rank == 0:

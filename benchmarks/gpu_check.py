@@ -4,6 +4,7 @@ To run on a machine with 1 or more NVIDIA GPUs (about 3–5 minutes; nothing is 
 
     python benchmarks/gpu_check.py              # prints PASS/FAIL per check, exits 1 on any failure
     python benchmarks/gpu_check.py --devices 2  # shard over 2 GPUs (default: min(2, GPUs available))
+    python benchmarks/gpu_check.py --vllm       # and the vLLM checks and speed table (see 4.)
 
 Every check is a real ``Trainer.fit`` in a fresh process group, compared with an independent computation — a one-GPU
 unsharded run of the same step (the CPU suite's tests/test_sharding_*.py do the same with gloo and FSDP2):
@@ -16,6 +17,13 @@ unsharded run of the same step (the CPU suite's tests/test_sharding_*.py do the 
    ``es_ddp``: the same for ES population-parallel under DDP (NCCL).
 3. ``grpo_fsdp1``: one GRPO step under ``FSDPStrategy`` on a fixed batch of per-prompt-seeded rollouts equals the
    unsharded step (weights and global gradient norm).
+4. ``--vllm``: the vLLM backend on CUDA (benchmarks/gpu_check_vllm.py, in its own process): greedy parity with HF in
+   fp32, engine-side ES members/restore/update in bf16 on a Qwen2.5-0.5B-shaped model, and the HF-vs-vLLM speed table
+   of an ES member and a GRPO rollout. Needs ``pip install "es-lightning[vllm]"``.
+5. ``noise_on_device``: ES noise drawn by a CUDA generator (``es/noise.py``) is layout-independent on the GPU (a row
+   shard's slice equals the whole tensor's), and is timed against the old host path (CPU draw + copy) on a
+   ``--noise-numel`` parameter (default 64M elements, ~a 1.5B model's largest matrices together); ``gumbel_on_device``:
+   a rollout's sampler makes its generator on the GPU and its draws land there.
 
 With one GPU the strategies run with one rank: FSDP1 then falls back to NO_SHARD (it warns), so the checks cover the
 wiring (names, views, generation inside/outside the step, checkpoints) but not cross-rank sharding; with 2+ GPUs they
@@ -124,6 +132,61 @@ def _fit(tmp, name, **kw) -> dict:
         return json.load(f)
 
 
+def _device_randomness(check, numel: int, device: str = "cuda") -> None:
+    """Checks 4: noise and Gumbel draws on the GPU, and the time of on-device noise vs the old host path (``device``
+    "cpu" only rehearses the plumbing: both paths are then the same)."""
+    import statistics
+    import time
+
+    import torch
+
+    import es_lightning.generation.hf as hf
+    from es_lightning.es.noise import CHUNK, param_noise
+    from es_lightning.generation import HFGenerator, SamplingParams
+    from es_lightning.policy import load_policy
+
+    cuda = torch.device(device)
+    sync = torch.cuda.synchronize if cuda.type == "cuda" else (lambda: None)
+    whole = param_noise(7, 3, 1, "w", numel, device=cuda)
+    lo, hi = CHUNK + 12345, 3 * CHUNK + 7  # a shard cutting chunks
+    part = param_noise(7, 3, 1, "w", numel, lo, hi, device=cuda)
+    check("noise_on_device layout", whole.device == cuda and torch.equal(whole[lo:hi], part),
+          f"slice [{lo}, {hi}) of a {numel}-element parameter equals the shard's own draw on {whole.device}")
+    std = float(whole.std())
+    check("noise_on_device moments", abs(float(whole.mean())) < 1e-3 and abs(std - 1) < 1e-3, f"std {std:.5f}")
+
+    def host_path():  # what es/noise.py did before: CPU generator, CPU draw, copy to the GPU
+        return param_noise(7, 3, 1, "w", numel).to(cuda)
+
+    def timed(fn) -> float:
+        sync()
+        t = time.perf_counter()
+        fn()
+        sync()
+        return time.perf_counter() - t
+
+    device_s, host_s = [], []
+    for _ in range(3):  # alternate, median
+        device_s.append(timed(lambda: param_noise(7, 3, 1, "w", numel, device=cuda)))
+        host_s.append(timed(host_path))
+    d, h = statistics.median(device_s), statistics.median(host_s)
+    check("noise_on_device time", d < h, f"{numel / 1e6:.0f}M elements: on device {d * 1e3:.1f} ms, host path "
+          f"{h * 1e3:.1f} ms ({h / d:.1f}x)")
+
+    requested = []
+    real = hf.device_generator
+    hf.device_generator = lambda device, seed: requested.append(torch.device(device)) or real(device, seed)
+    try:
+        policy = load_policy("builtin:countdown-tiny")
+        policy.model.to(cuda)
+        r = HFGenerator(policy).generate(["a:1+2="] * 4, 2, SamplingParams(max_new_tokens=8), seed=0,
+                                         return_logprobs=True)
+    finally:
+        hf.device_generator = real
+    check("gumbel_on_device", [d.type for d in requested] == [cuda.type] and r.logprobs.device.type == cuda.type,
+          f"sampler generator requested on {requested}")
+
+
 def _max_diff(a: dict, b: dict) -> float:
     import torch
 
@@ -151,6 +214,8 @@ def main() -> None:
     parser.add_argument("--checkpoints", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--resume", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--accelerator", default="gpu", help=argparse.SUPPRESS)
+    parser.add_argument("--noise-numel", type=int, default=64 * 2**20, help="elements of the noise timing check")
+    parser.add_argument("--vllm", action="store_true", help="also run benchmarks/gpu_check_vllm.py (CUDA vLLM)")
     parser.add_argument("--cpu-rehearsal", action="store_true",
                         help="run this script's plumbing on 2 CPU processes, FSDP2 standing in for FSDP1 (no GPU)")
     args = parser.parse_args()
@@ -210,6 +275,15 @@ def main() -> None:
                   f"{frac:.1e} of weights off by > lr/10, grad-norm rel. diff = {rel:.1e}")
         except Exception as err:
             check("grpo_fsdp1", False, str(err)[-1500:])
+    if torch.cuda.is_available():
+        try:
+            _device_randomness(check, args.noise_numel)
+        except Exception as err:
+            check("device randomness", False, str(err)[-1500:])
+    if args.vllm and not args.cpu_rehearsal:
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_check_vllm.py")
+        proc = subprocess.run([sys.executable, script], env={**os.environ, "PYTHONPATH": ROOT}, timeout=3600)
+        check("vllm (gpu_check_vllm.py)", proc.returncode == 0, f"exit code {proc.returncode}; its lines are above")
     print("all checks passed" if failures == 0 else f"{failures} check(s) failed")
     sys.exit(1 if failures else 0)
 

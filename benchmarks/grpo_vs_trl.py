@@ -63,6 +63,7 @@ def run_ours(args, queue) -> None:
     import lightning as L
     import torch
 
+    from es_lightning.callbacks import ParameterDrift
     from es_lightning.data import ReasoningDataModule
     from es_lightning.modules.grpo import GRPOModule
 
@@ -88,7 +89,8 @@ def run_ours(args, queue) -> None:
     device = _device(args)
     trainer = L.Trainer(max_steps=args.steps + args.warmup, accelerator=device, devices=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        limit_val_batches=0, num_sanity_val_steps=0, callbacks=[Timer()])
+                        limit_val_batches=0, num_sanity_val_steps=0,
+                        callbacks=[Timer(), ParameterDrift(every_n_steps=0)])  # TRL keeps no θ₀ copy either
     before = _rss_mb()
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()

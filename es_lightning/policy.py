@@ -102,6 +102,31 @@ class Policy:
         ]
 
 
+def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: list[str]) -> dict[str, torch.Tensor]:
+    """Token ids ``[B, P]`` and attention mask of rendered prompts, left-padded, with the tokenizer's special tokens
+    added only where the text does not already begin with them.
+
+    A chat template writes its own special tokens (Llama 3's and Gemma's start with ``{{ bos_token }}``), and
+    ``apply_chat_template(tokenize=True)`` therefore tokenizes with ``add_special_tokens=False``; a plain prompt of a
+    base model wants the tokenizer's BOS. Deciding per prompt from the text itself gives both — one BOS, never two —
+    without the generator having to know whether a template was applied (the vLLM backend gets the same ids). Qwen's
+    tokenizer adds nothing, so for Qwen this is plain tokenization.
+    """
+    plain = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
+    full = tokenizer(list(prompts), add_special_tokens=True)["input_ids"]
+    ids = [_without_repeated_prefix(p, f) for p, f in zip(plain, full)]
+    return tokenizer.pad({"input_ids": ids}, padding=True, return_tensors="pt", padding_side="left")
+
+
+def _without_repeated_prefix(plain: list[int], full: list[int]) -> list[int]:
+    """``full`` = special prefix + ``plain`` + special suffix; drop the prefix when ``plain`` already starts with it."""
+    for k in range(len(full) - len(plain) + 1):
+        if full[k : k + len(plain)] == plain:
+            prefix = full[:k]
+            return full[k:] if prefix and plain[:k] == prefix else full
+    return full
+
+
 def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, revision: str | None = None):
     """The tokenizer, left-padded (batched generation needs prompts aligned on the right) and with a pad token."""
     path = resolve_model_path(name_or_path)
@@ -137,6 +162,6 @@ def load_policy(
     with hub_errors(name_or_path) if not Path(path).is_dir() else contextlib.nullcontext():  # a hub id: fail fast offline
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
         tokenizer = load_tokenizer(name_or_path, trust_remote_code=trust_remote_code, revision=revision)
-    if model.generation_config is not None and model.generation_config.pad_token_id is None:
-        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    # model.generation_config is left as the checkpoint wrote it (HFExport saves it back unchanged); rollouts never
+    # read its sampling defaults (es_lightning/generation/config.py)
     return Policy(model=model, tokenizer=tokenizer)

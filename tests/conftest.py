@@ -31,3 +31,21 @@ def tiny_model_dir(tmp_path_factory) -> str:
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def qwen_like_dir(tmp_path_factory) -> str:
+    """Qwen2.5-Instruct look-alike at the real vocabulary size (151,936; specials at 151643-151645), bf16 weights,
+    Qwen's chat template and generation_config.json defaults (es_lightning/builtin/qwen_like.py). Built once (~5 s)."""
+    from es_lightning.builtin.qwen_like import build_qwen_like
+
+    return build_qwen_like(tmp_path_factory.mktemp("qwen-like"))
+
+
+@pytest.fixture(scope="session")
+def qwen_like_small_dir(tmp_path_factory) -> str:
+    """The same look-alike with a 1,024-row vocabulary (specials at 731-733, 293 rows before the end as in Qwen), for
+    tests that do not need the real size."""
+    from es_lightning.builtin.qwen_like import build_qwen_like
+
+    return build_qwen_like(tmp_path_factory.mktemp("qwen-like-small"), vocab_size=1024)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import lightning as L
@@ -31,7 +32,8 @@ from es_lightning.analysis import (
     top_percent_threshold,
 )
 from es_lightning.analysis import drift as drift_module
-from es_lightning.analysis.evaluate import check_ks, default_ks, evaluation_module
+from es_lightning.analysis.evaluate import evaluation_module
+from es_lightning.analysis.settings import SWEEP_EVAL, EvalSettings, default_ks
 from es_lightning.cli import cli_main, join_list_values
 from es_lightning.generation import SamplingParams
 from es_lightning.policy import load_policy
@@ -233,16 +235,16 @@ def test_top_percent_keeps_exactly_the_largest_updates():
 
 def test_ablation_command_reproduces_tuned_and_base_scores(es_checkpoint, tmp_path, capsys):
     path, saved = es_checkpoint
-    kwargs = dict(task="countdown", num_problems=6, num_samples=4, ks=[1, 4], max_new_tokens=8, seed=5, progress=False)
+    kwargs = dict(task="countdown", eval=EvalSettings(num_problems=6, num_samples=4, max_new_tokens=8, seed=5), progress=False)
     report = ablation_command(tuned=path, taus=[1e-3], top_percent=[50], save_models=True, out_dir=str(tmp_path), **kwargs)
     labels = [r["label"] for r in report.rows]
     assert labels == ["base", "tuned", "tau=0.001", "top 50%"]
 
     task = get_task("countdown")
     problems = heldout_problems(task, 6, 5)
-    eval_kwargs = dict(num_samples=4, ks=[1, 4], max_new_tokens=8, seed=5, temperature=0.6)
-    base_scores = evaluate_policy(load_policy(BUILTIN), task, problems, **eval_kwargs)
-    tuned_scores = evaluate_policy(load_model(path).policy, task, problems, **eval_kwargs)
+    settings = EvalSettings(num_samples=4, ks=[1, 4], max_new_tokens=8, seed=5, temperature=0.6)
+    base_scores = evaluate_policy(load_policy(BUILTIN), task, problems, settings)
+    tuned_scores = evaluate_policy(load_model(path).policy, task, problems, settings)
     for key in ("pass@1", "pass@4", "maj@4", "entropy", "reward_mean"):
         assert report.row("base")[key] == base_scores[key]
         assert report.row("tuned")[key] == tuned_scores[key]
@@ -274,7 +276,7 @@ def _binomial_pass_at_k(n: int, c: int, k: int) -> float:
 def test_eval_command_pass_at_k_matches_the_binomial_formula(es_checkpoint, tmp_path, capsys):
     path, _ = es_checkpoint
     cli_main(["eval", "--checkpoints", BUILTIN, path, "--labels", "base", "es", "--tasks", "countdown", "addition",
-              "--num_problems", "5", "--num_samples", "4", "--max_new_tokens", "8", "--seed", "3",
+              "--eval.num_problems", "5", "--eval.num_samples", "4", "--eval.max_new_tokens", "8", "--eval.seed", "3",
               "--out_dir", str(tmp_path), "--progress", "false"])
     out = capsys.readouterr().out
     assert "pass@1" in out and "maj@4" in out and "addition" in out
@@ -305,7 +307,8 @@ def test_eval_of_constant_logits_is_uniform_entropy_and_zero_pass(tmp_path):
     with torch.no_grad():
         policy.model.model.norm.weight.zero_()
     task = get_task("addition")
-    scores = evaluate_policy(policy, task, heldout_problems(task, 4, 0), num_samples=1, temperature=0.0, max_new_tokens=6)
+    scores = evaluate_policy(policy, task, heldout_problems(task, 4, 0),
+                             EvalSettings(num_samples=1, temperature=0.0, max_new_tokens=6))
     assert scores["pass@1"] == 0 and scores["format"] == 0
     assert scores["entropy"] == pytest.approx(math.log(policy.model.config.vocab_size), rel=1e-6)
 
@@ -313,13 +316,25 @@ def test_eval_of_constant_logits_is_uniform_entropy_and_zero_pass(tmp_path):
 def test_eval_refuses_bad_input(tmp_path):
     assert default_ks(32) == [1, 2, 4, 8, 16, 32] and default_ks(12) == [1, 2, 4, 8, 12]
     with pytest.raises(ValueError, match="k=8 exceeds num_samples=4"):
-        check_ks([1, 8], 4)
+        EvalSettings(num_samples=4, ks=[1, 8])
+    with pytest.raises(ValueError, match="k=8 exceeds num_samples=4"):
+        EvalSettings(num_samples=4).pass_at_ks(default=[1, 8])
+    assert EvalSettings(num_samples=12).pass_at_ks() == [1, 2, 4, 8, 12]
+    assert EvalSettings(num_samples=12, ks=[4, 1, 4]).pass_at_ks(default=[1, 12]) == [1, 4]
+    for bad, option in ((dict(num_samples=0), "num_samples"), (dict(temperature=-1), "temperature"),
+                        (dict(top_p=0), "top_p"), (dict(batch_size=0), "batch_size"), (dict(num_problems=0), "num_problems"),
+                        (dict(max_new_tokens=0), "max_new_tokens"), (dict(ks=[0, 1]), "positive")):
+        with pytest.raises(ValueError, match=option):
+            EvalSettings(**bad)
+    with pytest.raises(ValueError, match="max_new_tokens is null"):
+        EvalSettings(max_new_tokens=None).completion_cap()
+    small = EvalSettings(num_problems=2, num_samples=2)
     with pytest.raises(ValueError, match="unknown task 'sudoku'"):
-        eval_command(checkpoints=[BUILTIN], tasks=["sudoku"], num_problems=2, num_samples=2, out_dir=str(tmp_path))
+        eval_command(checkpoints=[BUILTIN], tasks=["sudoku"], eval=small, out_dir=str(tmp_path))
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        eval_command(checkpoints=[str(tmp_path / "nope.ckpt")], num_problems=2, num_samples=2, out_dir=str(tmp_path))
+        eval_command(checkpoints=[str(tmp_path / "nope.ckpt")], eval=small, out_dir=str(tmp_path))
     with pytest.raises(ValueError, match="one label per model"):
-        eval_command(checkpoints=[BUILTIN], labels=["a", "b"], num_problems=2, num_samples=2, out_dir=str(tmp_path))
+        eval_command(checkpoints=[BUILTIN], labels=["a", "b"], eval=small, out_dir=str(tmp_path))
 
 
 def test_cli_help_bad_keys_and_list_values(capsys):
@@ -327,7 +342,11 @@ def test_cli_help_bad_keys_and_list_values(capsys):
         cli_main(["eval", "--help"])
     assert exit_info.value.code == 0
     help_text = " ".join(capsys.readouterr().out.split())
-    assert "--num_samples" in help_text and "Ba et al.: 32" in help_text
+    assert "--eval.num_samples" in help_text and "Ba et al. 2026: 32" in help_text and "default: 32" in help_text
+    with pytest.raises(SystemExit):
+        cli_main(["analyze", "sweep", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "--eval.temperature" in help_text and "default: 1.0" in help_text  # sweep's own defaults, same docs
     with pytest.raises(SystemExit) as exit_info:
         cli_main(["analyze", "--help"])
     help_text = capsys.readouterr().out
@@ -336,11 +355,14 @@ def test_cli_help_bad_keys_and_list_values(capsys):
         cli_main(["analyze", "drift", "--tuned", "x.ckpt", "--tauz", "1"])
     assert exit_info.value.code != 0 and "tauz" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_info:
-        cli_main(["eval", "--checkpoints", "./no/such.ckpt", "--num_samples", "4"])
+        cli_main(["eval", "--checkpoints", "./no/such.ckpt", "--eval.num_samples", "4"])
     assert exit_info.value.code == 2 and "does not exist" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_info:
         cli_main(["analyze", "ablation", "--tuned", BUILTIN, "--base", BUILTIN, "--top_percent", "150"])
     assert exit_info.value.code == 2 and "(0, 100]" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:  # a bad evaluation setting, refused before anything is loaded
+        cli_main(["eval", "--checkpoints", "./no/such.ckpt", "--eval.num_samples", "4", "--eval.ks", "1", "8"])
+    assert exit_info.value.code == 2 and "k=8 exceeds num_samples=4" in capsys.readouterr().err
     assert join_list_values(["--tasks", "addition", "sort", "--seed", "1", "--taus", "0", "1e-5", "inf"],
                             {"tasks", "taus"}) == ["--tasks", '["addition", "sort"]', "--seed", "1", "--taus", "[0, 1e-5, inf]"]
     assert join_list_values(["--ks", "[1, 2]", "--labels", "null"], {"ks", "labels"}) == ["--ks", "[1, 2]", "--labels", "null"]
@@ -352,12 +374,13 @@ def test_forgetting_of_unchanged_and_of_broken_models(tmp_path, capsys):
     policy = load_policy(BUILTIN)
     policy.model.save_pretrained(same)
     policy.tokenizer.save_pretrained(same)
-    kwargs = dict(num_problems=4, num_samples=2, max_new_tokens=8, progress=False, plot=True)
+    settings = EvalSettings(num_problems=4, num_samples=2, max_new_tokens=8)
+    kwargs = dict(eval=settings, progress=False, plot=True)
     report = forgetting_command(tuned=str(same), base=BUILTIN, out_dir=str(tmp_path / "f1"), **kwargs)
     assert report.suite == ["addition", "sort"] and report.training_task == "countdown"
     assert all(v == 0 for changes in report.changes.values() for v in changes.values())  # same weights, same seeds
     sort_problems = heldout_problems(get_task("sort"), 4, 0)
-    expected = evaluate_policy(load_policy(BUILTIN), "sort", sort_problems, num_samples=2, max_new_tokens=8)
+    expected = evaluate_policy(load_policy(BUILTIN), "sort", sort_problems, EvalSettings(num_samples=2, max_new_tokens=8))
     assert report.evaluation.results["base"]["sort"]["pass@1"] == expected["pass@1"]
 
     broken = tmp_path / "broken"
@@ -365,8 +388,8 @@ def test_forgetting_of_unchanged_and_of_broken_models(tmp_path, capsys):
         policy.model.model.norm.weight.zero_()  # constant logits: greedy decoding answers nothing
     policy.model.save_pretrained(broken)
     policy.tokenizer.save_pretrained(broken)
-    report = forgetting_command(tuned=str(broken), base=BUILTIN, temperature=0.0, out_dir=str(tmp_path / "f2"),
-                                **{**kwargs, "num_samples": 1})
+    report = forgetting_command(tuned=str(broken), base=BUILTIN, out_dir=str(tmp_path / "f2"),
+                                **{**kwargs, "eval": replace(settings, num_samples=1, temperature=0.0)})
     base = report.evaluation.results["base"]
     for task in ("countdown", "addition", "sort"):
         assert report.changes[task]["pass@1"] == -base[task]["pass@1"]
@@ -385,18 +408,21 @@ def test_population_sweep_matches_es_lightning_fit(tmp_path, capsys):
     recipe = str(ROOT / "recipes" / "es.yaml")
     overrides = ["--data.init_args.train_size", "16", "--model.init_args.max_new_tokens", "8"]
     report = sweep_command(recipe=recipe, populations=[2, 4], steps=1, batch_size=2, overrides=overrides,
-                           eval_problems=4, eval_samples=2, save_models=True, out_dir=str(tmp_path / "sweep"))
+                           eval=replace(SWEEP_EVAL, num_problems=4, num_samples=2), save_models=True,
+                           out_dir=str(tmp_path / "sweep"))
     assert [r["population_size"] for r in report.rows] == [0, 2, 4]
     assert [r["steps"] for r in report.rows] == [0, 1, 1]
     row = report.rows[2]
     assert len(row["rewards"]) == 1 and 0 <= row["reward"] <= 1
     # the final evaluation is evaluate_policy of the saved final weights
     problems = heldout_problems(get_task("countdown"), 4, 0)
-    again = evaluate_policy(load_policy(row["path"]), "countdown", problems, num_samples=2, max_new_tokens=8,
-                            temperature=1.0)
+    again = evaluate_policy(load_policy(row["path"]), "countdown", problems,
+                            EvalSettings(num_samples=2, max_new_tokens=8, temperature=1.0))
     assert again["pass@1"] == row["pass@1"] and again["pass@2"] == row["pass@2"]
     assert (tmp_path / "sweep" / "sweep.png").read_bytes()[:8] == PNG_MAGIC
-    assert json.loads((tmp_path / "sweep" / "sweep.json").read_text())["rows"][2]["population_size"] == 4
+    written = json.loads((tmp_path / "sweep" / "sweep.json").read_text())
+    assert written["rows"][2]["population_size"] == 4
+    assert written["settings"]["eval"]["max_new_tokens"] == 8  # null: the recipe's cap, here overridden to 8
     assert "pass@1" in capsys.readouterr().out
 
     # the same run through `es-lightning fit` logs the same reward and ends on the same weights
@@ -423,8 +449,8 @@ def test_builtin_evaluate_script_runs_on_the_shared_evaluation(tmp_path):
                     "--max-new-tokens", "8", "--json", str(out)])
     problems = heldout_problems(get_task("addition"), 4, 0)
     policy = load_policy(BUILTIN)
-    sampled = evaluate_policy(policy, "addition", problems, num_samples=2, ks=[1, 2], temperature=1.0, max_new_tokens=8)
-    greedy = evaluate_policy(policy, "addition", problems, num_samples=1, ks=[1], temperature=0.0, max_new_tokens=8)
+    sampled = evaluate_policy(policy, "addition", problems, EvalSettings(num_samples=2, temperature=1.0, max_new_tokens=8))
+    greedy = evaluate_policy(policy, "addition", problems, EvalSettings(num_samples=1, temperature=0.0, max_new_tokens=8))
     assert results["addition"] == {"pass@1": sampled["pass@1"], "pass@2": sampled["pass@2"], "format": sampled["format"],
                                    "greedy": greedy["pass@1"]}
     assert json.loads(out.read_text()) == results

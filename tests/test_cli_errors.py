@@ -66,7 +66,7 @@ CASES = [
     ("ES population_size < 2", ES + SMALL + ["--model.init_args.population_size=1"],
      ["--model.init_args.population_size", "population_size must be >= 2", "got 1"]),
     ("ES sigma <= 0 in a YAML file", ["fit", "--config", "sigma.yaml"] + SMALL,
-     ["sigma.yaml:17:", "model.init_args.sigma", "sigma must be a positive noise scale", "1.5e-3"]),
+     ["sigma.yaml:17:", "model.init_args.sigma", "sigma must be a positive", "got -0.01", "1.5e-3"]),
     ("GRPO group_size < 2", GRPO + SMALL + ["--model.init_args.group_size=1"],
      ["--model.init_args.group_size", "group_size must be >= 2", "try 8"]),
     ("sampling temperature < 0", GRPO + SMALL + ["--model.init_args.temperature=-1"],
@@ -95,7 +95,7 @@ CASES = [
     ("unwritable output directory", GRPO + SMALL + ["--trainer.logger.init_args.save_dir", "afile/logs"],
      ["'afile/logs'", "cannot be written", "is a file", "--trainer.logger.init_args.save_dir"]),
     ("generation_backend vllm without vLLM", GRPO + SMALL + ["--model.init_args.generation_backend", "vllm"],
-     ["--model.init_args.generation_backend", "vllm"]),
+     ["--model.init_args.generation_backend", "vllm", 'pip install "es-lightning[vllm]"', "make test-vllm"]),
 ]
 
 HARNESS = textwrap.dedent("""

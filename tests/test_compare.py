@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from es_lightning.analysis.compare import CompareReport, compare_methods
 from es_lightning.analysis.evaluate import evaluate_policy, heldout_problems
+from es_lightning.analysis.settings import COMPARE_EVAL, EvalSettings
 from es_lightning.cli import cli_main
 from es_lightning.policy import load_policy
 from es_lightning.tasks import CountdownTask
@@ -37,7 +39,8 @@ def test_claims_against_hand_checked_numbers():
 
 def test_compare_fits_every_recipe_and_evaluates_all_rows_alike(tmp_path):
     report = compare_methods(
-        seeds=[0], steps=2, recipes_dir=ROOT / "recipes", eval_problems=3, eval_samples=16, eval_max_new_tokens=8,
+        seeds=[0], steps=2, recipes_dir=ROOT / "recipes", settings=replace(COMPARE_EVAL, num_problems=3, num_samples=16,
+                                                                            max_new_tokens=8),
         out_dir=tmp_path,
         overrides=["--data.init_args.batch_size", "2", "--model.init_args.max_new_tokens", "8"],
     )
@@ -45,8 +48,8 @@ def test_compare_fits_every_recipe_and_evaluates_all_rows_alike(tmp_path):
     assert list(rows) == ["GRPO", "ES", "GRPO→ES", "ES→GRPO"]
     # the base row is an ordinary evaluation of the base model on the same problems with the same seeds
     problems = heldout_problems(CountdownTask(), 3, 1234)
-    again = evaluate_policy(load_policy("builtin:countdown-tiny"), CountdownTask(), problems, num_samples=16, ks=[1, 4, 16],
-                            temperature=1.0, max_new_tokens=8, seed=1234)
+    again = evaluate_policy(load_policy("builtin:countdown-tiny"), CountdownTask(), problems,
+                            EvalSettings(num_samples=16, ks=[1, 4, 16], temperature=1.0, max_new_tokens=8, seed=1234))
     assert report.base == {c: again[c] for c in report.base}
     assert all(0 <= r["pass@1"] <= r["pass@4"] <= r["pass@16"] <= 1 for r in rows.values())
     assert len(report.claims()) == 8
@@ -59,8 +62,11 @@ def test_compare_command_line_refuses_bad_input(tmp_path, capsys):
         cli_main(["analyze", "compare", "--recipes_dir", str(tmp_path), "--seeds", "0"])
     assert err.value.code == 2 and "recipes not found" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        cli_main(["analyze", "compare", "--eval_samples", "8"])
-    assert "eval_samples must be >= 16" in capsys.readouterr().err
+        cli_main(["analyze", "compare", "--eval.num_samples", "8"])
+    assert "eval.num_samples must be >= 16" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli_main(["analyze", "compare", "--eval.ks", "1", "16"])
+    assert "must include 1, 4 and 16" in capsys.readouterr().err
 
 
 def test_distinct_correct_is_bounded_by_pass_at_k():
@@ -69,7 +75,7 @@ def test_distinct_correct_is_bounded_by_pass_at_k():
     is <= n · Pass@1, the mean number of correct samples)."""
     task = CountdownTask()
     problems = heldout_problems(task, 6, 7)
-    out = evaluate_policy(load_policy("builtin:countdown-tiny"), task, problems, num_samples=16, ks=[1, 16],
-                          temperature=1.0, max_new_tokens=12, seed=5)
+    out = evaluate_policy(load_policy("builtin:countdown-tiny"), task, problems,
+                          EvalSettings(num_samples=16, ks=[1, 16], temperature=1.0, max_new_tokens=12, seed=5))
     assert out["pass@16"] > 0
     assert out["pass@16"] - 1e-6 <= out["distinct_correct"] <= 16 * out["pass@1"] + 1e-6

@@ -3,6 +3,7 @@ degenerate rewards, exact resume — each on a real Trainer with a real (tiny) H
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import lightning as L
@@ -82,9 +83,10 @@ def test_bad_hyperparameters_fail_clearly():
         ESModule(population_size=1)
     with pytest.raises(ValueError, match="reward_normalization"):
         ESModule(reward_normalization="softmax")
-    with pytest.raises(NotImplementedError, match="use generation_backend: hf"):
-        ESModule(generation_backend="vllm")
-    with pytest.raises(ValueError, match="generation_backend must be 'hf'"):
+    if importlib.util.find_spec("vllm") is None:  # the optional backend without its package: one line, the install
+        with pytest.raises(ImportError, match=r'pip install "es-lightning\[vllm\]"'):
+            ESModule(generation_backend="vllm")
+    with pytest.raises(ValueError, match="generation_backend must be one of"):
         ESModule(generation_backend="sglang")
 
 
@@ -97,7 +99,7 @@ def test_fit_counts_steps_never_touches_autograd_and_logs(tiny_model_dir):
     assert all(p.grad is None for p in module.model.parameters())
     logged = trainer.logged_metrics
     for key in ("train/reward_mean", "train/reward_std", "train/reward_max", "train/frac_reward_zero_std",
-                "train/js_succ", "train/pass_pop", "train/update_norm", "train/drift", "train/success_mean",
+                "train/js_succ", "train/pass_pop", "train/update_norm", "train/drift", "train/accuracy",
                 "train/time/generate_s", "train/time/update_s"):
         assert key in logged, key
 
@@ -159,11 +161,6 @@ class _ConstantTask(CountdownTask):
         return [0.1] * len(completions)
 
 
-class _NaNTask(CountdownTask):
-    def reward(self, completions, examples):
-        return [float("nan") if len(c) % 2 else 1.0 * len(c) for c in completions]
-
-
 def test_all_equal_rewards_give_zero_update(tiny_model_dir):
     module = _module(tiny_model_dir, task=_ConstantTask())
     module.configure_model()
@@ -176,23 +173,18 @@ def test_all_equal_rewards_give_zero_update(tiny_model_dir):
         assert torch.equal(p, theta0[name])
 
 
-def test_nan_rewards_are_dropped_with_a_warning(tiny_model_dir):
-    module = _module(tiny_model_dir, task=_NaNTask(), temperature=1.0, population_size=6, max_new_tokens=5)
-    with pytest.warns(UserWarning, match="NaN/inf"):
-        _trainer(max_steps=2).fit(module, _dm())
-    for p in module.model.parameters():
-        assert torch.isfinite(p).all()
-
-
 def test_exact_resume_is_bitwise(tmp_path, tiny_model_dir):
-    kw = dict(temperature=1.0)
+    kw = dict(temperature=1.0, task=_CharSumTask())  # rewards that differ: the weights move
     ckpt = ModelCheckpoint(dirpath=tmp_path / "a", every_n_train_steps=1, save_top_k=-1, filename="{step}")
     full = _module(tiny_model_dir, **kw)
-    _trainer(tmp_path / "a", max_steps=4, callbacks=[ckpt]).fit(full, _dm(batch_size=4, train_size=12))
+    first = _trainer(tmp_path / "a", max_steps=4, callbacks=[ckpt])
+    first.fit(full, _dm(batch_size=4, train_size=12))
     resumed = _module(tiny_model_dir, **kw)
     trainer = _trainer(tmp_path / "b", max_steps=4)
     trainer.fit(resumed, _dm(batch_size=4, train_size=12), ckpt_path=str(tmp_path / "a" / "step=2.ckpt"))
     assert trainer.global_step == 4
     for (name, a), (_, b) in zip(full.model.named_parameters(), resumed.model.named_parameters()):
         assert torch.equal(a, b), name
-    assert resumed.relative_drift() == pytest.approx(full.relative_drift(), rel=0, abs=0)
+    # drift is measured from the fit's first weights, which the checkpoint carried (ParameterDrift's state)
+    drift = float(trainer.callback_metrics["train/drift"])
+    assert drift > 0 and drift == float(first.callback_metrics["train/drift"])

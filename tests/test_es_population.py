@@ -90,7 +90,7 @@ def test_batched_es_step_equals_member_by_member(temperature, antithetic):
         module = ESModule(
             model="builtin:countdown-tiny", population_size=6, sigma=3e-2, lr=1e-2, max_new_tokens=12,
             temperature=temperature, samples_per_member=2 if temperature else 1, antithetic=antithetic,
-            members_per_batch=members_per_batch, log_drift_every_n_steps=0,
+            members_per_batch=members_per_batch,
         )
         dm = ReasoningDataModule(task=CountdownTask(), train_size=32, val_size=4, test_size=4, batch_size=8, seed=0)
         L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False, limit_val_batches=0,

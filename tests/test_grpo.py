@@ -24,8 +24,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 from es_lightning import PassAtKCallback, ReasoningDataModule
-from es_lightning.modules.grpo import GRPOModule, completion_logprobs
-from es_lightning.modules.grpo_loss import LOSS_TYPES, group_advantages, grpo_loss
+from es_lightning.grpo.logprobs import completion_logprobs
+from es_lightning.grpo.loss import LOSS_TYPES, group_advantages, grpo_loss
+from es_lightning.modules.grpo import GRPOModule
 from es_lightning.policy import load_policy
 from es_lightning.tasks import CountdownTask
 
@@ -363,7 +364,7 @@ def test_num_iterations_makes_that_many_optimizer_steps(tiny_model_dir, tmp_path
 def test_reference_policy_is_frozen_and_not_checkpointed(tiny_model_dir, tmp_path):
     module = _module(tiny_model_dir, beta=0.1, loss_type="dr_grpo", scale_rewards="none", entropy_coef=0.01)
     module.configure_model()
-    ref = module.reference_model
+    ref = module.algorithm.reference_model(module)
     ref_before = {k: v.clone() for k, v in ref.state_dict().items()}
     trainer = _trainer(tmp_path, 2, enable_checkpointing=False)
     trainer.fit(module, _data())
@@ -375,7 +376,7 @@ def test_reference_policy_is_frozen_and_not_checkpointed(tiny_model_dir, tmp_pat
     assert len(keys) == len(module.model.state_dict())
     without_ref = GRPOModule(model=tiny_model_dir)
     without_ref.configure_model()
-    assert without_ref.reference_model is None
+    assert without_ref.algorithm.reference_model(without_ref) is None
 
 
 DDP_SCRIPT = """

@@ -184,16 +184,18 @@ def test_local_paths_without_dot_slash_are_local(tmp_path, monkeypatch, tiny_mod
 # ---------------------------------------------------------------------- eval checks every path first
 def test_eval_checks_every_checkpoint_before_evaluating(tmp_path, monkeypatch):
     import es_lightning.analysis.evaluate as evaluate
+    from es_lightning.analysis.settings import EvalSettings
 
     loaded = []
     real = evaluate.load_model
     monkeypatch.setattr(evaluate, "load_model", lambda *a, **k: loaded.append(a) or real(*a, **k))  # a spy
+    settings = EvalSettings(num_problems=2, num_samples=2)
     with pytest.raises(FileNotFoundError, match="missing.ckpt' does not exist"):
-        evaluate.evaluate_models(["builtin:countdown-tiny", str(tmp_path / "missing.ckpt")], num_problems=2,
-                                 num_samples=2, progress=False)
+        evaluate.evaluate_models(["builtin:countdown-tiny", str(tmp_path / "missing.ckpt")], settings=settings,
+                                 progress=False)
     with pytest.raises(FileNotFoundError, match="no-such-dir' does not exist"):
-        evaluate.evaluate_models(["builtin:countdown-tiny", str(tmp_path / "no-such-dir")], num_problems=2,
-                                 num_samples=2, progress=False)
+        evaluate.evaluate_models(["builtin:countdown-tiny", str(tmp_path / "no-such-dir")], settings=settings,
+                                 progress=False)
     assert loaded == []  # nothing was loaded, let alone evaluated
 
 

@@ -1,4 +1,6 @@
-"""SequentialStrategy: GRPO → ES (and ES → GRPO) inside one fit, on a real Trainer with the tiny HF model."""
+"""SequentialStrategy: GRPO → ES (and ES → GRPO) inside one fit, on a real Trainer with the tiny HF model.
+
+The module's class never changes: the switch gives it another algorithm object (``module.algorithm.name``)."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ class _Record(L.Callback):
         self.kinds = {}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.kinds[trainer.global_step] = type(pl_module).__name__
+        self.kinds[trainer.global_step] = pl_module.algorithm.name
 
 
 def _dm():
@@ -45,8 +47,10 @@ def test_switch_happens_at_exactly_switch_step(tmp_path, tiny_model_dir):
     trainer = _trainer(tmp_path, 4, [SequentialStrategy(switch_step=2, es=ES), record])
     trainer.fit(module, _dm())
     assert trainer.global_step == 4
-    assert record.kinds == {1: "GRPOModule", 2: "GRPOModule", 3: "ESModule", 4: "ESModule"}
-    assert isinstance(module, ESModule) and module.population_size == 4 and module.sampling.temperature == 1.0
+    assert record.kinds == {1: "grpo", 2: "grpo", 3: "es", 4: "es"}
+    assert type(module) is GRPOModule  # the object and its class are what the user built
+    assert module.algorithm.name == "es" and module.algorithm.settings.population_size == 4
+    assert module.sampling.temperature == 1.0
     assert len(trainer.optimizers) == 1 and type(trainer.optimizers[0]).__name__ == "ESOptimizer"
     assert trainer.lr_scheduler_configs == []
     assert all(p.grad is None for p in module.model.parameters())  # GRPO's gradients are gone with its optimizer
@@ -58,13 +62,21 @@ def test_resume_before_and_after_the_switch(tmp_path, tiny_model_dir):
     full = _grpo(tiny_model_dir)
     _trainer(tmp_path / "a", 4, [SequentialStrategy(switch_step=2, es=ES), ckpt]).fit(full, _dm())
     expected = _params(full)
-    for resume_step in (1, 3):  # before the switch, and after it
+    # the active stage is part of the module's own checkpoint
+    stage = torch.load(tmp_path / "ck" / "step=3.ckpt", weights_only=False)["es_lightning_stage"]
+    assert stage["algorithm"] == "es" and stage["settings"]["population_size"] == 4
+    assert stage["sampling"]["temperature"] == 1.0
+    assert torch.load(tmp_path / "ck" / "step=1.ckpt", weights_only=False)["es_lightning_stage"]["algorithm"] == "grpo"
+    # before the switch, after it, and after it without the callback (the module's checkpoint alone says ES)
+    for resume_step, callback in ((1, True), (3, True), (3, False)):
         record = _Record()
         module = _grpo(tiny_model_dir)
-        trainer = _trainer(tmp_path / f"r{resume_step}", 4, [SequentialStrategy(switch_step=2, es=ES), record])
+        seq = [SequentialStrategy(switch_step=2, es=ES)] if callback else []
+        trainer = _trainer(tmp_path / f"r{resume_step}{callback}", 4, [*seq, record])
         trainer.fit(module, _dm(), ckpt_path=str(tmp_path / "ck" / f"step={resume_step}.ckpt"))
-        assert trainer.global_step == 4 and isinstance(module, ESModule)
-        assert all(kind == ("GRPOModule" if step <= 2 else "ESModule") for step, kind in record.kinds.items())
+        assert trainer.global_step == 4 and module.algorithm.name == "es"
+        assert type(trainer.optimizers[0]).__name__ == "ESOptimizer"
+        assert all(kind == ("grpo" if step <= 2 else "es") for step, kind in record.kinds.items())
         for a, b in zip(expected, _params(module)):
             assert torch.equal(a, b)
 
@@ -83,7 +95,7 @@ def test_reverse_order_es_then_grpo(tmp_path, tiny_model_dir):
     module = ESModule(model=tiny_model_dir, max_new_tokens=6, **ES)
     trainer = _trainer(tmp_path, 3, [SequentialStrategy(switch_step=1, grpo=dict(group_size=2, lr=1e-3)), record])
     trainer.fit(module, _dm())
-    assert record.kinds == {1: "ESModule", 2: "GRPOModule", 3: "GRPOModule"}
+    assert record.kinds == {1: "es", 2: "grpo", 3: "grpo"}
     assert type(trainer.optimizers[0]).__name__ == "AdamW"
     assert float(trainer.logged_metrics["train/stage"]) == 0.0
 
@@ -100,3 +112,31 @@ def test_bad_arguments():
 def test_unknown_stage_setting_is_refused_up_front():
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['sigmaa'\]"):
         SequentialStrategy(switch_step=1, es={"sigmaa": 0.1})
+
+
+@pytest.mark.parametrize("stage, match", [
+    (dict(es={"sigma": -0.01}), "sigma must be a positive"),
+    (dict(es={"population_size": 5, "antithetic": True}), "must be even"),
+    (dict(es={"temperature": -1.0}), "temperature must be >= 0"),
+    (dict(grpo={"group_size": 1}), "group_size must be >= 2"),
+    (dict(grpo={"temperature": 0.0}), "GRPO samples its groups"),
+    (dict(grpo={"loss_type": "ppo"}), "loss_type must be one of"),
+    (dict(algorithm="ppo", settings={}), "unknown algorithm 'ppo'"),
+])
+def test_second_stage_values_are_validated_when_constructed(stage, match):
+    with pytest.raises(ValueError, match=match):
+        SequentialStrategy(switch_step=1, **stage)
+
+
+def test_switch_step_that_num_iterations_would_overshoot_is_refused(tmp_path, tiny_model_dir):
+    module = GRPOModule(model=tiny_model_dir, group_size=2, num_iterations=2, max_new_tokens=4)
+    trainer = _trainer(tmp_path, 4, [SequentialStrategy(switch_step=3, es=ES)])
+    with pytest.raises(ValueError, match=r"switch_step=3 is not reachable.*use a multiple of 2"):
+        trainer.fit(module, _dm())
+    assert trainer.global_step == 0  # refused before any step
+
+
+def test_a_module_already_in_the_second_stage_is_refused(tmp_path, tiny_model_dir):
+    module = ESModule(model=tiny_model_dir, max_new_tokens=4, **ES)
+    with pytest.raises(TypeError, match="already runs ES"):
+        _trainer(tmp_path, 2, [SequentialStrategy(switch_step=1, es=ES)]).fit(module, _dm())

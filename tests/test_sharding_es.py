@@ -84,7 +84,7 @@ SCRIPT = textwrap.dedent(
     from lightning.pytorch.strategies import ModelParallelStrategy
     sys.path.insert(0, {tests!r})
     from test_sharding_es import ES_KW, DATA_KW, LengthTask, check_dtensor_views
-    from es_lightning import ESModule, PassAtKCallback, ReasoningDataModule
+    from es_lightning import ESModule, ParameterDrift, PassAtKCallback, ReasoningDataModule
 
     def full_weights(module):  # a collective under FSDP2: every rank calls it
         out = {{}}
@@ -102,7 +102,7 @@ SCRIPT = textwrap.dedent(
     def fit(ckpt_path=None, checkpoints=None, full=False, max_steps=2):
         module = ESModule(model={model!r}, task=LengthTask(), **ES_KW)
         record = Record()
-        callbacks = [record]
+        callbacks = [ParameterDrift(), record]  # drift first: Record reads it at the same batch end
         if checkpoints:
             callbacks.append(ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=1, save_top_k=-1,
                                              filename="{{step}}"))
@@ -213,7 +213,7 @@ def test_fsdp2_full_checkpoint_is_one_file_and_resumes_exactly(fsdp2_run):
     assert path.is_file(), "save_distributed_checkpoint=False gathers one file"
     ckpt = torch.load(path, map_location="cpu", weights_only=False)
     single = dict(ESModule(model=ckpt["hyper_parameters"]["model"]).policy.model.named_parameters())
-    for name, t0 in ckpt["theta0"].items():  # θ₀ stored whole, as an unsharded run stores it
+    for name, t0 in ckpt["callbacks"]["ParameterDrift"]["theta0"].items():  # θ₀ stored whole, as unsharded
         assert t0.shape == single[name].shape and torch.equal(t0, single[name].detach()), name
     assert _max_diff(result["from_full_weights"]["2"], result["weights"]["2"]) == 0.0
 
@@ -227,21 +227,21 @@ def test_training_time_pass_at_k_runs_sharded_with_uneven_rank_shares(fsdp2_run)
 
 
 def test_sharded_settings_are_checked_with_the_fix():
+    from es_lightning.es.algorithm import ESSettings
+    from es_lightning.es.evaluators import ShardedEvaluator
     from es_lightning.es.sharding import prompt_share
-    from es_lightning.modules.es_sharded import check_sharded_settings
 
     assert [prompt_share(5, r, 2) for r in range(2)] == [slice(0, 3), slice(3, 5)]
     assert [prompt_share(4, r, 3) for r in range(3)] == [slice(0, 2), slice(2, 3), slice(3, 4)]
     with pytest.raises(ValueError, match="batch_size to >= 4"):
         prompt_share(3, 0, 4)
     module = ESModule(population_size=4)
-    module.members_per_batch = 2  # a recipe's speed knob: one member at a time instead, with a warning
+    # a recipe's speed knob: one member at a time instead, with a warning
     with pytest.warns(UserWarning, match="evaluated one at a time"):
-        check_sharded_settings(module)
-    module.members_per_batch = 1
+        ShardedEvaluator(ESSettings(population_size=4, members_per_batch=2)).check(module)
     module.generation_backend = "vllm"
     with pytest.raises(ValueError, match="generation_backend: hf"):
-        check_sharded_settings(module)
+        ShardedEvaluator(ESSettings(population_size=4)).check(module)
 
 
 def test_fsdp1_on_cpu_is_refused_with_the_cpu_alternative(tmp_path, capsys):
@@ -282,4 +282,5 @@ def test_sharded_checkpoint_consolidates_to_the_full_one(fsdp2_run, tmp_path):
     assert merged["state_dict"].keys() == full["state_dict"].keys()
     for key, value in full["state_dict"].items():  # the same step of the same run, saved sharded and saved whole
         assert torch.equal(merged["state_dict"][key], value), key
-    assert all(torch.equal(merged["theta0"][k], v) for k, v in full["theta0"].items())
+    theta0 = [c["callbacks"]["ParameterDrift"]["theta0"] for c in (merged, full)]
+    assert theta0[1] and all(torch.equal(theta0[0][k], v) for k, v in theta0[1].items())

@@ -57,15 +57,19 @@ def merge_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
 class PerPromptGRPO(GRPOModule):
     """GRPO whose groups are sampled prompt by prompt, seeded by the prompt: the same rollouts on any layout."""
 
-    def rollout(self, examples, num_samples=1, params=None, seed=None, return_logprobs=False):
+    def sample(self, examples, num_samples=1, params=None, seed=None, return_logprobs=False):
         parts = []
         for example in examples:
             prompt = self.prompts([example])
             prompt_seed = sum(map(ord, prompt[0])) * 1000 + self.global_step
             parts.append(self.generator.generate(prompt, num_samples, params or self.sampling_params(),
                                                  seed=prompt_seed, return_logprobs=True))
-        rollout = merge_rollouts(parts, self.tokenizer.pad_token_id)
-        return rollout, torch.tensor([sum(map(ord, t)) % 97 / 97 for t in rollout.texts])  # rewards that differ
+        return merge_rollouts(parts, self.tokenizer.pad_token_id)
+
+    def score(self, completions, examples, step=None):
+        scores = super().score(completions, examples, step)
+        scores.rewards = torch.tensor([sum(map(ord, t)) % 97 / 97 for t in completions])  # rewards that differ
+        return scores
 
 
 SCRIPT = textwrap.dedent(
@@ -90,20 +94,19 @@ SCRIPT = textwrap.dedent(
         switch = {{}}
         if mode == "fsdp2":  # GRPO -> ES on the sharded policy: SequentialStrategy switches at step 1
             from es_lightning import SequentialStrategy
-            from es_lightning.modules.es import ESModule
             from test_sharding_es import LengthTask  # a reward ES members earn differently
             seq = PerPromptGRPO(model={model!r}, task=LengthTask(), **GRPO_KW)
             stages = {{}}
             class Stage(L.Callback):
                 def on_train_batch_end(self, trainer, pl_module, *a):
-                    stages[trainer.global_step] = type(pl_module).__name__
+                    stages[trainer.global_step] = pl_module.algorithm.name
             t2 = L.Trainer(max_steps=2, accelerator="cpu", devices=2, strategy=ModelParallelStrategy(), logger=False,
                            enable_checkpointing=False, limit_val_batches=0, num_sanity_val_steps=0,
                            enable_progress_bar=False, enable_model_summary=False,
                            callbacks=[Stage(), SequentialStrategy(switch_step=1, es=dict(
                                population_size=4, sigma=0.5, lr=0.05, reward_normalization="centered"))])
             t2.fit(seq, ReasoningDataModule(batch_size=2, **DATA_KW))
-            switch = {{"stages": stages, "es_sharded": isinstance(seq, ESModule) and seq.sharded,
+            switch = {{"stages": stages, "es_sharded": seq.algorithm.name == "es" and seq.sharded,
                       "update_norm": float(t2.callback_metrics["train/update_norm"])}}
         if trainer.global_rank == 0:
             json.dump({{"weights": weights, "step": trainer.global_step, "sharded": module.sharded,
@@ -151,5 +154,5 @@ def test_grpo_step_on_two_processes_equals_single_process(mode, single, tiny_mod
     assert diff < 1e-4, diff  # lr / 100; AdamW's first step is ~±lr per element, so any wrong direction shows
     if mode == "fsdp2":  # SequentialStrategy turned the sharded GRPO fit into sharded ES, which updated the weights
         switch = result["switch"]
-        assert switch["stages"] == {"1": "PerPromptGRPO", "2": "ESModule"} and switch["es_sharded"]
+        assert switch["stages"] == {"1": "grpo", "2": "es"} and switch["es_sharded"]
         assert switch["update_norm"] > 0

@@ -19,7 +19,7 @@ import math
 import struct
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ import torch
 
 from es_lightning.analysis.drift import CHUNK, _base_of, check_taus, paired_weights, update_chunks
 from es_lightning.analysis.output import Signed, format_table, write_json
+from es_lightning.analysis.settings import PAPER_EVAL, EvalSettings
 
 Weights = Mapping[str, torch.Tensor]
 
@@ -188,16 +189,8 @@ def ablation_command(
     taus: list[float] | None = None,
     top_percent: list[float] | None = None,
     task: str = "countdown",
-    num_problems: int = 100,
-    num_samples: int = 32,
-    ks: list[int] | None = None,
-    temperature: float = 0.6,
-    top_p: float = 1.0,
-    max_new_tokens: int = 32,
-    seed: int = 0,
-    batch_size: int = 64,
+    eval: EvalSettings = PAPER_EVAL,
     dtype: str | None = None,
-    device: str = "auto",
     save_models: bool = False,
     out_dir: str = "ablation",
     plot: bool = True,
@@ -212,16 +205,8 @@ def ablation_command(
             --top_percent is given).
         top_percent: keep only the top p % of weights by |Δθ| (global), for each p in (0, 100].
         task: the task to re-evaluate on (held-out problems).
-        num_problems: held-out problems.
-        num_samples: samples per problem (n).
-        ks: the k of Pass@k (default 1 and n).
-        temperature: sampling temperature (Ba et al.: 0.6).
-        top_p: nucleus threshold of the sampling.
-        max_new_tokens: completion length cap.
-        seed: seeds the problems and the sampling (the same for every setting).
-        batch_size: problems per generation call.
+        eval: how every ablated model is evaluated (the same problems and seeds for every setting; ks default 1 and n).
         dtype: parameter dtype (default: the checkpoint's own).
-        device: auto, cpu, cuda, ...
         save_models: also write every ablated model (save_pretrained) under out_dir/models/.
         out_dir: where ablation.json and ablation.png go.
         plot: write ablation.png.
@@ -230,7 +215,7 @@ def ablation_command(
     from tqdm.auto import tqdm
 
     from es_lightning.analysis.checkpoints import load_model
-    from es_lightning.analysis.evaluate import check_ks, evaluate_policy, heldout_problems, resolve_device
+    from es_lightning.analysis.evaluate import evaluate_policy, heldout_problems
     from es_lightning.analysis.plots import plot_ablation
     from es_lightning.tasks import get_task
 
@@ -239,21 +224,19 @@ def ablation_command(
         taus = [t for t in check_taus(None) if t > 0]
     taus = check_taus(taus) if taus else []
     top_percent = check_top_percents(top_percent)
-    ks = check_ks(ks if ks is not None else sorted({1, num_samples}), num_samples)
+    settings = replace(eval, ks=eval.pass_at_ks(default=[1, eval.num_samples]))
+    settings.completion_cap()
     task_obj = get_task(task)
-    problems = heldout_problems(task_obj, num_problems, seed)
+    problems = heldout_problems(task_obj, settings.num_problems, settings.seed, settings.source)
     tuned_model = load_model(tuned, dtype=dtype)
     base = base or _base_of(tuned_model, "ablation")
     base_weights = snapshot(load_model(base, dtype=dtype or tuned_model.hyperparameters.get("dtype")).policy.model)
-    dev = resolve_device(device)
     policy = tuned_model.policy
     bar = tqdm(total=(2 + len(taus) + len(top_percent)) * len(problems), desc="ablation", unit="problem", disable=not progress,
                leave=False)
 
     def evaluate() -> dict[str, float]:
-        return evaluate_policy(policy, task_obj, problems, num_samples=num_samples, ks=ks, temperature=temperature,
-                               top_p=top_p, max_new_tokens=max_new_tokens, seed=seed, batch_size=batch_size,
-                               device=dev, progress=bar)
+        return evaluate_policy(policy, task_obj, problems, settings, progress=bar)
 
     out = Path(out_dir)
     try:
@@ -261,14 +244,13 @@ def ablation_command(
                                  save_dir=out / "models" if save_models else None, tokenizer=policy.tokenizer)
     finally:
         bar.close()
-    settings = dict(base=base, tuned=tuned, task=task_obj.name, num_problems=num_problems, num_samples=num_samples,
-                    temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
-    report = AblationReport(rows=rows, ks=ks, settings=settings)
-    print(f"sparsity ablation of {tuned} against {base} on {task_obj.name}: {num_problems} problems, n={num_samples}, "
-          f"T={temperature} ({time.perf_counter() - start:.0f}s)")
+    report = AblationReport(rows=rows, ks=settings.ks, settings=dict(base=base, tuned=tuned, task=task_obj.name,
+                                                                      eval=asdict(settings)))
+    print(f"sparsity ablation of {tuned} against {base} on {task_obj.name}: {settings.num_problems} problems, "
+          f"n={settings.num_samples}, T={settings.temperature} ({time.perf_counter() - start:.0f}s)")
     print(report.table())
     written = [write_json(out / "ablation.json", report.to_json())]
     if plot:
-        written.append(plot_ablation(rows, ks, out / "ablation.png"))
+        written.append(plot_ablation(rows, settings.ks, out / "ablation.png"))
     print("wrote " + ", ".join(map(str, written)))
     return report

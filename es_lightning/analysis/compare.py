@@ -3,11 +3,11 @@
 To run (``make compare``; about 25 minutes on 2 CPU cores for 2 seeds)::
 
     es-lightning analyze compare --seeds [0,1]
-    es-lightning analyze compare --seeds [0] --steps 40 --eval_problems 50      # a quick look
+    es-lightning analyze compare --seeds [0] --steps 40 --eval.num_problems 50      # a quick look
 
 Every method gets the same number of updates (``steps``; the sequential ones switch at ``steps // 2``, Ba et al.
 §3.2's 50/50 split), each fit is the recipe a user would run (``recipes/grpo.yaml``, ``es.yaml``, ``grpo_es.yaml``,
-``es_grpo.yaml``) parsed by the same :class:`~es_lightning.cli.ESLightningCLI` as ``es-lightning fit``, with the seeds
+``es_grpo.yaml``) parsed by the same :class:`~es_lightning.lightning_cli.ESLightningCLI` as ``es-lightning fit``, with the seeds
 of the model, the data order and Lightning set to each seed. The recipes' own evaluation callbacks are dropped; all
 final models — and the base model — are then evaluated on the *same* held-out problems with the *same* sampling seeds
 (a prototype found the Pass@16 of one model moves by up to 0.07 between a 100×16 and a 200×32 evaluation, so rows
@@ -24,11 +24,12 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from es_lightning.analysis.output import format_table, markdown_table, write_json
+from es_lightning.analysis.settings import COMPARE_EVAL, EvalSettings
 
 #: method label → recipe file (relative to ``recipes_dir``)
 METHODS = {"GRPO": "grpo.yaml", "ES": "es.yaml", "GRPO→ES": "grpo_es.yaml", "ES→GRPO": "es_grpo.yaml"}
@@ -113,16 +114,12 @@ def compare_methods(
     steps: int = 120,
     methods: Sequence[str] = tuple(METHODS),
     recipes_dir: str | Path = "recipes",
-    eval_problems: int = 200,
-    eval_samples: int = 32,
-    eval_temperature: float = 1.0,
-    eval_seed: int = 1234,
-    eval_max_new_tokens: int = 24,
+    settings: EvalSettings = COMPARE_EVAL,
     out_dir: str | Path = "compare",
     overrides: Sequence[str] = (),
 ) -> CompareReport:
     """Fit every method for every seed and evaluate everything the same way (see the module docstring)."""
-    from es_lightning.analysis.evaluate import evaluate_policy, heldout_problems, resolve_device
+    from es_lightning.analysis.evaluate import evaluate_policy, heldout_problems
     from es_lightning.policy import load_policy
 
     unknown = [m for m in methods if m not in METHODS]
@@ -130,24 +127,23 @@ def compare_methods(
         raise ValueError(f"unknown methods {unknown}; choose from {list(METHODS)}")
     if steps < 2:
         raise ValueError(f"steps must be >= 2 (the sequential methods switch at steps // 2), got {steps}")
-    if eval_samples < 16:
-        raise ValueError(f"eval_samples must be >= 16 for Pass@16, got {eval_samples}")
+    if settings.num_samples < 16:
+        raise ValueError(f"eval.num_samples must be >= 16 for Pass@16, got {settings.num_samples}")
+    settings = replace(settings, ks=settings.pass_at_ks(default=[1, 4, 16]))
+    if not {1, 4, 16} <= set(settings.ks):
+        raise ValueError(f"eval.ks must include 1, 4 and 16 (the table's columns), got {settings.ks}")
+    settings.completion_cap()
     recipes = {m: Path(recipes_dir) / METHODS[m] for m in methods}
     missing = [str(p) for p in recipes.values() if not p.is_file()]
     if missing:
         raise FileNotFoundError(f"recipes not found: {missing}; run from the repository root or pass --recipes_dir")
     out = Path(out_dir)
-    device = resolve_device("auto")
     problems = task = None
     base: dict[str, float] = {}
     results: dict[int, dict[str, dict[str, float]]] = {}
 
     def evaluate(policy) -> dict[str, float]:
-        metrics = evaluate_policy(
-            policy, task, problems, num_samples=eval_samples, ks=[1, 4, 16], temperature=eval_temperature,
-            max_new_tokens=eval_max_new_tokens, seed=eval_seed, device=device,
-        )
-        return {c: metrics[c] for c in COLUMNS}
+        return evaluate_policy(policy, task, problems, settings)
 
     for seed in seeds:
         results[int(seed)] = {}
@@ -156,32 +152,30 @@ def compare_methods(
             module, fit_task = _fit(recipe, int(seed), steps, out / f"seed{seed}" / recipe.stem, overrides)
             if problems is None:  # the same problems and samples for every row
                 task = fit_task
-                problems = heldout_problems(task, eval_problems, eval_seed)
+                problems = heldout_problems(task, settings.num_problems, settings.seed, settings.source)
                 base_model = module.model_name
                 base = evaluate(load_policy(base_model))
-                print(f"base ({base_model}): " + ", ".join(f"{c} {v:.3f}" for c, v in base.items()), flush=True)
+                print(f"base ({base_model}): " + _summary(base), flush=True)
             results[int(seed)][method] = evaluate(module.policy)
-            print(f"seed {seed} {method}: " + ", ".join(f"{c} {v:.3f}" for c, v in results[int(seed)][method].items())
+            print(f"seed {seed} {method}: " + _summary(results[int(seed)][method])
                   + f" ({time.perf_counter() - start:.0f}s)", flush=True)
             del module
             gc.collect()
-    settings = dict(seeds=list(seeds), steps=steps, overrides=list(overrides), methods=list(methods),
-                    recipes={m: str(p) for m, p in recipes.items()},
-                    task=task.name, eval_problems=eval_problems, eval_samples=eval_samples,
-                    eval_temperature=eval_temperature, eval_seed=eval_seed, eval_max_new_tokens=eval_max_new_tokens)
-    return CompareReport(base=base, results=results, settings=settings)
+    run_settings = dict(seeds=list(seeds), steps=steps, overrides=list(overrides), methods=list(methods),
+                        recipes={m: str(p) for m, p in recipes.items()}, task=task.name, eval=asdict(settings))
+    return CompareReport(base=base, results=results, settings=run_settings)
+
+
+def _summary(metrics: dict[str, float]) -> str:
+    return ", ".join(f"{c} {metrics[c]:.3f}" for c in COLUMNS)
 
 
 def compare_command(
     seeds: list[int] = [0, 1],  # noqa: B006
     steps: int = 120,
-    methods: list[str] = list(METHODS),  # noqa: B006,B008
+    methods: list[str] = list(METHODS),  # noqa: B006
     recipes_dir: str = "recipes",
-    eval_problems: int = 200,
-    eval_samples: int = 32,
-    eval_temperature: float = 1.0,
-    eval_seed: int = 1234,
-    eval_max_new_tokens: int = 24,
+    eval: EvalSettings = COMPARE_EVAL,
     out_dir: str = "compare",
     overrides: list[str] = [],  # noqa: B006
 ) -> CompareReport:
@@ -192,21 +186,16 @@ def compare_command(
         steps: updates per method; the sequential methods switch at steps // 2.
         methods: any of GRPO, ES, GRPO→ES, ES→GRPO.
         recipes_dir: where grpo.yaml, es.yaml, grpo_es.yaml and es_grpo.yaml are.
-        eval_problems: held-out problems of the final evaluation (the same for every row).
-        eval_samples: samples per problem (n >= 16).
-        eval_temperature: sampling temperature of the evaluation (the built-in model is evaluated at 1.0).
-        eval_seed: seeds the held-out problems and the evaluation sampling.
-        eval_max_new_tokens: completion cap of the evaluation (the same for every row).
+        eval: the evaluation of the base model and of every fit, the same for every row (defaults: 200 problems,
+            n = 32 at T = 1 — the built-in model's temperature —, 24 new tokens, seed 1234; n >= 16, ks include 1, 4, 16).
         out_dir: where compare.json and compare.md go.
         overrides: further `es-lightning fit` arguments for every fit, e.g. [--data.init_args.batch_size, "32"].
     """
     start = time.perf_counter()
-    report = compare_methods(seeds=seeds, steps=steps, methods=methods, recipes_dir=recipes_dir,
-                             eval_problems=eval_problems, eval_samples=eval_samples, eval_temperature=eval_temperature,
-                             eval_seed=eval_seed, eval_max_new_tokens=eval_max_new_tokens, out_dir=out_dir,
-                             overrides=overrides)
-    print(f"\n{len(report.results)} seed(s), {steps} updates per method, evaluated on {eval_problems} held-out problems x "
-          f"{eval_samples} samples at T={eval_temperature} ({time.perf_counter() - start:.0f}s)")
+    report = compare_methods(seeds=seeds, steps=steps, methods=methods, recipes_dir=recipes_dir, settings=eval,
+                             out_dir=out_dir, overrides=overrides)
+    print(f"\n{len(report.results)} seed(s), {steps} updates per method, evaluated on {eval.num_problems} held-out "
+          f"problems x {eval.num_samples} samples at T={eval.temperature} ({time.perf_counter() - start:.0f}s)")
     print(report.table())
     print()
     for claim, seed, held, values in report.claims():

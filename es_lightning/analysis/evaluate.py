@@ -3,11 +3,13 @@
 To run::
 
     es-lightning eval --checkpoints builtin:countdown-tiny runs/grpo/last.ckpt runs/es/last.ckpt --tasks countdown
-    es-lightning eval --checkpoints Qwen/Qwen2.5-1.5B-Instruct --tasks countdown --max_new_tokens 1024 --device cuda
+    es-lightning eval --checkpoints Qwen/Qwen2.5-1.5B-Instruct --tasks countdown --eval.max_new_tokens 1024 \
+        --eval.device cuda
 
 Every model is scored on the *same* held-out problems with the *same* sampling seeds (common random numbers), so
-differences between rows come from the weights. Defaults follow Ba et al. 2026's evaluation (§3: n = 32 samples per
-problem at T = 0.6, Pass@k for k = 1, 2, 4, …, n by the unbiased estimator of Chen et al. 2021). The sampling and
+differences between rows come from the weights. The settings (:class:`~es_lightning.analysis.settings.EvalSettings`,
+shared by every analysis) default to Ba et al. 2026's evaluation (§3: n = 32 samples per problem at T = 0.6, Pass@k for
+k = 1, 2, 4, …, n by the unbiased estimator of Chen et al. 2021). The sampling and
 scoring are :meth:`PassAtKCallback.evaluate_examples <es_lightning.callbacks.PassAtKCallback.evaluate_examples>` —
 the very code that measures Pass@K during training — on a :class:`~es_lightning.modules.base.ReasoningModule` around
 the loaded policy.
@@ -22,7 +24,7 @@ import gc
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,43 +32,10 @@ import torch
 
 from es_lightning.analysis.checkpoints import LoadedModel, check_model_spec, load_model
 from es_lightning.analysis.output import format_table, markdown_table, write_json
+from es_lightning.analysis.settings import PAPER_EVAL, EvalSettings, resolve_device
 from es_lightning.data import ReasoningDataModule, procedural_split
 from es_lightning.policy import Policy
 from es_lightning.tasks import Task, get_task
-
-#: Ba et al. 2026's evaluation: n = 32 samples per problem at temperature 0.6
-DEFAULT_NUM_SAMPLES = 32
-DEFAULT_TEMPERATURE = 0.6
-
-
-def default_ks(num_samples: int) -> list[int]:
-    """1, 2, 4, … up to ``num_samples`` (and ``num_samples`` itself when it is not a power of two)."""
-    ks = [1 << i for i in range(num_samples.bit_length()) if 1 << i <= num_samples]
-    return ks if ks[-1] == num_samples else ks + [num_samples]
-
-
-def check_ks(ks: Sequence[int] | None, num_samples: int) -> list[int]:
-    """Validate the k of Pass@k against ``n``: a clear error when some k exceeds it."""
-    if num_samples < 1:
-        raise ValueError(f"num_samples must be >= 1, got {num_samples}")
-    if ks is None:
-        return default_ks(num_samples)
-    ks = sorted({int(k) for k in ks})
-    if not ks or ks[0] < 1:
-        raise ValueError(f"every k must be a positive integer, got ks={ks}")
-    if ks[-1] > num_samples:
-        raise ValueError(
-            f"k={ks[-1]} exceeds num_samples={num_samples}: Pass@k needs n >= k samples per problem. Raise "
-            f"--num_samples to at least {ks[-1]} or drop the larger ks."
-        )
-    return ks
-
-
-def resolve_device(device: str) -> torch.device:
-    """``auto`` → CUDA when available, else CPU."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
 
 
 def heldout_problems(task: Task, num_problems: int, seed: int = 0, source: str = "procedural") -> list[dict[str, Any]]:
@@ -99,31 +68,25 @@ def evaluate_policy(
     policy: Policy,
     task: Task | str,
     problems: Sequence[dict[str, Any]],
-    num_samples: int = DEFAULT_NUM_SAMPLES,
-    ks: Sequence[int] | None = None,
-    temperature: float = DEFAULT_TEMPERATURE,
-    top_p: float = 1.0,
-    max_new_tokens: int = 32,
-    seed: int = 0,
-    batch_size: int = 64,
-    device: torch.device | str = "cpu",
+    settings: EvalSettings = PAPER_EVAL,
     progress=None,
 ) -> dict[str, float]:
     """Pass@k, Maj@k, mean token entropy, mean reward and answer-format rate of ``policy`` on ``problems``.
 
-    Returns ``{"pass@1": …, …, "maj@1": …, …, "entropy": …, "reward_mean": …, "format": …, "distinct_correct": …}``;
-    ``format`` is the fraction of samples whose answer the task could extract at all, ``distinct_correct`` the mean
-    number of distinct correct answers per problem (distinct solutions in the task's normal form: coverage in kind).
-    ``progress`` (a tqdm bar) advances per problem.
+    ``settings`` says how (its ``num_problems``, ``seed`` and ``source`` chose ``problems``, see
+    :func:`heldout_problems`). Returns ``{"pass@1": …, …, "maj@1": …, …, "entropy": …, "reward_mean": …, "format": …,
+    "distinct_correct": …}``; ``format`` is the fraction of samples whose answer the task could extract at all,
+    ``distinct_correct`` the mean number of distinct correct answers per problem (distinct solutions in the task's
+    normal form: coverage in kind). ``progress`` (a tqdm bar) advances per problem.
     """
     from es_lightning.callbacks.pass_at_k import PassAtKCallback
 
     task = get_task(task)
-    ks = check_ks(ks, num_samples)
-    module = evaluation_module(policy, task, max_new_tokens, device)
+    module = evaluation_module(policy, task, settings.completion_cap(), resolve_device(settings.device))
     evaluator = PassAtKCallback(
-        num_samples=num_samples, ks=ks, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
-        batch_size=batch_size, seed=seed, prefix="eval",
+        num_samples=settings.num_samples, ks=settings.pass_at_ks(), temperature=settings.temperature,
+        top_p=settings.top_p, max_new_tokens=settings.completion_cap(), batch_size=settings.batch_size,
+        seed=settings.seed, prefix="eval",
     )
     extracted = [0, 0]  # answers extracted, samples
     distinct: list[int] = []  # per problem: distinct correct answers (in the task's normal form)
@@ -173,17 +136,8 @@ def evaluate_models(
     models: Sequence[str | LoadedModel],
     tasks: Sequence[str | Task] = ("countdown",),
     labels: Sequence[str] | None = None,
-    num_problems: int = 100,
-    num_samples: int = DEFAULT_NUM_SAMPLES,
-    ks: Sequence[int] | None = None,
-    temperature: float = DEFAULT_TEMPERATURE,
-    top_p: float = 1.0,
-    max_new_tokens: int = 32,
-    seed: int = 0,
-    batch_size: int = 64,
-    source: str = "procedural",
+    settings: EvalSettings = PAPER_EVAL,
     dtype: str | None = None,
-    device: str = "auto",
     progress: bool = True,
 ) -> EvalReport:
     """Evaluate every model on every task, on the same problems with the same seeds; models are loaded one at a time."""
@@ -191,15 +145,15 @@ def evaluate_models(
         raise ValueError("name at least one model to evaluate (a .ckpt, an HF directory, a hub id or builtin:<name>)")
     if labels is not None and len(labels) != len(models):
         raise ValueError(f"got {len(labels)} labels for {len(models)} models; give one label per model or none")
-    ks = check_ks(ks, num_samples)
+    settings = replace(settings, ks=settings.pass_at_ks())
+    settings.completion_cap()
     for model in models:  # every path checked before the first model spends minutes being evaluated
         if not isinstance(model, LoadedModel):
             check_model_spec(model)
     task_objs = [get_task(t) for t in tasks]
     if not task_objs:
         raise ValueError("name at least one task, e.g. --tasks countdown addition sort")
-    problems = {t.name: heldout_problems(t, num_problems, seed, source) for t in task_objs}
-    dev = resolve_device(device)
+    problems = {t.name: heldout_problems(t, settings.num_problems, settings.seed, settings.source) for t in task_objs}
     names = list(labels) if labels is not None else [_label(m) for m in models]
     names = _unique(names)
     from tqdm.auto import tqdm
@@ -215,21 +169,13 @@ def evaluate_models(
             results[name] = {}
             for task in task_objs:
                 bar.set_description(f"eval {name} · {task.name}")
-                results[name][task.name] = evaluate_policy(
-                    loaded.policy, task, problems[task.name], num_samples=num_samples, ks=ks, temperature=temperature,
-                    top_p=top_p, max_new_tokens=max_new_tokens, seed=seed, batch_size=batch_size, device=dev,
-                    progress=bar,
-                )
+                results[name][task.name] = evaluate_policy(loaded.policy, task, problems[task.name], settings, progress=bar)
             if not isinstance(model, LoadedModel):
                 del loaded
                 gc.collect()
     finally:
         bar.close()
-    settings = dict(
-        tasks=[t.name for t in task_objs], num_problems=num_problems, num_samples=num_samples, ks=ks,
-        temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed, source=source,
-    )
-    return EvalReport(results=results, settings=settings, sources=sources)
+    return EvalReport(results=results, settings={"tasks": [t.name for t in task_objs], **asdict(settings)}, sources=sources)
 
 
 def _label(model: str | LoadedModel) -> str:
@@ -271,17 +217,8 @@ def eval_command(
     checkpoints: list[str],
     tasks: list[str] = ["countdown"],  # noqa: B006  (jsonargparse shows the default in --help)
     labels: list[str] | None = None,
-    num_problems: int = 100,
-    num_samples: int = DEFAULT_NUM_SAMPLES,
-    ks: list[int] | None = None,
-    temperature: float = DEFAULT_TEMPERATURE,
-    top_p: float = 1.0,
-    max_new_tokens: int = 32,
-    seed: int = 0,
-    batch_size: int = 64,
-    source: str = "procedural",
+    eval: EvalSettings = PAPER_EVAL,
     dtype: str | None = None,
-    device: str = "auto",
     out_dir: str = "eval",
     plot: bool = True,
     progress: bool = True,
@@ -293,28 +230,15 @@ def eval_command(
             directories, hub ids or ``builtin:<name>``.
         tasks: task names (``countdown``, ``addition``, ``sort``, ``gsm8k``, ``math``) or Task import paths.
         labels: one name per checkpoint for tables and the plot (default: from the paths).
-        num_problems: held-out problems per task.
-        num_samples: samples per problem, the n of the Pass@k estimator (Ba et al.: 32).
-        ks: the k of Pass@k and Maj@k (default 1, 2, 4, ... n); each at most num_samples.
-        temperature: sampling temperature (Ba et al.: 0.6).
-        top_p: nucleus sampling threshold.
-        max_new_tokens: completion length cap (the built-in tasks need ~16; reasoning models ~1024).
-        seed: seeds the choice of problems and the sampling (the same for every model).
-        batch_size: problems per generation call.
-        source: where problems come from: ``procedural`` (held-out pool), ``hub``, a hub dataset or a local file.
+        eval: how every model is evaluated (the same for all; defaults: Ba et al.'s n = 32 at T = 0.6).
         dtype: parameter dtype (default: a .ckpt's own, else float32).
-        device: ``auto``, ``cpu``, ``cuda``, ``cuda:1``, ...
         out_dir: where eval.json, eval.md and pass_at_k.png go.
         plot: write pass_at_k.png.
         progress: show a progress bar.
     """
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     start = time.perf_counter()
-    report = evaluate_models(
-        checkpoints, tasks=tasks, labels=labels, num_problems=num_problems, num_samples=num_samples, ks=ks,
-        temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed, batch_size=batch_size,
-        source=source, dtype=dtype, device=device, progress=progress,
-    )
+    report = evaluate_models(checkpoints, tasks=tasks, labels=labels, settings=eval, dtype=dtype, progress=progress)
     s = report.settings
     print(
         f"{s['num_problems']} held-out problems/task, n={s['num_samples']}, T={s['temperature']}, seed={s['seed']} "

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from es_lightning.analysis.evaluate import DEFAULT_NUM_SAMPLES, DEFAULT_TEMPERATURE, EvalReport, evaluate_models
+from es_lightning.analysis.evaluate import EvalReport, evaluate_models
 from es_lightning.analysis.output import Signed, format_table, write_json
+from es_lightning.analysis.settings import PAPER_EVAL, EvalSettings
 from es_lightning.tasks import get_task
 
 #: the built-in held-out suite: procedural tasks unlike Countdown
@@ -66,7 +67,9 @@ def forgetting(
     tuned: Any,
     tasks: Sequence[str] = DEFAULT_SUITE,
     training_task: str | None = "countdown",
-    **eval_kwargs: Any,
+    settings: EvalSettings = PAPER_EVAL,
+    dtype: str | None = None,
+    progress: bool = True,
 ) -> ForgettingReport:
     """Evaluate ``base`` and ``tuned`` (specs or :class:`LoadedModel`) on ``training_task`` + the held-out ``tasks``."""
     suite = [get_task(t).name for t in tasks]
@@ -79,7 +82,8 @@ def forgetting(
     if not suite:
         raise ValueError("the held-out suite is empty; name tasks other than the training task, e.g. --tasks addition sort")
     all_tasks = ([trained] if trained else []) + suite
-    report = evaluate_models([base, tuned], tasks=all_tasks, labels=["base", "tuned"], **eval_kwargs)
+    report = evaluate_models([base, tuned], tasks=all_tasks, labels=["base", "tuned"], settings=settings, dtype=dtype,
+                             progress=progress)
     return ForgettingReport(evaluation=report, training_task=trained)
 
 
@@ -88,16 +92,8 @@ def forgetting_command(
     base: str | None = None,
     tasks: list[str] = list(DEFAULT_SUITE),  # noqa: B006,B008
     training_task: str | None = "countdown",
-    num_problems: int = 100,
-    num_samples: int = DEFAULT_NUM_SAMPLES,
-    ks: list[int] | None = None,
-    temperature: float = DEFAULT_TEMPERATURE,
-    top_p: float = 1.0,
-    max_new_tokens: int = 32,
-    seed: int = 0,
-    batch_size: int = 64,
+    eval: EvalSettings = PAPER_EVAL,
     dtype: str | None = None,
-    device: str = "auto",
     out_dir: str = "forgetting",
     plot: bool = True,
     progress: bool = True,
@@ -109,16 +105,8 @@ def forgetting_command(
         base: the model it started from (default: a .ckpt's 'model' hyperparameter).
         tasks: the held-out suite (default: the built-in procedural addition and sort).
         training_task: the task it was trained on, evaluated as a reference row (null to skip).
-        num_problems: held-out problems per task.
-        num_samples: samples per problem (n).
-        ks: the k of Pass@k (default 1, 2, 4, ... n).
-        temperature: sampling temperature (Ba et al.: 0.6).
-        top_p: nucleus threshold of the sampling.
-        max_new_tokens: completion length cap.
-        seed: seeds the problems and the sampling (the same for both models).
-        batch_size: problems per generation call.
+        eval: how both models are evaluated (the same problems and seeds for both).
         dtype: parameter dtype (default: the checkpoint's own).
-        device: auto, cpu, cuda, ...
         out_dir: where forgetting.json and forgetting.png go.
         plot: write forgetting.png.
         progress: show a progress bar.
@@ -130,14 +118,11 @@ def forgetting_command(
     start = time.perf_counter()
     tuned_model = load_model(tuned, dtype=dtype)
     base = base or _base_of(tuned_model, "forgetting")
-    report = forgetting(
-        base, tuned_model, tasks=tasks, training_task=training_task, num_problems=num_problems, num_samples=num_samples,
-        ks=ks, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed, batch_size=batch_size,
-        dtype=dtype or tuned_model.hyperparameters.get("dtype"), device=device, progress=progress,
-    )
+    report = forgetting(base, tuned_model, tasks=tasks, training_task=training_task, settings=eval,
+                        dtype=dtype or tuned_model.hyperparameters.get("dtype"), progress=progress)
     report.evaluation.sources = {"base": base, "tuned": tuned}
-    print(f"forgetting of {tuned} (base {base}): {num_problems} held-out problems/task, n={num_samples}, T={temperature} "
-          f"({time.perf_counter() - start:.0f}s)")
+    print(f"forgetting of {tuned} (base {base}): {eval.num_problems} held-out problems/task, n={eval.num_samples}, "
+          f"T={eval.temperature} ({time.perf_counter() - start:.0f}s)")
     print(report.table())
     out = Path(out_dir)
     written = [write_json(out / "forgetting.json", report.to_json())]

@@ -1,7 +1,7 @@
 """Recipe fits inside an analysis (population sweep, method comparison): one way to build them.
 
 An analysis fits a shipped recipe exactly as ``es-lightning fit --config recipe`` would — the same
-:class:`~es_lightning.cli.ESLightningCLI` parses it — but quietly and without the recipe's own evaluation and export
+:class:`~es_lightning.lightning_cli.ESLightningCLI` parses it — but quietly and without the recipe's own evaluation and export
 callbacks: the analysis evaluates every result itself, the same way, and decides what to write.
 """
 
@@ -17,7 +17,7 @@ def recipe_cli(recipe: str | Path, steps: int, root: str | Path, args: Sequence[
     working directory ``root``, further command-line ``args`` applied last; its PassAtKCallback, TrainingReport and
     HFExport callbacks removed."""
     from es_lightning.callbacks import HFExport, PassAtKCallback, TrainingReport
-    from es_lightning.cli import ESLightningCLI
+    from es_lightning.lightning_cli import ESLightningCLI
 
     argv = [
         "--config", str(recipe),

@@ -4,7 +4,7 @@ To run (the built-in setting, ~10 minutes on one CPU core)::
 
     es-lightning analyze sweep --recipe recipes/es.yaml --populations 8 16 32 64 --steps 10
 
-Each N is one ``fit`` of the ES recipe — parsed by the same :class:`~es_lightning.cli.ESLightningCLI` as
+Each N is one ``fit`` of the ES recipe — parsed by the same :class:`~es_lightning.lightning_cli.ESLightningCLI` as
 ``es-lightning fit --config …``, with ``population_size`` and ``max_steps`` overridden — run in this process, one after
 the other, from the same base weights, seed and prompts. The recipe's own evaluation callbacks are dropped (no
 mid-run evaluations, no validation); instead the final weights of every run are evaluated on the same held-out
@@ -21,13 +21,14 @@ import functools
 import gc
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 
 from es_lightning.analysis.output import format_table, write_json
+from es_lightning.analysis.settings import SWEEP_EVAL, EvalSettings
 
 DEFAULT_POPULATIONS = (8, 16, 32, 64)
 
@@ -71,17 +72,13 @@ def population_sweep(
     steps: int = 10,
     batch_size: int | None = None,
     overrides: Sequence[str] = (),
-    eval_problems: int = 100,
-    eval_samples: int = 16,
-    ks: Sequence[int] | None = None,
-    eval_temperature: float = 1.0,
+    settings: EvalSettings = SWEEP_EVAL,
     reward_window: int = 3,
-    seed: int = 0,
     out_dir: str | Path = "sweep",
     save_models: bool = False,
 ) -> SweepReport:
     """Fit the ES recipe once per population size and evaluate every result the same way (see the module docstring)."""
-    from es_lightning.analysis.evaluate import check_ks, evaluate_policy, heldout_problems, resolve_device
+    from es_lightning.analysis.evaluate import evaluate_policy, heldout_problems
     from es_lightning.analysis.runs import recipe_cli
 
     if not Path(recipe).is_file():
@@ -96,7 +93,7 @@ def population_sweep(
         raise ValueError(f"steps must be >= 1 (ES updates per run), got {steps}")
     if reward_window < 1:
         raise ValueError(f"reward_window must be >= 1, got {reward_window}")
-    ks = check_ks(ks if ks is not None else sorted({1, eval_samples}), eval_samples)
+    settings = replace(settings, ks=settings.pass_at_ks(default=[1, settings.num_samples]))
     out = Path(out_dir)
     rows: list[dict[str, Any]] = []
     problems = task = None
@@ -106,7 +103,7 @@ def population_sweep(
             args += ["--data.init_args.batch_size", str(batch_size)]
         cli = recipe_cli(recipe, steps, out / f"N{n}", [*args, *overrides])
         module, trainer = cli.model, cli.trainer
-        if not hasattr(module, "population_size"):
+        if getattr(getattr(module, "algorithm", None), "name", None) != "es":
             raise ValueError(f"{recipe!r} configures {type(module).__name__}, not an ES module with a population_size")
         recorder = _RewardRecorder()
         trainer.callbacks.append(recorder)
@@ -114,11 +111,10 @@ def population_sweep(
         task = cli.datamodule.task
 
         if problems is None:  # the base model, once: same problems and seeds for every row
-            problems = heldout_problems(task, eval_problems, seed)
-        evaluate = functools.partial(
-            evaluate_policy, module.policy, task, problems, num_samples=eval_samples, ks=ks, temperature=eval_temperature,
-            max_new_tokens=module.sampling.max_new_tokens, seed=seed, device=resolve_device("auto"),
-        )
+            problems = heldout_problems(task, settings.num_problems, settings.seed, settings.source)
+            if settings.max_new_tokens is None:  # the recipe's own cap
+                settings = replace(settings, max_new_tokens=module.sampling.max_new_tokens)
+        evaluate = functools.partial(evaluate_policy, module.policy, task, problems, settings)
         if not rows:
             rows.append({"population_size": 0, "steps": 0, "reward": float("nan"), "seconds_per_update": float("nan"),
                          "rewards": [], **evaluate()})
@@ -141,24 +137,19 @@ def population_sweep(
         gc.collect()
     for row in rows:
         row["base_pass@1"] = rows[0]["pass@1"]
-    settings = dict(recipe=recipe, steps=steps, batch_size=batch_size, overrides=list(overrides), task=task.name,
-                    eval_problems=eval_problems, eval_samples=eval_samples, eval_temperature=eval_temperature,
-                    reward_window=reward_window, seed=seed)
-    return SweepReport(rows=rows, ks=ks, settings=settings)
+    run_settings = dict(recipe=recipe, steps=steps, batch_size=batch_size, overrides=list(overrides), task=task.name,
+                        reward_window=reward_window, eval=asdict(settings))
+    return SweepReport(rows=rows, ks=settings.ks, settings=run_settings)
 
 
 def sweep_command(
     recipe: str = "recipes/es.yaml",
-    populations: list[int] = list(DEFAULT_POPULATIONS),  # noqa: B006,B008
+    populations: list[int] = list(DEFAULT_POPULATIONS),  # noqa: B006
     steps: int = 10,
     batch_size: int | None = None,
     overrides: list[str] = [],  # noqa: B006
-    eval_problems: int = 100,
-    eval_samples: int = 16,
-    ks: list[int] | None = None,
-    eval_temperature: float = 1.0,
+    eval: EvalSettings = SWEEP_EVAL,
     reward_window: int = 3,
-    seed: int = 0,
     out_dir: str = "sweep",
     save_models: bool = False,
     plot: bool = True,
@@ -171,12 +162,9 @@ def sweep_command(
         steps: ES updates per run (the same for every N).
         batch_size: prompts per update (default: the recipe's).
         overrides: further `es-lightning fit` arguments for every run, e.g. [--model.init_args.sigma, "0.01"].
-        eval_problems: held-out problems for the final evaluation.
-        eval_samples: samples per problem (n) of the final evaluation.
-        ks: the k of Pass@k (default 1 and n).
-        eval_temperature: sampling temperature of the final evaluation.
+        eval: the final evaluation of the base model and of every run (defaults: n = 16 at T = 1, ks 1 and n, the
+            recipe's max_new_tokens).
         reward_window: the reward column is the mean training reward of the last this many updates.
-        seed: seeds the held-out problems and the evaluation sampling.
         out_dir: where sweep.json, sweep.png (and with save_models the final models) go.
         save_models: write each run's final model (save_pretrained) under out_dir/models/N<n>.
         plot: write sweep.png.
@@ -185,11 +173,10 @@ def sweep_command(
 
     start = time.perf_counter()
     report = population_sweep(recipe=recipe, populations=populations, steps=steps, batch_size=batch_size,
-                              overrides=overrides, eval_problems=eval_problems, eval_samples=eval_samples, ks=ks,
-                              eval_temperature=eval_temperature, reward_window=reward_window, seed=seed, out_dir=out_dir,
+                              overrides=overrides, settings=eval, reward_window=reward_window, out_dir=out_dir,
                               save_models=save_models)
-    print(f"\npopulation sweep: {recipe}, {steps} updates per run, final evaluation on {eval_problems} held-out problems, "
-          f"n={eval_samples}, T={eval_temperature} ({time.perf_counter() - start:.0f}s)")
+    print(f"\npopulation sweep: {recipe}, {steps} updates per run, final evaluation on {eval.num_problems} held-out "
+          f"problems, n={eval.num_samples}, T={eval.temperature} ({time.perf_counter() - start:.0f}s)")
     print(report.table())
     out = Path(out_dir)
     written = [write_json(out / "sweep.json", report.to_json())]

@@ -20,8 +20,10 @@ import json
 import os
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 from es_lightning.analysis.evaluate import evaluate_policy, heldout_problems
+from es_lightning.analysis.settings import EvalSettings
 from es_lightning.policy import Policy, load_policy
 from es_lightning.tasks import Task, get_task
 
@@ -45,13 +47,14 @@ def evaluate(
         task = get_task(spec)
         problems = heldout_problems(task, num_problems, seed)
         ks_here = [k for k in ks if k <= num_samples]
-        scores = evaluate_policy(policy, task, problems, num_samples=num_samples, ks=ks_here, temperature=temperature,
-                                 max_new_tokens=max_new_tokens, seed=seed)
+        settings = EvalSettings(num_problems=num_problems, num_samples=num_samples, ks=ks_here, temperature=temperature,
+                                max_new_tokens=max_new_tokens, seed=seed)
+        scores = evaluate_policy(policy, task, problems, settings)
         row = {f"pass@{k}": scores[f"pass@{k}"] for k in ks_here}
         row["format"] = scores["format"]
         if greedy:
-            row["greedy"] = evaluate_policy(policy, task, problems, num_samples=1, ks=[1], temperature=0.0,
-                                            max_new_tokens=max_new_tokens, seed=seed)["pass@1"]
+            greedy_settings = replace(settings, num_samples=1, ks=[1], temperature=0.0)
+            row["greedy"] = evaluate_policy(policy, task, problems, greedy_settings)["pass@1"]
         results[task.name] = row
     return results
 

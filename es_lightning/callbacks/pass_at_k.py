@@ -101,7 +101,8 @@ class PassAtKCallback(L.Callback):
             result = pl_module.evaluate_batch(examples, self.num_samples, self._params(pl_module), self.seed + batch_idx)
         device = self.pass_at_k.device
         self.pass_at_k.update(result.correct.to(device))
-        self.maj_at_k.update(result.answers, result.correct.to(device))
+        votes = [pl_module.task.votes(answers, example) for answers, example in zip(result.answers, examples)]  # [P][n]
+        self.maj_at_k.update(votes, result.correct.to(device))
         self.entropy.update(result.entropy.to(device), result.mask.to(device))
         self.reward_sum += float(result.rewards.sum())
         self.reward_count += result.rewards.numel()

@@ -1,141 +1,142 @@
-"""SequentialStrategy: turn a running GRPO fit into ES at a set step (or ES into GRPO).
+"""SequentialStrategy: switch a running fit from GRPO to ES at a set step (or ES to GRPO, or to any registered algorithm).
 
 Ba et al. 2026 (§3.2) find that GRPO followed by ES combines GRPO's Pass@1 gain with ES's broader coverage, with the
 update budget split 50/50; they also study the reverse order. This callback does the switch inside one ``fit``: the
 same policy weights are carried over, the first stage's optimizer state and LR schedulers are dropped, and the second
-stage's state is created — exactly as if the second algorithm had started from the first one's final weights.
+stage's are created — exactly as if the second algorithm had started from the first one's final weights.
 
-How: the module's class changes in place (``GRPOModule`` → ``ESModule`` or back) and the new stage's settings are
-applied with its ``configure_es`` / ``configure_grpo``; the trainer's optimizers are replaced by the new stage's
-``configure_optimizers()``. Because the class is part of what runs, not of what is saved, a checkpoint resumes
-correctly on either side of the switch: before it, the run switches again at ``switch_step``; after it, the callback's
-saved state switches the freshly built first-stage module *before* the optimizers are created and restored.
+How: the module keeps its class; it is given the second stage's algorithm object (``module.set_algorithm``) and the
+trainer's optimizers are replaced by the new ``configure_optimizers()``. ``module.algorithm.name`` says which stage
+runs. The active stage is part of the module's own checkpoint, so a resume before or after the switch continues in the
+right stage under every strategy (:mod:`es_lightning.modules.stage`). Everything about the second stage is validated
+when the callback is constructed — names and values, through the algorithm's settings dataclass — not hours into a run
+at the switch.
 
 Usage in a script::
 
-    trainer = Trainer(max_steps=200, callbacks=[SequentialStrategy(switch_step=100, es={"sigma": 5e-3, "lr": 1e-2})])
+    trainer = Trainer(max_steps=200, callbacks=[SequentialStrategy(switch_step=100, es={"sigma": 5e-3, "lr": 3e-3})])
     trainer.fit(GRPOModule(lr=1e-4), datamodule=ReasoningDataModule("countdown"))
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import lightning as L
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-#: settings of a stage that belong to the shared sampling configuration rather than to the algorithm
-_SAMPLING_KEYS = ("temperature", "top_p", "max_new_tokens")
+from es_lightning.algorithms import SAMPLING_KEYS, get_algorithm
+from es_lightning.generation import SamplingParams
 
 
 class SequentialStrategy(L.Callback):
     """Switch the algorithm of a running fit at ``switch_step``.
 
     Args:
-        switch_step: the global step at which the second stage starts (0 = from the start).
-        es: settings of an ES second stage (``ESModule.configure_es`` arguments plus ``temperature``, ``top_p``,
-            ``max_new_tokens``): use with a ``GRPOModule`` fit.
-        grpo: settings of a GRPO second stage (``GRPOModule.configure_grpo`` arguments plus sampling keys): use with an
-            ``ESModule`` fit (the reverse order).
+        switch_step: the global step at which the second stage starts (0 = from the start). When the first stage is
+            GRPO with ``num_iterations`` = k (k optimizer steps per batch) it must be a multiple of k.
+        es: settings of an ES second stage (:class:`~es_lightning.es.algorithm.ESSettings` fields plus the rollout
+            keys ``temperature`` (default 0, greedy), ``top_p``, ``max_new_tokens``): use with a ``GRPOModule`` fit.
+        grpo: settings of a GRPO second stage (:class:`~es_lightning.grpo.algorithm.GRPOSettings` fields plus rollout
+            keys; ``temperature`` defaults to 1): use with an ``ESModule`` fit (the reverse order).
+        algorithm: the registered name of any other second stage (:func:`~es_lightning.algorithms.register_algorithm`),
+            with ``settings`` its settings plus rollout keys — the general form of ``es=`` / ``grpo=``.
+        settings: see ``algorithm``.
     """
 
-    def __init__(self, switch_step: int, es: dict[str, Any] | None = None, grpo: dict[str, Any] | None = None) -> None:
-        if (es is None) == (grpo is None):
+    def __init__(
+        self,
+        switch_step: int,
+        es: dict[str, Any] | None = None,
+        grpo: dict[str, Any] | None = None,
+        algorithm: str | None = None,
+        settings: dict[str, Any] | None = None,
+    ) -> None:
+        stages = [(name, s) for name, s in (("es", es), ("grpo", grpo)) if s is not None]
+        if algorithm is not None:
+            stages.append((algorithm, settings or {}))
+        elif settings is not None:
+            raise ValueError("SequentialStrategy(settings=...) needs algorithm='<registered name>' too")
+        if len(stages) != 1:
             raise ValueError(
-                "SequentialStrategy needs the settings of exactly one second stage: es={...} to go GRPO → ES, or "
-                "grpo={...} to go ES → GRPO"
+                "SequentialStrategy needs the settings of exactly one second stage: es={...} to go GRPO → ES, "
+                "grpo={...} to go ES → GRPO (or algorithm='<name>', settings={...})"
             )
         if switch_step < 0:
             raise ValueError(f"switch_step must be >= 0, got {switch_step}")
         self.switch_step = int(switch_step)
-        self.target = "es" if es is not None else "grpo"
-        self.settings = dict(es if es is not None else grpo)
-        self._check_settings()
-        self.switched = False
+        self.target, given = stages[0]
+        #: the second stage's settings as given (rollout keys included), for messages and reports
+        self.settings = dict(given)
+        cls = get_algorithm(self.target)
+        known = [f for f in cls.Settings.__dataclass_fields__] + list(SAMPLING_KEYS)
+        unknown = sorted(set(given) - set(known))
+        if unknown:
+            raise ValueError(f"SequentialStrategy {self.target}= has unknown key(s) {unknown}; accepted: {known}")
+        values = {k: v for k, v in given.items() if k not in SAMPLING_KEYS}
+        self.stage_settings = cls.Settings(**values)  # validates every value now, not at the switch
+        self.stage_sampling = {**cls.default_sampling(), **{k: given[k] for k in SAMPLING_KEYS if k in given}}
+        cls.check_sampling(SamplingParams(**self.stage_sampling))  # values checked (missing ones: any valid default)
         self._module: L.LightningModule | None = None
-        self._trainer: L.Trainer | None = None
+
+    @property
+    def switched(self) -> bool:
+        """Whether the module now runs the second stage."""
+        algorithm = getattr(self._module, "algorithm", None)
+        return algorithm is not None and algorithm.name == self.target
+
+    # ------------------------------------------------------------------ checks
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._module = pl_module
+        if stage != "fit":
+            return
+        first = getattr(pl_module, "algorithm", None)
+        if first is None:
+            raise TypeError(f"SequentialStrategy switches the algorithm of a training module (GRPOModule, ESModule), "
+                            f"but the module is a {type(pl_module).__name__} without one")
+        k = first.steps_per_batch
+        if first.name != self.target and self.switch_step % k:
+            lower, upper = self.switch_step // k * k, (self.switch_step // k + 1) * k
+            raise ValueError(
+                f"switch_step={self.switch_step} is not reachable: the first stage ({first.name}) makes {k} optimizer "
+                f"steps per batch (num_iterations={k}), so global_step goes {lower} → {upper}; use a multiple of {k} "
+                f"(e.g. switch_step: {upper})"
+            )
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        algorithm = pl_module.algorithm
+        if algorithm.name == self.target and trainer.global_step > self.switch_step:
+            if algorithm.settings != self.stage_settings:  # resumed after the switch: the checkpoint's stage runs
+                rank_zero_warn(f"SequentialStrategy: continuing {self.target} with the settings the checkpoint saved, "
+                               f"{algorithm.settings}; this callback's differ: {self.stage_settings}")
+        elif algorithm.name == self.target and self.switch_step:
+            raise TypeError(
+                f"SequentialStrategy(…, {self.target}=…) switches a fit to {self.target.upper()} at step "
+                f"{self.switch_step}, but the module already runs {self.target.upper()} at step {trainer.global_step}: "
+                f"train a module of the first stage (e.g. GRPOModule for es=, ESModule for grpo=)"
+            )
 
     # ------------------------------------------------------------------ the switch
-    def _target_class(self):
-        from es_lightning.modules.es import ESModule
-        from es_lightning.modules.grpo import GRPOModule
-
-        return ESModule if self.target == "es" else GRPOModule
-
-    def _check_settings(self) -> None:
-        """Refuse unknown keys now, not at the switch step hours into a run."""
-        import inspect
-
-        target = self._target_class()
-        configure = target.configure_es if self.target == "es" else target.configure_grpo
-        known = set(inspect.signature(configure).parameters) - {"self"} | set(_SAMPLING_KEYS)
-        unknown = sorted(set(self.settings) - known)
-        if unknown:
-            raise ValueError(
-                f"SequentialStrategy {self.target}= has unknown key(s) {unknown}; accepted: {sorted(known)}"
-            )
-
-    def _check_first_stage(self, pl_module) -> None:
-        from es_lightning.modules.es import ESModule
-        from es_lightning.modules.grpo import GRPOModule
-
-        first = GRPOModule if self.target == "es" else ESModule
-        if not isinstance(pl_module, first) and not self.switched:
-            raise TypeError(
-                f"SequentialStrategy(…, {self.target}=…) switches a {first.__name__} fit to {self.target.upper()}, "
-                f"but the module is a {type(pl_module).__name__}"
-            )
-
-    def _convert(self, pl_module) -> None:
-        """Change the module into the second stage's class and apply its settings (weights untouched)."""
-        target = self._target_class()
-        settings = dict(self.settings)
-        sampling = {k: settings.pop(k) for k in _SAMPLING_KEYS if k in settings}
-        # each algorithm's own default temperature unless set: greedy ES (Ba et al.), sampled GRPO
-        sampling.setdefault("temperature", 0.0 if self.target == "es" else 1.0)
-        for key, value in sampling.items():
-            setattr(pl_module.sampling, key, value)
-        pl_module.sampling.__post_init__()  # validate the new sampling values
-        pl_module.__class__ = target
-        if self.target == "es":
-            pl_module.configure_es(**settings)
-        else:
-            pl_module.configure_grpo(**settings)
-        pl_module.configure_model()  # e.g. a GRPO reference model when beta > 0
-        self.switched = True
-
     def _switch_now(self, trainer: L.Trainer, pl_module) -> None:
-        """Mid-fit switch: convert, then replace the optimizers and LR schedulers of the first stage."""
+        """Give the module the second stage's algorithm, then replace the first stage's optimizers and schedulers."""
         for p in pl_module.model.parameters():
-            p.grad = None  # nothing of GRPO's optimisation survives
-        self._convert(pl_module)
-        optimizers, schedulers = _init_optimizers_and_lr_schedulers(pl_module)
-        trainer.strategy.optimizers = optimizers
-        trainer.strategy.lr_scheduler_configs = schedulers
-        pl_module.on_fit_start()
+            p.grad = None  # nothing of the first stage's optimisation survives
+        algorithm = get_algorithm(self.target)(copy.deepcopy(self.stage_settings))
+        pl_module.set_algorithm(algorithm, self.stage_sampling)
+        trainer.strategy.optimizers, trainer.strategy.lr_scheduler_configs = _init_optimizers_and_lr_schedulers(pl_module)
+        algorithm.on_fit_start(pl_module)
         rank_zero_info(
             f"SequentialStrategy: step {trainer.global_step}: switching to {self.target.upper()} "
-            f"({type(pl_module).__name__}) with {self.settings}"
+            f"({type(algorithm).__name__}) with {self.settings}"
         )
 
-    # ------------------------------------------------------------------ hooks
-    def setup(self, trainer: L.Trainer, pl_module, stage: str) -> None:
-        self._trainer, self._module = trainer, pl_module
-        if stage == "fit":
-            self._check_first_stage(pl_module)
-
     def on_train_batch_start(self, trainer: L.Trainer, pl_module, batch, batch_idx: int) -> None:
-        if not self.switched and trainer.global_step >= self.switch_step:
+        if pl_module.algorithm.name != self.target and trainer.global_step >= self.switch_step:
             self._switch_now(trainer, pl_module)
-        pl_module.log("train/stage", float(self.switched if self.target == "es" else not self.switched),
-                      prog_bar=True, on_step=True, on_epoch=False)
+        pl_module.log("train/stage", float(pl_module.algorithm.name == "es"), prog_bar=True, on_step=True, on_epoch=False)
 
     def state_dict(self) -> dict[str, Any]:
+        # informational: the module's checkpoint holds the active stage (its own record decides on resume)
         return {"switched": self.switched, "switch_step": self.switch_step, "target": self.target}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        # Called while the checkpoint is restored, before the strategy creates and restores the optimizers: a module
-        # that had switched is switched again here, so its own configure_optimizers() builds the saved state's kind.
-        if state_dict.get("switched") and not self.switched and self._module is not None:
-            self._convert(self._module)

@@ -7,7 +7,13 @@ Hence:
 
 - the noise of an element does not depend on how the tensor is laid out or sharded: a row-shard (FSDP) regenerates the
   chunks it overlaps and slices them, and gets exactly the elements of the whole tensor;
-- it does not depend on the device or dtype: chunks are drawn on the CPU in fp32 and moved/cast afterwards;
+- it is drawn where it is used: chunks come from a ``torch.Generator`` on the target device, in fp32 (DESIGN.md: "drawn
+  on the parameter's device"; the old host path drew on the CPU and copied every chunk to the GPU, ~4 bytes of PCIe
+  traffic per parameter per member, twice per step). The numbers are therefore a function of the key *and the device
+  type* — CPU results are the same bits as always, CUDA ones differ from them (and, because CUDA's Philox kernel
+  assigns the stream to elements by launch geometry, a chunk can differ between GPU models with different SM
+  counts; within one run every rank has the same kind of GPU). Checkpoints store no noise, so nothing else depends
+  on it;
 - two tensors with the same shape never share noise (the name is part of the key) — the public ES code of Qiu et al.
   2025 seeds every tensor of a member with the same seed, so equally-shaped layers get identical perturbations.
 """
@@ -42,19 +48,24 @@ def param_noise(
 ) -> Tensor:
     """Standard normal noise for flat elements ``[start, end)`` of a parameter with ``numel`` elements in total.
 
-    Returns a 1-D fp32 tensor of length ``end - start`` on ``device``. ``param_noise(..., numel)[a:b]`` equals
-    ``param_noise(..., numel, start=a, end=b)`` exactly.
+    Returns a 1-D fp32 tensor of length ``end - start``, drawn on ``device`` (default: the CPU) by a generator on that
+    device. ``param_noise(..., numel)[a:b]`` equals ``param_noise(..., numel, start=a, end=b)`` exactly (on one device).
     """
     end = numel if end is None else end
     if not 0 <= start <= end <= numel:
         raise ValueError(f"noise range [{start}, {end}) outside a parameter of {numel} elements")
+    device = torch.device("cpu") if device is None else torch.device(device)
     parts = []
-    gen = torch.Generator(device="cpu")
+    gen = noise_generator(device)
     for chunk in range(start // CHUNK, math.ceil(end / CHUNK) if end > start else start // CHUNK):
         lo = chunk * CHUNK
         size = min(CHUNK, numel - lo)  # fixed by the global tensor, never by the requested range
         gen.manual_seed(noise_key(seed, step, member, name, chunk))
-        block = torch.randn(size, generator=gen, dtype=torch.float32)
+        block = torch.randn(size, generator=gen, dtype=torch.float32, device=device)  # [size]
         parts.append(block[max(start - lo, 0) : min(end - lo, size)])
-    out = torch.cat(parts) if parts else torch.empty(0)
-    return out.to(device) if device is not None else out
+    return torch.cat(parts) if parts else torch.empty(0, device=device)
+
+
+def noise_generator(device: torch.device) -> torch.Generator:
+    """The generator the chunks of ``device`` are drawn with (one place, so tests can watch where noise is drawn)."""
+    return torch.Generator(device=device)

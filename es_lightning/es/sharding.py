@@ -77,7 +77,7 @@ class ShardView:
     def noise(self, seed: int, step: int, member: int) -> Tensor:
         """fp32 noise of this rank's elements, 1-D, on the parameter's device."""
         if self.local.numel() == 0:
-            return torch.zeros(0, device=self.local.device)
+            return torch.zeros(0, dtype=torch.float32, device=self.local.device)
         eps = param_noise(seed, step, member, self.name, self.numel, self.start, self.end, device=self.local.device)
         return eps if self.index is None else eps[self.index.to(eps.device)]
 
@@ -287,6 +287,19 @@ def gather_full(views: Sequence[ShardView], theta0: dict[str, Tensor]) -> dict[s
             full[pos[:n].cpu()] = val[:n].cpu()
         out[v.name] = full.view(v.shape)
     return out
+
+
+def sync_mirrors(views: Sequence[ShardView]) -> None:
+    """Refill each FSDP1 gathered mirror among ``views`` from every rank's shard piece of its parameter (a collective:
+    every rank calls it with the same parameters). Needed when a shard was written with values the mirror's own
+    elements cannot reproduce — the rounding of an fp32 master held shard by shard. A no-op without mirrors."""
+    mirrors = {v.name: v for v in views if v.mirror}
+    if not mirrors:
+        return
+    shards = [v for v in views if not v.mirror and v.name in mirrors]
+    full = gather_full(shards, {v.name: v.local.detach().float().reshape(-1) for v in shards})
+    for name, mirror in mirrors.items():
+        mirror.write(full[name].reshape(-1))
 
 
 def _collective_device(views: Sequence[ShardView]) -> torch.device:

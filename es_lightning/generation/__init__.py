@@ -1,6 +1,40 @@
-"""Generation backends behind one interface (:class:`Generator`)."""
+"""Generation backends behind one interface (:class:`Generator`), built by name with :func:`make_generator`."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
 
 from es_lightning.generation.base import Generator, Rollout, SamplingParams
 from es_lightning.generation.hf import HFGenerator
 
-__all__ = ["Generator", "HFGenerator", "Rollout", "SamplingParams"]
+__all__ = ["BACKENDS", "Generator", "HFGenerator", "Rollout", "SamplingParams", "check_backend", "make_generator"]
+
+#: the ``generation_backend`` values: transformers ``generate``, or a colocated vLLM engine (the ``vllm`` extra)
+BACKENDS = ("hf", "vllm")
+
+
+def check_backend(backend: str) -> None:
+    """Refuse a backend name this installation cannot build, naming the fix (called when a module is constructed, so
+    a missing vLLM is one line before anything loads, not an error at the first rollout)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"generation_backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "vllm" and importlib.util.find_spec("vllm") is None:
+        from es_lightning.generation.vllm import INSTALL_HINT
+
+        raise ImportError(INSTALL_HINT)
+
+
+def make_generator(backend: str, policy: Any, **options: Any) -> Generator:
+    """The generator for ``generation_backend``: ``"hf"`` (transformers ``generate``) or ``"vllm"`` (a colocated vLLM
+    engine; ``options`` are :class:`~es_lightning.generation.vllm.VLLMGenerator`'s engine settings —
+    ``configs/generation/vllm.yaml``). vLLM is imported only when asked for: it is an optional extra."""
+    check_backend(backend)
+    if backend == "hf":
+        if options:
+            raise ValueError(f"generation_backend 'hf' takes no engine options, got {sorted(options)}")
+        return HFGenerator(policy)
+    from es_lightning.generation.vllm import VLLMGenerator, import_vllm
+
+    import_vllm()  # one line naming the install command when vLLM is missing
+    return VLLMGenerator(policy, **options)

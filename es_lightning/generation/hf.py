@@ -2,8 +2,19 @@
 
 Sampling is done as greedy decoding over Gumbel-perturbed logits (the Gumbel-max trick): ``argmax(logits/T + g)`` with
 ``g = -log(-log U)`` is an exact sample from ``softmax(logits/T)``. The uniforms ``U`` come from a ``torch.Generator``
-seeded per call, so the same seed gives every caller the same random numbers at every position — what ES needs for
-common random numbers across population members, and what makes a resumed run sample the same tokens.
+seeded per call and created on the device that holds the logits (DESIGN.md: all sampling randomness is drawn there —
+no ``[rows, V]`` host→device copy per token), so the same seed gives every caller the same random numbers at every
+position — what ES needs for common random numbers across population members, and what makes a resumed run sample the
+same tokens. (The stream is a function of the seed *and the device*: CPU and CUDA draw different numbers, and CUDA's
+Philox kernels spread a stream over elements by launch geometry, so GPU models with different SM counts may too.)
+
+Nothing of the checkpoint's ``generation_config.json`` applies (:mod:`es_lightning.generation.config`): the only logits
+processor is :class:`_Sampler`, so the log-probs it records are the policy's own, as the training forward computes them.
+
+Where a completion ends is recorded while generating, not inferred afterwards from the tokens: :class:`_RowEnds` notes
+for every row the step at which it sampled an EOS id or completed a stop string. Inference from pad tokens cannot work for
+Qwen, whose pad ``<|endoftext|>`` is also an EOS id — the pads ``generate`` writes after a row stopped on a stop string
+look exactly like a sampled EOS, and were counted as one more sampled token (loss, lengths, entropy).
 """
 
 from __future__ import annotations
@@ -13,10 +24,17 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+from transformers.generation.stopping_criteria import StopStringCriteria
 
 from es_lightning.generation.base import Generator, Rollout, SamplingParams, default_seed
-from es_lightning.policy import Policy
+from es_lightning.generation.config import checkpoint_defaults_off, checkpoint_eos_token_ids, rollout_generation_config
+from es_lightning.policy import Policy, encode_prompts
+
+
+def device_generator(device: torch.device | str, seed: int) -> torch.Generator:
+    """A ``torch.Generator`` on ``device`` seeded with ``seed`` (one place, so tests can watch where generators go)."""
+    return torch.Generator(device=device).manual_seed(int(seed))
 
 
 class _Sampler(LogitsProcessor):
@@ -28,21 +46,17 @@ class _Sampler(LogitsProcessor):
     """
 
     def __init__(
-        self,
-        temperature: float,
-        top_p: float,
-        generator: torch.Generator | None,
-        track: bool,
-        banned: list[int],
-        blocks: int = 1,
+        self, temperature: float, top_p: float, seed: int | None, track: bool, banned: list[int], blocks: int = 1,
     ) -> None:
         self.banned = banned
         self.blocks = blocks
         self.temperature = temperature if temperature > 0 else 1.0
         self.greedy = temperature == 0
         self.top_p = top_p
-        self.generator = generator
+        self.seed = seed
+        self.generator: torch.Generator | None = None  # created on the logits' device at the first step
         self.track = track
+        self._banned_index: Tensor | None = None
         self._prev_logp: Tensor | None = None
         self.logprobs: list[Tensor] = []  # per step [B*n]
         self.entropy: list[Tensor] = []  # per step [B*n]
@@ -54,22 +68,28 @@ class _Sampler(LogitsProcessor):
             self.entropy.append(-(logp.exp() * logp).sum(-1))
             self._prev_logp = logp
         if self.banned:
-            scores = scores.clone()
-            scores[:, self.banned] = float("-inf")
+            if self._banned_index is None:
+                self._banned_index = torch.tensor(self.banned, device=scores.device)
+            scores = scores.index_fill(-1, self._banned_index, float("-inf"))
         if self.greedy:
             return scores
-        scores = scores.float() / self.temperature
+        scores = scores.float()
+        if self.temperature != 1.0:
+            scores = scores / self.temperature
         if self.top_p < 1.0:
             sorted_scores, order = scores.sort(dim=-1, descending=True)
             probs = sorted_scores.softmax(-1)
             remove = probs.cumsum(-1) - probs > self.top_p  # keep the smallest set reaching top_p
             scores = scores.scatter(-1, order, sorted_scores.masked_fill(remove, float("-inf")))
+        if self.generator is None:
+            self.generator = device_generator(scores.device, self.seed)
         rows, vocab = scores.shape
         # blocks of rows that are the same prompts for different ES members draw the same numbers (CRN)
-        u = torch.rand(rows // self.blocks, vocab, generator=self.generator, device=self.generator.device)
-        u = u.repeat(self.blocks, 1) if self.blocks > 1 else u
+        u = torch.rand(rows // self.blocks, vocab, generator=self.generator, device=scores.device,
+                       dtype=torch.float32)  # [B*n/k, V] fp32 whatever the default dtype (bf16-true sets bf16)
+        u = u.repeat(self.blocks, 1) if self.blocks > 1 else u  # [B*n, V]
         gumbel = -torch.log(-torch.log(u.clamp(min=1e-20, max=1.0 - 1e-7)))
-        return scores + gumbel.to(scores.device)
+        return scores + gumbel
 
     def _record(self, chosen: Tensor) -> None:
         if self._prev_logp is not None:
@@ -82,18 +102,50 @@ class _Sampler(LogitsProcessor):
         return torch.stack(self.logprobs[:length], 1), torch.stack(self.entropy[:length], 1)
 
 
+class _RowEnds(StoppingCriteria):
+    """The one stopping criterion of a rollout: a row ends when it samples an EOS id or completes a stop string.
+
+    Records, per row, how many completion tokens it had when it ended (``length``, 0 while running) and whether an EOS
+    ended it (``by_eos``). Its ``eos_token_id`` attribute is what makes ``generate`` write the pad token after a row
+    has finished (transformers pads only when some criterion has that attribute).
+    """
+
+    def __init__(self, prompt_length: int, eos_token_ids: Tensor, stop: StopStringCriteria | None, rows: int) -> None:
+        self.prompt_length = prompt_length
+        self.eos_token_id = eos_token_ids  # [E]
+        self.stop = stop
+        self.length = torch.zeros(rows, dtype=torch.long, device=eos_token_ids.device)  # [B*n]
+        self.by_eos = torch.zeros(rows, dtype=torch.bool, device=eos_token_ids.device)  # [B*n]
+
+    def __call__(self, input_ids: Tensor, scores: Tensor | None, **kwargs) -> Tensor:  # input_ids [B*n, P + t]
+        eos = torch.isin(input_ids[:, -1], self.eos_token_id)  # [B*n]
+        done = eos | self.stop(input_ids, scores) if self.stop is not None else eos
+        new = done & (self.length == 0)
+        self.length = torch.where(new, input_ids.shape[1] - self.prompt_length, self.length)
+        self.by_eos = self.by_eos | (new & eos)
+        return done
+
+
 class HFGenerator(Generator):
     """Generate with ``transformers`` ``model.generate`` on the policy's current weights."""
 
     def __init__(self, policy: Policy) -> None:
         self.policy = policy
+        self._stop_criteria: dict[tuple[str, ...], StopStringCriteria] = {}
 
     @property
     def eos_token_ids(self) -> list[int]:
-        eos = getattr(self.policy.model.generation_config, "eos_token_id", None)
-        if eos is None:
-            eos = self.policy.tokenizer.eos_token_id
-        return [eos] if isinstance(eos, int) else list(eos)
+        return checkpoint_eos_token_ids(self.policy.model, self.policy.tokenizer)
+
+    def _stop_criterion(self, stop: Sequence[str]) -> StopStringCriteria | None:
+        """transformers' stop-string matcher, built once per set of strings (it scans the whole vocabulary: ~0.25 s
+        at Qwen's 151k tokens)."""
+        if not stop:
+            return None
+        key = tuple(stop)
+        if key not in self._stop_criteria:
+            self._stop_criteria[key] = StopStringCriteria(self.policy.tokenizer, list(stop))
+        return self._stop_criteria[key]
 
     @torch.no_grad()
     def generate(
@@ -119,47 +171,42 @@ class HFGenerator(Generator):
         params = params or SamplingParams()
         model, tokenizer = self.policy.model, self.policy.tokenizer
         device = next(model.parameters()).device
-        enc = tokenizer(list(prompts), return_tensors="pt", padding=True)
+        enc = encode_prompts(tokenizer, list(prompts))
         prompt_ids = enc["input_ids"].repeat_interleave(num_samples, 0).to(device)  # [B*n, P]
         prompt_mask = enc["attention_mask"].repeat_interleave(num_samples, 0).to(device)  # [B*n, P]
+        rows, P = prompt_ids.shape
 
-        gen = None
-        if params.temperature > 0:
-            gen = torch.Generator(device="cpu").manual_seed(default_seed() if seed is None else int(seed))
+        eos_ids = self.eos_token_ids
         # the pad token marks finished rows; when it is not an EOS it is never a real token, so it is never sampled
-        banned = [] if tokenizer.pad_token_id in self.eos_token_ids else [tokenizer.pad_token_id]
-        sampler = _Sampler(
-            params.temperature, params.top_p, gen, track=return_logprobs, banned=banned, blocks=common_random_blocks
-        )
-        config = GenerationConfig(
-            max_new_tokens=params.max_new_tokens,
-            do_sample=False,
-            num_beams=1,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=self.eos_token_ids,
-            stop_strings=list(params.stop) or None,
-            return_dict_in_generate=True,
-        )
+        banned = [] if tokenizer.pad_token_id in eos_ids else [tokenizer.pad_token_id]
+        seed = None if params.temperature == 0 else (default_seed() if seed is None else int(seed))
+        sampler = _Sampler(params.temperature, params.top_p, seed, track=return_logprobs, banned=banned,
+                           blocks=common_random_blocks)
+        ends = _RowEnds(P, torch.tensor(eos_ids, device=device), self._stop_criterion(params.stop), rows)
         was_training = model.training
         model.eval()
         try:
-            out = model.generate(
-                input_ids=prompt_ids,
-                attention_mask=prompt_mask,
-                generation_config=config,
-                logits_processor=LogitsProcessorList([sampler]),
-                tokenizer=tokenizer if params.stop else None,
-            )
+            with checkpoint_defaults_off(model):
+                out = model.generate(
+                    input_ids=prompt_ids,
+                    attention_mask=prompt_mask,
+                    generation_config=rollout_generation_config(params.max_new_tokens, tokenizer.pad_token_id),
+                    logits_processor=LogitsProcessorList([sampler]),
+                    stopping_criteria=StoppingCriteriaList([ends]),
+                )
         finally:
             model.train(was_training)
-        completion_ids = out.sequences[:, prompt_ids.shape[1]:]  # [B*n, C]
-        completion_mask, truncated = self._completion_mask(completion_ids, params)
-        completion_ids = completion_ids.masked_fill(completion_mask == 0, tokenizer.pad_token_id)
-        texts = self._decode(completion_ids, completion_mask, params.stop)
+        raw_ids = out.sequences[:, P:]  # [B*n, C]
+        C = raw_ids.shape[1]
+        length = torch.where(ends.length > 0, ends.length, C)  # [B*n] sampled tokens, the ending EOS/stop token included
+        truncated = ends.length == 0  # [B*n] hit max_new_tokens without an EOS or a stop string
+        completion_mask = (torch.arange(C, device=raw_ids.device) < length.unsqueeze(1)).long()  # [B*n, C]
+        completion_ids = raw_ids.masked_fill(completion_mask == 0, tokenizer.pad_token_id)  # [B*n, C]
+        texts = self._decode(completion_ids, params.stop)
 
         logprobs = entropy = None
         if return_logprobs:
-            logprobs, entropy = sampler.finish(out.sequences[:, prompt_ids.shape[1]:])  # [B*n, C] each
+            logprobs, entropy = sampler.finish(raw_ids)  # [B*n, C] each
             logprobs, entropy = logprobs * completion_mask, entropy * completion_mask
         return Rollout(
             texts=texts,
@@ -173,26 +220,7 @@ class HFGenerator(Generator):
             entropy=entropy,
         )
 
-    def _completion_mask(self, completion_ids: Tensor, params: SamplingParams) -> tuple[Tensor, Tensor]:
-        """1 up to and including the first EOS (TRL's convention); rows cut by a stop string end at the stop token."""
-        tokenizer = self.policy.tokenizer
-        is_end = torch.isin(completion_ids, torch.tensor(self.eos_token_ids, device=completion_ids.device))
-        is_pad = completion_ids == tokenizer.pad_token_id
-        length = completion_ids.shape[1]
-        pos = torch.arange(length, device=completion_ids.device).expand_as(completion_ids)
-        big = torch.full_like(completion_ids, length)
-        first_end = torch.where(is_end, pos, big).min(-1).values  # [B*n]
-        first_pad = torch.where(is_pad & ~is_end, pos, big).min(-1).values  # generation stopped (stop string)
-        stop_at = torch.minimum(first_end + 1, first_pad)  # exclusive end of the completion
-        mask = (pos < stop_at.unsqueeze(-1)).long()  # [B*n, C]
-        truncated = (first_end >= length) & (first_pad >= length)
-        if params.stop:  # a stop string may end exactly at the last position: then it is not truncated
-            texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-            hit = torch.tensor([any(s in t for s in params.stop) for t in texts], device=completion_ids.device)
-            truncated = truncated & ~hit
-        return mask, truncated
-
-    def _decode(self, completion_ids: Tensor, mask: Tensor, stop: Sequence[str]) -> list[str]:
+    def _decode(self, completion_ids: Tensor, stop: Sequence[str]) -> list[str]:
         texts = self.policy.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         if stop:
             texts = [_cut_at_stop(t, stop) for t in texts]

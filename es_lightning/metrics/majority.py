@@ -6,17 +6,22 @@ Improves Chain of Thought Reasoning in Language Models"); maj@k is how reasoning
 *consensus* is right, which needs no verifier at inference time. A policy that sharpens onto one answer keeps maj@k
 while losing pass@k, so the two together tell coverage from confidence.
 
+Votes are on answers, not on texts: each sample's vote is its task's
+:meth:`~es_lightning.tasks.Task.vote_key` (Countdown: the value reached and the numbers used; GSM8K: the final number;
+MATH: math-verify's reading of the boxed answer), built by :class:`~es_lightning.callbacks.PassAtKCallback`. This metric
+only counts; it takes any hashable votes.
+
 Conventions (document-level choices; change them and results are not comparable):
 
 * **First k samples.** maj@k of a problem votes over its first k samples (columns ``0..k-1``), the standard report
   (lm-evaluation-harness ``take_first_k`` + ``majority_vote`` filters, Minerva); samples are i.i.d., so this is an
   unbiased (if noisier) estimate of the expected maj@k over random k-subsets, without averaging over all of them.
-* **Unparseable answers abstain.** ``None`` (the task's ``extract_answer`` failed) never wins a vote; if all k samples
-  are ``None`` the problem counts as wrong.
+* **Unparseable answers abstain.** ``None`` (the task's ``extract_answer`` failed, or its ``vote_key`` abstained)
+  never wins a vote; if all k samples are ``None`` the problem counts as wrong.
 * **Ties go to the answer seen first** among the k samples (deterministic, matches ``collections.Counter.most_common``,
   which keeps insertion order among equal counts).
-* **The vote is right** when the verifier accepted the first sample that gave the winning answer (equal answer strings
-  get the same verdict from a deterministic verifier, so which one we read does not matter in practice).
+* **The vote is right** when the verifier accepted the first sample that gave the winning vote (a task's vote keys
+  group only answers its verifier judges alike, so which one we read does not matter).
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ def majority_vote_correct(answers: Sequence[Hashable | None], correct: Sequence[
     """Whether the majority answer among the first ``k`` samples is correct (conventions in the module docstring).
 
     Args:
-        answers: the extracted answer of each sample (``None`` = unparseable), length ``n >= k``.
+        answers: the vote of each sample (``Task.vote_key``; ``None`` = abstains), length ``n >= k``.
         correct: the verifier's verdict for each sample, same length.
         k: how many leading samples vote.
     """
@@ -50,10 +55,11 @@ def majority_vote_correct(answers: Sequence[Hashable | None], correct: Sequence[
 class MajorityAtK(Metric):
     """Maj@k averaged over problems (self-consistency, Wang et al. 2023), with sum states that sync across processes.
 
-    ``update(answers, correct)``: ``answers`` is a list with one entry per problem, each a list of the ``n`` extracted
-    answer strings (or ``None``) of that problem's samples, in sampling order; ``correct`` is the ``[num_problems, n]``
-    bool (or 0/1 int) correctness matrix of the same samples. ``compute()`` returns ``{"maj@1": tensor, "maj@4": ...}``;
-    NaN for every k when no problem was seen (torchmetrics warns). maj@1 equals pass@1 on the first sample.
+    ``update(answers, correct)``: ``answers`` is a list with one entry per problem, each a list of the ``n`` votes
+    (``Task.votes``: hashable keys, ``None`` abstains) of that problem's samples, in sampling order; ``correct`` is the
+    ``[num_problems, n]`` bool (or 0/1 int) correctness matrix of the same samples. ``compute()`` returns
+    ``{"maj@1": tensor, "maj@4": ...}``; NaN for every k when no problem was seen (torchmetrics warns). maj@1 equals
+    pass@1 on the first sample.
 
     Args:
         ks: the vote sizes k to report; positive integers, each at most the ``n`` of every update.

@@ -1,8 +1,17 @@
-"""What ES and GRPO share: the policy, rollouts, rewards, evaluation and logging. Only the update differs.
+"""What ES and GRPO share: the policy, rollouts, scoring, evaluation, the shared training metrics and the stage record.
 
-``ReasoningModule`` is concrete so that ``es-lightning validate`` can evaluate a policy without training it; ``ESModule``
-and ``GRPOModule`` subclass it and add their ``training_step``. Both use manual optimization (DESIGN.md, "Lightning is
-the loop").
+``ReasoningModule`` is concrete so that ``es-lightning validate`` can evaluate a policy without training it. A module
+that trains holds an :class:`~es_lightning.algorithms.Algorithm` object (``module.algorithm``): ``training_step`` and
+``configure_optimizers`` are the algorithm's, everything else is here. ``ESModule`` / ``GRPOModule`` are this class
+bound to one algorithm (``class ESModule(ReasoningModule, algorithm=ESAlgorithm)``: its arguments are this class's plus
+the algorithm's settings, see :mod:`es_lightning.modules.signature`). :class:`~es_lightning.SequentialStrategy`
+switches a running fit by :meth:`set_algorithm` — the module's class never changes; ``module.algorithm.name`` says
+which stage runs. Manual optimization throughout (DESIGN.md, "Lightning is the loop").
+
+Resuming: the active stage (algorithm name, settings, rollout settings) is saved in the module's checkpoint
+(:mod:`es_lightning.modules.stage`). A resumed fit continues in the checkpoint's stage: when that is the algorithm the
+module was built with, the settings it was built with apply (you may change e.g. ``lr`` on resume); when the checkpoint
+had switched to another algorithm, that stage comes back with the settings it ran with.
 
 The policy is loaded in :meth:`configure_model` — Lightning's hook for building large models inside the strategy's
 context (FSDP, meta device) — and lazily on first use of :attr:`policy` in plain scripts.
@@ -10,16 +19,22 @@ context (FSDP, meta device) — and lazily on first use of :attr:`policy` in pla
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from es_lightning.generation import Generator, HFGenerator, Rollout, SamplingParams
+from es_lightning.algorithms import SAMPLING_KEYS, Algorithm, get_algorithm
+from es_lightning.generation import Generator, Rollout, SamplingParams, check_backend, make_generator
+from es_lightning.metrics.training import StepMetrics, shared_metrics
+from es_lightning.modules.stage import STAGE_KEY, peek_stage_on_load
 from es_lightning.policy import Policy, load_policy
+from es_lightning.scoring import Scores, score_completions
 from es_lightning.tasks import Task, get_task
 
 
@@ -36,7 +51,7 @@ class EvalBatch:
 
 
 class ReasoningModule(L.LightningModule):
-    """A policy plus a task: sample, score, evaluate. Subclasses add the training update.
+    """A policy plus a task: sample, score, evaluate; with an algorithm, train.
 
     Args:
         model: ``builtin:<name>``, a local Hugging Face directory, or a hub id (e.g. ``Qwen/Qwen2.5-1.5B-Instruct``).
@@ -44,13 +59,24 @@ class ReasoningModule(L.LightningModule):
         trust_remote_code: allow custom modelling code from the model repository.
         task: the task whose verifier scores rollouts; ``None`` takes the data module's (one place to configure it).
         max_new_tokens: completion length cap for training rollouts.
-        temperature: training rollout temperature (0 = greedy).
+        temperature: training rollout temperature (0 = greedy; ES defaults to 0 as Ba et al., GRPO to 1).
         top_p: training rollout nucleus threshold.
-        generation_backend: ``"hf"`` (transformers ``generate``), the only backend in this version; a vLLM backend
-            (the ``vllm`` extra, CUDA only) is planned behind the same :class:`~es_lightning.generation.Generator`.
-        seed: base seed of the module's sampling streams (rollouts are seeded from it and the step, so a resumed run
-            draws the same samples as an uninterrupted one).
+        generation_backend: ``"hf"`` (transformers ``generate``); a vLLM backend (the ``vllm`` extra, CUDA only) is
+            planned behind the same :class:`~es_lightning.generation.Generator`.
+        seed: base seed of the module's sampling streams and ES noise (a pure function of it and the step, so a resumed
+            run draws the same samples as an uninterrupted one).
     """
+
+    #: the algorithm a subclass is bound to (``class ESModule(ReasoningModule, algorithm=ESAlgorithm)``)
+    algorithm_class: ClassVar[type[Algorithm] | None] = None
+
+    def __init_subclass__(cls, algorithm: type[Algorithm] | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if algorithm is not None:
+            from es_lightning.modules.signature import build_module_init
+
+            cls.algorithm_class = algorithm
+            build_module_init(cls, ReasoningModule, algorithm)
 
     def __init__(
         self,
@@ -67,13 +93,7 @@ class ReasoningModule(L.LightningModule):
         super().__init__()
         self.save_hyperparameters(ignore=["task"])
         self.automatic_optimization = False
-        if generation_backend == "vllm":
-            raise NotImplementedError(
-                "generation_backend='vllm' is not available in this version of es-lightning (planned, CUDA only); "
-                "use generation_backend: hf"
-            )
-        if generation_backend != "hf":
-            raise ValueError(f"generation_backend must be 'hf', got {generation_backend!r}")
+        check_backend(generation_backend)
         self.model_name = model
         self.dtype_name = dtype
         self.trust_remote_code = trust_remote_code
@@ -84,9 +104,10 @@ class ReasoningModule(L.LightningModule):
         self.model: torch.nn.Module | None = None
         self.tokenizer = None
         self._generator: Generator | None = None
-        #: the weights at the start of training, for drift (kept on the CPU; saved in checkpoints so that a resumed
-        #: run — and a run whose algorithm switched stage — reports drift against the same reference)
-        self._theta0: dict[str, torch.Tensor] | None = None
+        #: the algorithm ``training_step`` and ``configure_optimizers`` run (``None``: evaluation only)
+        self.algorithm: Algorithm | None = None
+        #: the rewards the last training update used (ES: one per member; GRPO: one per completion)
+        self.last_rewards: Tensor | None = None
 
     # ------------------------------------------------------------------ policy
     def configure_model(self) -> None:
@@ -103,6 +124,8 @@ class ReasoningModule(L.LightningModule):
             from es_lightning.distributed import default_fsdp1_wrapping
 
             default_fsdp1_wrapping(self._trainer.strategy, self.model)
+        if self.algorithm is not None:
+            self.algorithm.configure_model(self)
 
     @property
     def sharded(self) -> bool:
@@ -121,7 +144,7 @@ class ReasoningModule(L.LightningModule):
     @property
     def generator(self) -> Generator:
         if self._generator is None:
-            self._generator = HFGenerator(self.policy)
+            self._generator = make_generator(self.generation_backend, self.policy)
         return self._generator
 
     @property
@@ -135,7 +158,14 @@ class ReasoningModule(L.LightningModule):
             f"{type(self).__name__} has no task: pass task=... or fit with a ReasoningDataModule (its task is used)"
         )
 
-    # ------------------------------------------------------------------ rollouts
+    @property
+    def shares_batch_across_ranks(self) -> bool:
+        """Whether every rank gets the same training batch (read by the data module when it builds the stream). Fixed
+        by the algorithm the module was built with, so a fit keeps one data layout across a stage switch."""
+        first = type(self).algorithm_class
+        return bool(first is not None and first.shares_batch_across_ranks)
+
+    # ------------------------------------------------------------------ rollouts and scoring
     def prompts(self, examples: Sequence[dict[str, Any]]) -> list[str]:
         """Task prompts, rendered with the chat template when the task asks for it."""
         task = self.task
@@ -152,54 +182,107 @@ class ReasoningModule(L.LightningModule):
         base.update({k: v for k, v in overrides.items() if v is not None})
         return SamplingParams(**base)
 
-    def rollout(
+    def sample(
         self,
         examples: Sequence[dict[str, Any]],
         num_samples: int = 1,
         params: SamplingParams | None = None,
         seed: int | None = None,
         return_logprobs: bool = False,
-    ) -> tuple[Rollout, Tensor]:
-        """Sample ``num_samples`` completions per example and score them: ``(rollout, rewards [B*n])``."""
-        rollout = self.generator.generate(
-            self.prompts(examples), num_samples, params or self.sampling_params(), seed=seed,
-            return_logprobs=return_logprobs,
-        )
-        repeated = [e for e in examples for _ in range(num_samples)]
-        rewards = torch.tensor(self.task.reward(rollout.texts, repeated), dtype=torch.float32)
-        return rollout, rewards
+    ) -> Rollout:
+        """``num_samples`` completions per example (prompt-major rows) from the current weights."""
+        return self.generator.generate(self.prompts(examples), num_samples, params or self.sampling_params(), seed=seed,
+                                       return_logprobs=return_logprobs)
+
+    def score(self, completions: Sequence[str], examples: Sequence[dict[str, Any]], step: int | None = None) -> Scores:
+        """Grade completions (one example per completion) with the task, once each, under the bad-reward policy of
+        :mod:`es_lightning.scoring` (a reward function that raises or miscounts stops the fit with the fix)."""
+        return score_completions(self.task, completions, examples, step)
+
+    def rollout(self, examples: Sequence[dict[str, Any]], num_samples: int = 1, **sample: Any) -> tuple[Rollout, Scores]:
+        """:meth:`sample` (``sample``: its ``params``, ``seed``, ``return_logprobs``) then :meth:`score`:
+        ``(rollout, scores)`` with ``B * num_samples`` rows."""
+        rollout = self.sample(examples, num_samples, **sample)
+        return rollout, self.score(rollout.texts, [e for e in examples for _ in range(num_samples)])
 
     @torch.no_grad()
     def evaluate_batch(
         self, examples: Sequence[dict[str, Any]], num_samples: int, params: SamplingParams, seed: int
     ) -> EvalBatch:
         """``num_samples`` completions per problem → correctness matrix, answers and token entropies."""
-        rollout = self.generator.generate(self.prompts(examples), num_samples, params, seed=seed, return_logprobs=True)
-        flat_answers, flat_correct, flat_rewards = self.task.grade(
-            rollout.texts, [e for e in examples for _ in range(num_samples)]
-        )
-        rows = range(0, len(rollout.texts), num_samples)
-        correct = [flat_correct[i:i + num_samples] for i in rows]  # [P][n]
-        answers = [flat_answers[i:i + num_samples] for i in rows]
-        rewards = [flat_rewards[i:i + num_samples] for i in rows]
+        rollout, scores = self.rollout(examples, num_samples, params=params, seed=seed, return_logprobs=True)
+        n = num_samples
         return EvalBatch(
-            correct=torch.tensor(correct, dtype=torch.bool),
-            answers=answers,
-            rewards=torch.tensor(rewards, dtype=torch.float32),
+            correct=scores.correct.view(-1, n),
+            answers=[scores.answers[i:i + n] for i in range(0, len(scores), n)],
+            rewards=scores.rewards.view(-1, n),
             entropy=rollout.entropy,
             mask=rollout.completion_mask,
             rollout=rollout,
         )
 
+    # ------------------------------------------------------------------ the algorithm and the stage record
+    def set_algorithm(self, algorithm: Algorithm, sampling: dict[str, Any] | None = None) -> None:
+        """Make ``algorithm`` the one that trains, with rollout settings ``sampling`` (``temperature``, ``top_p``,
+        ``max_new_tokens``) changed where given. Validated before anything changes. The caller rebuilds the optimizers
+        when a fit is running (:class:`~es_lightning.SequentialStrategy` does)."""
+        unknown = sorted(set(sampling or {}) - set(SAMPLING_KEYS))
+        if unknown:
+            raise ValueError(f"unknown rollout setting(s) {unknown}; accepted: {list(SAMPLING_KEYS)}")
+        new = dataclasses.replace(self.sampling, **(sampling or {}))  # SamplingParams validates its values
+        type(algorithm).check_sampling(new)
+        self.sampling = new
+        self.algorithm = algorithm
+        if self.model is not None:
+            algorithm.configure_model(self)
+
+    def stage_record(self) -> dict[str, Any] | None:
+        """``{"algorithm": name, "settings": {...}, "sampling": {...}}`` of the active stage (plain values only)."""
+        if self.algorithm is None:
+            return None
+        return {
+            "algorithm": self.algorithm.name,
+            "settings": dataclasses.asdict(self.algorithm.settings),
+            "sampling": {k: getattr(self.sampling, k) for k in SAMPLING_KEYS},
+        }
+
+    def restore_stage(self, record: dict[str, Any]) -> bool:
+        """Continue in the checkpoint's stage ``record``; returns whether the algorithm changed (see the module
+        docstring for which settings apply)."""
+        current = self.stage_record()
+        if current is not None and record["algorithm"] == current["algorithm"]:
+            saved, now = {**record["settings"], **record["sampling"]}, {**current["settings"], **current["sampling"]}
+            changed = sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k))
+            if changed:
+                rank_zero_warn(f"resuming {record['algorithm']} with the configured settings; the checkpoint's differ "
+                               f"in {changed}")
+            return False
+        cls = get_algorithm(record["algorithm"])
+        self.set_algorithm(cls(dict(record["settings"])), dict(record["sampling"]))
+        return True
+
+    def log_step(self, metrics: StepMetrics) -> None:
+        """Log a training step's metrics under the shared keys (:mod:`es_lightning.metrics.training`), averaged over
+        ranks in one collective; the same call for every algorithm, so a stage switch logs consistently."""
+        self.last_rewards = metrics.rewards.detach().cpu().clone()
+        values = shared_metrics(metrics, self.optimizers().param_groups[0]["lr"])
+        if self.trainer.world_size > 1:
+            flat = torch.tensor(list(values.values()), dtype=torch.float64, device=self.device)
+            flat = self.trainer.strategy.reduce(flat, reduce_op="mean").tolist()
+            values = dict(zip(values, flat))
+        reward = values.pop("train/reward_mean")
+        kw = dict(on_step=True, on_epoch=False, batch_size=metrics.batch_size)
+        self.log("train/reward_mean", reward, prog_bar=True, **kw)
+        self.log_dict(values, **kw)
+
     # ------------------------------------------------------------------ Lightning hooks
     def configure_callbacks(self):
-        """Evaluation is the PassAtKCallback's job; add a default one when the trainer has none."""
+        """Pass@K evaluation and parameter drift are callbacks' jobs; add default ones when the trainer has none."""
+        from es_lightning.callbacks.drift import ParameterDrift
         from es_lightning.callbacks.pass_at_k import PassAtKCallback
 
-        trainer = self._trainer
-        if trainer is not None and any(isinstance(cb, PassAtKCallback) for cb in trainer.callbacks):
-            return []
-        return [PassAtKCallback()]
+        have = self._trainer.callbacks if self._trainer is not None else []
+        return [cls() for cls in (PassAtKCallback, ParameterDrift) if not any(isinstance(cb, cls) for cb in have)]
 
     def validation_step(self, batch: list[dict[str, Any]], batch_idx: int) -> None:
         """Nothing here: :class:`~es_lightning.callbacks.PassAtKCallback` samples and scores each validation batch."""
@@ -208,30 +291,44 @@ class ReasoningModule(L.LightningModule):
         """See :meth:`validation_step`."""
 
     def training_step(self, batch: list[dict[str, Any]], batch_idx: int) -> None:
-        raise NotImplementedError(
-            "ReasoningModule only evaluates a policy; train with es_lightning.ESModule or es_lightning.GRPOModule"
-        )
+        if self.algorithm is None:
+            raise NotImplementedError(
+                "ReasoningModule only evaluates a policy; train with es_lightning.ESModule or es_lightning.GRPOModule"
+            )
+        self.algorithm.training_step(self, batch, batch_idx)
 
     def configure_optimizers(self):
-        return None
+        return self.algorithm.configure_optimizers(self) if self.algorithm is not None else None
+
+    def setup(self, stage: str) -> None:
+        """Strategies that build optimizers before restoring a checkpoint (FSDP, FSDP2) learn the stage first."""
+        if stage == "fit" and self.algorithm is not None and self.trainer.strategy.restore_checkpoint_after_setup:
+            peek_stage_on_load(self, self.trainer.strategy)
 
     def on_fit_start(self) -> None:
         """Mark a sharded policy for lockstep generation before anything generates (FSDP1 wraps only at setup)."""
         _ = self.sharded
+        if self.algorithm is not None:
+            self.algorithm.on_fit_start(self)
 
-    on_validation_start = on_test_start = on_fit_start
+    def on_validation_start(self) -> None:
+        _ = self.sharded
+
+    on_test_start = on_validation_start
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if self._theta0 is not None:
-            checkpoint["theta0"] = self._full_theta0() if self.sharded else self._theta0
-
-    def _full_theta0(self) -> dict[str, torch.Tensor]:
-        """A sharded run's θ₀ (this rank's elements) assembled into full tensors — a collective, every rank saving a
-        checkpoint calls it — so checkpoints store θ₀ alike whatever the sharding and load into either kind of run."""
-        from es_lightning.es.sharding import clean_name, gather_full, shard_views
-
-        named = [(clean_name(n), p) for n, p in self.model.named_parameters() if clean_name(n) in self._theta0]
-        return gather_full(shard_views(named, self.trainer.strategy.model), self._theta0)
+        record = self.stage_record()
+        if record is not None:
+            checkpoint[STAGE_KEY] = record
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self._theta0 = checkpoint.get("theta0", self._theta0)
+        record = checkpoint.get(STAGE_KEY)
+        if record is None or self.algorithm is None or not self.restore_stage(record):
+            return
+        trainer = self._trainer
+        if trainer is not None and trainer.strategy.restore_checkpoint_after_setup and trainer.strategy.optimizers:
+            raise RuntimeError(
+                f"the checkpoint was saved in the {record['algorithm']} stage, but {type(trainer.strategy).__name__} "
+                "restored its optimizer state into the optimizers of the stage this module starts in, before the stage "
+                "was known (the checkpoint path could not be read ahead); resume from a local checkpoint path"
+            )

@@ -13,7 +13,7 @@ the size of what they read (``max_completion_chars``).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any, ClassVar
 
 
@@ -58,8 +58,7 @@ class Task(ABC):
     def extract_answer(self, completion: str) -> str | None:
         """The final answer in ``completion`` as a canonical string, or ``None`` when the format is wrong.
 
-        Used for the format reward and for majority voting (maj@k), so equal answers must give equal strings.
-        Must not raise.
+        Used for the format reward and, through :meth:`vote_key`, for majority voting (maj@k). Must not raise.
         """
 
     @abstractmethod
@@ -82,6 +81,18 @@ class Task(ABC):
     def stop_strings(self) -> list[str]:
         """Strings that end a completion early (besides the tokenizer's EOS)."""
         return []
+
+    def vote_key(self, answer: str, example: dict[str, Any]) -> Hashable | None:
+        """What maj@k votes on for the extracted ``answer``: samples whose keys are equal vote together.
+
+        Self-consistency (Wang et al. 2023) votes on the final *answer*, marginalising over the ways of reaching it, so
+        two completions that say the same thing differently must give equal keys. Default: ``answer`` itself (the
+        canonical string of :meth:`extract_answer`). A task whose answers can be equal without being equal strings
+        (Countdown: different expressions of the same value; MATH: ``\\frac12`` and ``0.5``) overrides this. Keys
+        must only group answers the verifier judges alike: maj@k reads the verdict of the winning group's first
+        sample. ``None`` abstains. May raise: :meth:`votes` turns a failure into a vote for the answer string.
+        """
+        return answer
 
     # ----------------------------------------------------------------- the public face
     def is_correct(self, completion: str, example: dict[str, Any]) -> bool:
@@ -137,6 +148,19 @@ class Task(ABC):
             correct.append(ok)
             rewards.append(self.correct_reward if ok else self.format_reward if answer is not None else 0.0)
         return answers, correct, rewards
+
+    def votes(self, answers: Sequence[str | None], example: dict[str, Any]) -> list[Hashable | None]:
+        """The :meth:`vote_key` of each of one problem's ``answers`` (``None`` abstains). Never raises."""
+        keys: list[Hashable | None] = []
+        for answer in answers:
+            if answer is None:
+                keys.append(None)
+                continue
+            try:
+                keys.append(self.vote_key(answer, example))
+            except Exception:  # a key bug must not cost the run; the answer still votes, as its own string
+                keys.append(answer)
+        return keys
 
     def _safe_extract(self, completion: str) -> str | None:
         if not isinstance(completion, str) or len(completion) > self.max_completion_chars:

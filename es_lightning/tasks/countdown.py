@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from collections.abc import Hashable
 from fractions import Fraction
 from typing import Any, ClassVar
 
@@ -65,7 +66,10 @@ class CountdownTask(Task):
 
     Solution normal form: answers equal up to commutativity/associativity of ``+``/``*`` and moving signs and
     reciprocals through brackets are one solution (``3+2+1`` = ``1+(2+3)``), so ``extract_answer`` of a correct
-    completion is one of the example's ``solutions``, and maj@k groups such variants together.
+    completion is one of the example's ``solutions`` (``distinct_correct`` of the analyses counts these).
+
+    Maj@k votes on the value reached and the numbers used (:meth:`vote_key`), not on one expression: for ``nums``
+    ``[1, 2, 3]`` and target 6 the different solutions ``1+2+3`` and ``1*2*3`` vote together.
     """
 
     name: ClassVar[str] = "countdown"
@@ -142,6 +146,21 @@ class CountdownTask(Task):
         target = example["target"]
         target = Fraction(target) if isinstance(target, int) else Fraction(str(target))
         return parsed.value == target
+
+    def vote_key(self, answer: str, example: dict[str, Any]) -> Hashable | None:
+        """``(value, sorted numbers used)`` of an evaluable expression; other answer text votes as itself.
+
+        The question a Countdown completion answers is "which value do these numbers make", so two different
+        expressions that reach the same value with the same multiset of numbers are one answer (self-consistency,
+        Wang et al. 2023, votes on answers, not on reasoning paths): every correct solution of an instance votes for
+        ``(target, nums)``, a wrong expression with the others that reach its value with its numbers. The key fixes
+        the verdict (:meth:`check_answer` reads exactly the value and the numbers), as maj@k requires. Nothing is
+        ``eval``-ed: the value comes from the same bounded parser as the verifier.
+        """
+        parsed = parse_expression(answer)
+        if parsed is None or parsed.value is None:  # not an expression, or it divides by zero: never correct
+            return answer
+        return parsed.value, tuple(sorted(parsed.literals))
 
     # ----------------------------------------------------------------- data
     def preprocess(self, example: dict[str, Any]) -> dict[str, Any]:

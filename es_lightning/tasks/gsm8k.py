@@ -10,6 +10,7 @@ Numbers are compared exactly as fractions after removing thousands separators, `
 from __future__ import annotations
 
 import re
+from collections.abc import Hashable
 from decimal import Decimal
 from fractions import Fraction
 from typing import Any, ClassVar
@@ -78,6 +79,12 @@ class GSM8KTask(Task):
         if mark < 0:
             return None
         return normalize_number(completion[mark + 4 :])
+
+    def vote_key(self, answer: str, example: dict[str, Any]) -> Hashable | None:
+        """The final number as an exact fraction, the value :meth:`check_answer` compares: ``1,000``, ``$1000`` and
+        ``1000.00`` vote together."""
+        number = normalize_number(answer)
+        return answer if number is None else Fraction(number)
 
     def check_answer(self, answer: str, example: dict[str, Any]) -> bool:
         gold = _gold_of(example["gold"] if example.get("gold") is not None else example["answer"])

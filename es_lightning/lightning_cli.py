@@ -1,0 +1,64 @@
+"""The LightningCLI that parses recipes: ``es-lightning fit/validate/test`` and the analyses that fit a recipe in-process.
+
+It lives apart from :mod:`es_lightning.cli` (the command table) so that the import graph goes one way: ``cli`` imports
+the analyses and this module; the analyses that fit recipes (:mod:`es_lightning.analysis.runs`) import this module and
+never ``cli``. ``tests/test_imports.py`` keeps the whole package free of import cycles.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.cli import LightningCLI
+
+__all__ = ["ESLightningCLI", "check_config"]
+
+
+class ESLightningCLI(LightningCLI):
+    """LightningCLI over any LightningModule / LightningDataModule (ES, GRPO, evaluation, the built-in pretraining)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+        super().__init__(
+            L.LightningModule,
+            L.LightningDataModule,
+            *args,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            **kwargs,
+        )
+
+    def instantiate_trainer(self, **kwargs):
+        trainer = self._get(self.config_init, "trainer", default={})
+        if trainer.get("enable_checkpointing") is False and isinstance(trainer.get("callbacks"), list):
+            # `--trainer.enable_checkpointing false` also turns off a recipe's RunCheckpoint (Lightning would refuse both)
+            trainer["callbacks"] = [cb for cb in trainer["callbacks"] if not isinstance(cb, ModelCheckpoint)]
+        try:
+            return super().instantiate_trainer(**kwargs)
+        except ValueError as err:  # Lightning's FSDPStrategy refuses CPUs: say what does shard on one
+            if "requires a GPU accelerator" not in str(err):
+                raise
+            raise ValueError(
+                f"{err}\nTo shard on CPUs use FSDP2 instead: --config configs/trainer/fsdp2_cpu.yaml "
+                "(ModelParallelStrategy, 2 gloo processes); strategy: fsdp is for GPU machines (configs/trainer/fsdp.yaml)"
+            ) from err
+
+
+class _ParseOnlyCLI(ESLightningCLI):
+    """Parses and validates a command line against the code's signatures without building or running anything."""
+
+    def instantiate_classes(self) -> None:
+        pass
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        pass
+
+
+def check_config(args: list[str]):
+    """Validate ``args`` (e.g. ``["fit", "--config", "recipes/es.yaml"]``) and return the parsed namespace.
+
+    Every key must exist in the signature it configures and every value must have the declared type; nothing is
+    instantiated (no model is loaded), so recipes for hub models are checked without downloading them.
+    """
+    cli = _ParseOnlyCLI(args=args)
+    return cli.config

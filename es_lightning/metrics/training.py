@@ -1,0 +1,77 @@
+"""The training metrics ES and GRPO share, computed in one place and logged under the same keys (DESIGN.md, "Same
+metrics for both algorithms"), so a GRPO run, an ES run and a GRPO→ES run can be read side by side.
+
+Each algorithm fills a :class:`StepMetrics` after its update; :meth:`ReasoningModule.log_step` turns it into
+
+=================================  ===========================================================================
+``train/reward_mean``, ``_std``    mean / spread (population std) of the finite rewards the update used
+                                   (ES: one per population member; GRPO: one per completion)
+``train/frac_reward_zero_std``     ES: 1 when every member scored the same (a zero update); GRPO: share of groups
+                                   whose completions scored the same (zero advantage) — TRL's name
+``train/accuracy``                 share of the step's completions the verifier accepts
+``train/completions/mean_length``  mean completion length in tokens; ``clipped_ratio``: share that hit
+                                   ``max_new_tokens`` (TRL's names)
+``train/entropy``                  mean token entropy (nats) of the sampling distribution — only when the
+                                   rollouts are sampled (temperature > 0)
+``train/lr``                       the optimizer's learning rate (GRPO: AdamW's; ES: α)
+``train/time/*_s``                 seconds spent generating, scoring and updating on this rank
+=================================  ===========================================================================
+
+plus each algorithm's own (``extra``: ES ``js_succ``, ``pass_pop``, ``update_norm``; GRPO ``clip_ratio/*``, ``kl``,
+``grad_norm``), and ``train/drift`` from :class:`~es_lightning.callbacks.ParameterDrift`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+__all__ = ["StepMetrics", "shared_metrics"]
+
+
+@dataclass
+class StepMetrics:
+    """What one training step reports. Values are rank-local; the module averages them over ranks."""
+
+    rewards: Tensor  # the rewards the update used: ES [N] (per member), GRPO [B*G] (per completion); non-finite = dropped
+    frac_reward_zero_std: float
+    accuracy: float
+    mean_length: float
+    clipped_ratio: float
+    entropy: float | None  # None: greedy rollouts (nothing sampled)
+    batch_size: int  # prompts in the step's batch
+    times: dict[str, float] = field(default_factory=dict)  # {"generate": s, "score": s, "update": s}
+    extra: dict[str, float] = field(default_factory=dict)  # the algorithm's own, keys without the "train/" prefix
+
+
+def shared_metrics(step: StepMetrics, lr: float) -> dict[str, float]:
+    """``{"train/<name>": value}`` for the shared keys, the timings and the algorithm's own metrics."""
+    rewards = step.rewards.detach().double().cpu()
+    kept = rewards[torch.isfinite(rewards)]
+    out = {
+        "train/reward_mean": float(kept.mean()) if kept.numel() else float("nan"),
+        "train/reward_std": float(kept.std(unbiased=False)) if kept.numel() else float("nan"),
+        "train/frac_reward_zero_std": float(step.frac_reward_zero_std),
+        "train/accuracy": float(step.accuracy),
+        "train/completions/mean_length": float(step.mean_length),
+        "train/completions/clipped_ratio": float(step.clipped_ratio),
+        "train/lr": float(lr),
+    }
+    if step.entropy is not None:
+        out["train/entropy"] = float(step.entropy)
+    out.update({f"train/time/{k}_s": float(v) for k, v in step.times.items()})
+    out.update({f"train/{k}": _scalar(v) for k, v in step.extra.items()})
+    return out
+
+
+def masked_token_mean(values: Tensor, mask: Tensor) -> float:
+    """Token mean of ``values [R, C]`` over ``mask [R, C]`` (0 when there are no tokens)."""
+    mask = mask.to(torch.float64)
+    tokens = float(mask.sum())
+    return float((values.to(torch.float64) * mask).sum()) / tokens if tokens else 0.0
+
+
+def _scalar(v) -> float:
+    return float(v.detach().float().cpu()) if isinstance(v, Tensor) else float(v)

@@ -1,0 +1,285 @@
+"""Master weights: the weights ES and GRPO *update* are fp32, while generation and the forward pass run in bf16.
+
+Why. A bf16 number has 8 significant bits: at a weight of 0.02 one ulp is 1.2e-4, at a norm weight of 1.0 it is 7.8e-3.
+ES steps with α = 2.5e-4 over N = 32 members (Ba et al. 2026) move each element by α/√N ≈ 4e-5, GRPO's AdamW at
+lr = 1e-6 by ≈ 1e-6. Added to bf16 weights and rounded, most of such an update is lost (ES keeps ~43% of the elements
+of an N(0, 0.02) matrix, cosine 0.83 to the intended update, and leaves norm weights frozen; AdamW at 1e-6 changes
+almost nothing) — ``tests/test_precision.py`` measures both. So the update is applied to an fp32 **master** copy of
+each low-precision weight, and the model's weight is the master rounded to nearest (one rounding, never accumulated).
+
+Where the master lives: in the optimizer's per-parameter state, ``optimizer.state[p]["master"]``, with ``p`` the
+model's own (bf16) parameter — as DeepSpeed's bf16 optimizer and Megatron's distributed optimizer keep their fp32
+copies. The alternative — fp32 parameters with bf16 compute, as Lightning's ``bf16-mixed``, FSDP ``MixedPrecision``
+and verl's FSDP actor do — does not fit three constraints of this project:
+
+- users load bf16 checkpoints (``dtype: bfloat16``) and the GPU trainer fragments use Lightning's ``bf16-true``,
+  which converts the module's parameters to bf16 in ``strategy.setup`` (after ``configure_model``) and makes bf16 the
+  default dtype inside steps: the model's parameters *are* bf16 whatever the module asks for;
+- ES perturbs the weights in place and generates with them, and vLLM is handed them: the weights the model holds are
+  the weights it generates with, bf16 (half the memory and bandwidth of fp32 ones, no per-forward casts);
+- checkpoints must restore the master bitwise, also sharded: FSDP2 (``ModelParallelStrategy``) saves the optimizer
+  through ``torch.distributed.checkpoint``'s ``get/set_optimizer_state_dict``, which map ``param_groups`` to the
+  *model's* parameters by identity. State keyed by the model's parameter (a DTensor master for a DTensor parameter,
+  same placements) goes through unchanged; an optimizer over separate master tensors would not map at all.
+
+Two details make that state survive a checkpoint. ``torch.optim.Optimizer.load_state_dict`` casts every floating
+state tensor but ``step`` to its parameter's dtype — it would round masters and Adam moments to bf16 — so
+:meth:`MasterState.load_state_dict` puts them back in the master dtype from the saved tensors. And masters are taken
+from the model's weights when first needed (first ``step()``, first ES centre, or a checkpoint without masters), not
+when the optimizer is built: Lightning builds optimizers in ``strategy.setup`` *before* it restores ``ckpt_path``
+weights (and a weights-only restore never loads optimizer state), so a master copied at construction could be stale.
+(:class:`~es_lightning.es.update.ESOptimizer` allocates its masters at construction — ``torch.distributed.checkpoint``
+loads only the state keys a fresh optimizer already has — and refreshes them from the weights at first use unless a
+checkpoint installed them.) :meth:`MasterAdamW.step` also takes the master from the model wherever the weight no
+longer equals the rounded master — a weight changed outside the optimizer wins, and the check costs one comparison.
+
+Memory (bytes per parameter; GB = 1e9 bytes; Qwen2.5 sizes 0.49B / 1.54B / 7.62B parameters, embeddings included):
+
+    what is held                                   B/param    0.5B     1.5B      7B
+    ES in place, fp32 model (+ fp32 copy of θ)          8     4.0 GB   12.3 GB   60.9 GB
+    ES in place, bf16, no master (+ bf16 copy)          4     2.0 GB    6.2 GB   30.5 GB
+    ES in place, bf16 + fp32 master                     6     3.0 GB    9.3 GB   45.7 GB
+    GRPO, fp32 model (weight, grad, m, v)              16     7.9 GB   24.7 GB  121.8 GB
+    GRPO, bf16, no master (bf16 grad, m, v)             8     4.0 GB   12.3 GB   60.9 GB
+    GRPO, bf16 + fp32 master (w, g, θ, m, v)           16     7.9 GB   24.7 GB  121.8 GB
+
+The master costs +4 bytes per parameter; for ES it doubles as the exact copy the in-place evaluation restores the
+centre from (a bf16 run without master keeps a 2-byte copy instead), so the net cost over bf16 ES is +2 bytes per
+parameter. For GRPO the total equals fp32 training (16 bytes: the ZeRO paper's mixed-precision count) while generation
+runs on bf16 weights; AdamW's step upcasts one gradient at a time (transiently +4 bytes × the largest tensor, e.g. the
+0.93 GB embedding of the 1.5B model). FSDP divides every row by the number of shards; activations, the KV cache and
+ES's ``members_per_batch > 1`` copies come on top. ``master_dtype: same`` drops the master and updates the model's
+dtype directly (the "no master" rows, and the lost updates above).
+
+Limit: gradients stay in the model's dtype — accumulated over GRPO's mini-batches and all-reduced in bf16. That is a
+relative error of ~2^-8 per accumulation in the update's *direction*, not a lost update; Megatron accumulates in an
+fp32 ``main_grad`` buffer (+4 bytes per parameter) if it ever matters.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+from itertools import chain
+
+import torch
+from torch import Tensor
+from torch.optim.adamw import adamw
+
+_NAMES = {"float32": torch.float32, "fp32": torch.float32, "float64": torch.float64, "fp64": torch.float64,
+          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def _as_dtype(value: str | torch.dtype, what: str) -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        return value
+    if value not in _NAMES:
+        raise ValueError(f"unknown {what} {value!r}; use one of {sorted(_NAMES)}")
+    return _NAMES[value]
+
+
+def lower_precision(dtype: torch.dtype, than: torch.dtype) -> bool:
+    """Whether floating ``dtype`` holds fewer significant bits than ``than`` (bf16 and fp16 are lower than fp32)."""
+    return dtype.is_floating_point and than.is_floating_point and torch.finfo(dtype).eps > torch.finfo(than).eps
+
+
+def resolve_master_dtype(model_dtype: torch.dtype, master_dtype: str | torch.dtype | None = "float32") -> torch.dtype | None:
+    """The dtype of the master weights for a model whose parameters are ``model_dtype``, or ``None`` for no master.
+
+    ``master_dtype`` is the user's knob: ``"float32"`` (the default: a master for bf16/fp16 models, none for fp32 ones,
+    which already are their own master), ``"float64"``, or ``"same"``/``None`` (no master: updates are rounded to the
+    model's dtype; saves the master's 4 bytes per parameter). A master with less precision or range than the model
+    cannot hold its updates and is refused. ``model_dtype`` is what the parameters *are* at optimizer construction
+    (under ``precision: bf16-true`` bf16, whatever ``dtype`` the module loaded).
+    """
+    if master_dtype is None or master_dtype == "same":
+        return None
+    master = _as_dtype(master_dtype, "master_dtype")
+    name = str(master).removeprefix("torch.")
+    model = str(model_dtype).removeprefix("torch.")
+    if not master.is_floating_point or lower_precision(master, model_dtype) or (
+            model_dtype.is_floating_point and torch.finfo(master).max < torch.finfo(model_dtype).max):
+        raise ValueError(f"master_dtype={name} has less precision or range than the model's {model} weights, so it "
+                         f"cannot hold their updates; use master_dtype: float32 (or 'same' to update the {model} weights "
+                         "directly)")
+    return master if lower_precision(model_dtype, master) else None
+
+
+def check_device_dtype(device: torch.device | str, dtype: torch.dtype) -> None:
+    """Refuse, naming the fix, a weight dtype the device cannot run: bf16 on a GPU without bf16 arithmetic (compute
+    capability < 8.0: vLLM refuses it too) or on a CPU whose PyTorch build cannot compute in it (a real probe: a
+    matmul and a softmax in bf16 on that device); fp16 on a CPU (PyTorch has no fast fp16 path on most CPUs, and the
+    bf16-trained Qwen/Llama checkpoints can overflow fp16's range of 65504 — bf16 has fp32's range)."""
+    device = torch.device(device)
+    name = str(dtype).removeprefix("torch.")
+    if dtype not in (torch.bfloat16, torch.float16):
+        return
+    if device.type == "cuda":
+        if dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported(including_emulation=False):
+            major, minor = torch.cuda.get_device_capability(device)
+            raise ValueError(f"this GPU (compute capability {major}.{minor} < 8.0) has no bfloat16 arithmetic; use "
+                             "dtype: float16 with trainer.precision: 16-true (master_dtype: float32 keeps the updates), "
+                             "or dtype: float32 with trainer.precision: 32-true")
+        return
+    if device.type == "cpu" and dtype == torch.float16:
+        raise ValueError("float16 weights on a CPU compute slowly and can overflow (max 65504); use dtype: bfloat16 "
+                         "with trainer.precision: bf16-true, or dtype: float32 with trainer.precision: 32-true")
+    problem = _probe(device.type, dtype)
+    if problem:
+        raise ValueError(f"this {device.type} cannot compute in {name} ({problem}); use dtype: float32 with "
+                         "trainer.precision: 32-true")
+
+
+@functools.cache
+def _probe(device_type: str, dtype: torch.dtype) -> str:
+    """'' if a linear layer and a softmax run in ``dtype`` on the device, else the error they raise."""
+    try:
+        x = torch.ones(2, 8, dtype=dtype, device=device_type)
+        w = torch.ones(8, 8, dtype=dtype, device=device_type)
+        torch.nn.functional.linear(x, w).softmax(-1).float().sum().item()
+    except (RuntimeError, NotImplementedError, TypeError) as err:
+        return str(err).splitlines()[0]
+    return ""
+
+
+def local(t: Tensor) -> Tensor:
+    """A DTensor's local shard (the storage this rank updates), or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class MasterState:
+    """What an optimizer with master weights shares: which parameters get one, and a ``load_state_dict`` that keeps
+    the master and the other floating state of those parameters in the master dtype (PyTorch's casts them to the
+    parameter's dtype). Mix it in before ``torch.optim.Optimizer``; set ``self.master_dtype`` (a dtype or ``None``)."""
+
+    master_dtype: torch.dtype | None = None
+
+    def needs_master(self, p: Tensor) -> bool:
+        """Whether ``p`` gets an fp32 master: its dtype has less precision than ``master_dtype``."""
+        return self.master_dtype is not None and lower_precision(p.dtype, self.master_dtype)
+
+    def master(self, p: Tensor) -> Tensor | None:
+        """``p``'s master (same shape and, for a DTensor, placements), created from ``p`` when missing; ``None``
+        when ``p`` needs none."""
+        if not self.needs_master(p):
+            return None
+        state = self.state[p]
+        if "master" not in state:
+            state["master"] = p.detach().to(self.master_dtype, copy=True)
+        return state["master"]
+
+    def sync_masters(self) -> int:
+        """Take the master from the model wherever the weight no longer equals the rounded master (it was written by
+        something other than this optimizer); returns how many elements were taken. Elements that agree keep the
+        master's extra bits."""
+        taken = torch.zeros((), dtype=torch.int64)
+        for weight, master in self._master_pairs():
+            stale = weight.ne(master.to(weight.dtype))
+            master.copy_(torch.where(stale, weight.to(master.dtype), master))
+            taken = taken + stale.sum().cpu()
+        return int(taken)
+
+    def _master_pairs(self) -> Iterable[tuple[Tensor, Tensor]]:
+        """(this rank's elements of a weight, the same elements of its master) for every parameter with a master."""
+        for p in chain.from_iterable(g["params"] for g in self.param_groups):
+            if p in self.state and "master" in self.state[p]:
+                yield local(p.detach()), local(self.state[p]["master"])
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+        params = chain.from_iterable(g["params"] for g in self.param_groups)
+        for saved_id, p in zip(saved_ids, params):
+            if not self.needs_master(p):  # a checkpoint with masters resumed with master_dtype: same
+                if p in self.state:
+                    self.state[p].pop("master", None)
+                continue
+            for key, value in state_dict["state"].get(saved_id, {}).items():
+                if key != "step" and isinstance(value, Tensor) and value.is_floating_point():
+                    self.state[p][key] = value.to(device=p.device, dtype=self.master_dtype)
+            self.master(p)  # a checkpoint written without masters: take them from the (restored) weights
+
+
+class MasterAdamW(MasterState, torch.optim.AdamW):
+    """AdamW whose ``param_groups`` hold the model's parameters and whose update of a low-precision parameter is
+    computed on its fp32 master (``state[p]["master"]``, with fp32 ``exp_avg``/``exp_avg_sq``), then rounded into
+    the parameter: ``p ← round(θ)`` with ``θ ← AdamW(θ, fp32(p.grad))``. Parameters already in the master dtype are
+    stepped exactly as :class:`torch.optim.AdamW` steps them (bitwise: the same functional call, tested).
+
+    Args: as :class:`torch.optim.AdamW`, plus ``master_dtype`` — the resolved dtype
+    (:func:`resolve_master_dtype`), ``None`` for plain AdamW. Works on plain tensors and on FSDP2 DTensors (the
+    master and moments share the parameter's placements; each rank updates its shard).
+    """
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, amsgrad: bool = False, *, master_dtype: torch.dtype | None = torch.float32,
+                 maximize: bool = False, foreach: bool | None = None) -> None:
+        self.master_dtype = master_dtype
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                         maximize=maximize, foreach=foreach)
+
+    def _init_state(self, state: dict, like: Tensor, amsgrad: bool) -> None:
+        """AdamW's lazy state (as ``torch.optim.Adam._init_group`` makes it), its moments shaped and typed like ``like``."""
+        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        state["exp_avg"] = torch.zeros_like(like, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(like, memory_format=torch.preserve_format)
+        if amsgrad:
+            state["max_exp_avg_sq"] = torch.zeros_like(like, memory_format=torch.preserve_format)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.sync_masters()
+        for group in self.param_groups:
+            amsgrad = group["amsgrad"]
+            plain: tuple[list[Tensor], ...] = ([], [], [], [], [], [])  # params, grads, m, v, v_max, steps
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("MasterAdamW does not support sparse gradients")
+                state = self.state[p]
+                master = self.master(p)
+                if "step" not in state:
+                    self._init_state(state, p if master is None else master, amsgrad)
+                if master is None:  # already in the master dtype: exactly torch's AdamW, batched per group
+                    for out, t in zip(plain, (p, p.grad, state["exp_avg"], state["exp_avg_sq"],
+                                              state.get("max_exp_avg_sq"), state["step"])):
+                        if t is not None:
+                            out.append(t)
+                    continue
+                # one parameter at a time: the fp32 copy of its gradient is the only transient buffer
+                moments = [local(state["exp_avg"])], [local(state["exp_avg_sq"])]
+                _adamw(group, [local(master)], [local(p.grad).to(master.dtype)], *moments,
+                       [local(state["max_exp_avg_sq"])] if amsgrad else [], [state["step"]])
+                local(p.detach()).copy_(local(master))  # round to nearest, once
+            if plain[0]:
+                _adamw(group, *plain)
+        return loss
+
+
+def _adamw(group: dict, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps) -> None:
+    """PyTorch's functional AdamW with a group's settings, as ``torch.optim.AdamW.step`` calls it."""
+    beta1, beta2 = group["betas"]
+    adamw(
+        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, foreach=group["foreach"],
+        capturable=group["capturable"], differentiable=group["differentiable"], fused=group["fused"],
+        amsgrad=group["amsgrad"], beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
+        eps=group["eps"], maximize=group["maximize"],
+    )
+
+
+def copy_masters(source: torch.optim.Optimizer, target: torch.optim.Optimizer) -> int:
+    """Hand the masters of ``source`` to ``target`` for the parameters both hold (e.g. GRPO's AdamW to ES's optimizer
+    at a GRPO→ES switch, so the switch loses no sub-ulp bits); returns how many were copied."""
+    copied = 0
+    for p in chain.from_iterable(g["params"] for g in target.param_groups):
+        m = source.state[p].get("master") if p in source.state else None
+        if m is not None and isinstance(target, MasterState) and target.needs_master(p):
+            mine = target.master(p)
+            local(mine).copy_(local(m))
+            copied += 1
+    return copied

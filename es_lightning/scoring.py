@@ -1,0 +1,100 @@
+"""Scoring completions: the task's ``grade`` once per completion, with the rewards checked before any update sees them.
+
+Every training rollout and every evaluation is scored through :func:`score_completions` (the module calls it from
+:meth:`~es_lightning.modules.base.ReasoningModule.score`), so a reward function is trusted in one place only.
+
+**The bad-reward policy** (issue 15: bad rewards never reach the weights):
+
+* ``grade()`` raises, returns the wrong number of rewards / answers / verdicts, or a reward that is not a number:
+  the fit **stops** with a :class:`RewardError` naming the task, the step and the fix. These are bugs in a reward
+  function; skipping them would hide the bug and train on whatever is left.
+* A reward that is NaN or ±inf (a reward that divides by a length that can be 0, say): the unit the reward belongs to is
+  **dropped from the update** with a warning — ES drops the population *member* (its reward is the mean over its
+  completions), GRPO drops the prompt's whole *group* (zero advantage, masked out of the loss; a group baseline with a
+  hole in it is not a baseline). The rest of the step trains as usual.
+* A step in which **every** member / group is dropped stops the fit with a :class:`RewardError`: a reward function that
+  returns no finite value for a whole step is broken, not unlucky.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from es_lightning.tasks import Task
+
+__all__ = ["RewardError", "Scores", "check_some_kept", "score_completions"]
+
+
+class RewardError(RuntimeError):
+    """A task's reward function broke the scoring contract (see :mod:`es_lightning.scoring` for the policy)."""
+
+
+@dataclass
+class Scores:
+    """The verdicts on ``R`` completions, row for row."""
+
+    answers: list[str | None]  # [R] extracted answers (None = unparseable); what Maj@K votes on
+    correct: Tensor  # [R] bool: the verifier accepts the completion
+    rewards: Tensor  # [R] float32; a non-finite value marks a reward the update must not use
+
+    @property
+    def finite(self) -> Tensor:  # [R] bool
+        return torch.isfinite(self.rewards)
+
+    def __len__(self) -> int:
+        return len(self.answers)
+
+
+def score_completions(
+    task: Task, completions: Sequence[str], examples: Sequence[dict[str, Any]], step: int | None = None
+) -> Scores:
+    """``task.grade(completions, examples)`` — each completion parsed and verified once — checked against the contract.
+
+    Raises :class:`RewardError` when ``grade`` raises or returns lists of the wrong length or non-numeric rewards.
+    Non-finite rewards are returned as they are (the caller drops their member / group, see the module docstring).
+    """
+    where = f"{type(task).__name__}" + (f" at step {step}" if step is not None else "")
+    try:
+        answers, correct, rewards = task.grade(completions, examples)
+    except Exception as err:
+        raise RewardError(
+            f"{where}: scoring {len(completions)} completions raised {type(err).__name__}: {err}. A reward function "
+            "must not raise: score a malformed completion 0 (see Task.reward)"
+        ) from err
+    n = len(completions)
+    for what, values in (("answers", answers), ("correctness verdicts", correct), ("rewards", rewards)):
+        if len(values) != n:
+            raise RewardError(f"{where}: grade() returned {len(values)} {what} for {n} completions; return one per "
+                              "completion, in order")
+    try:
+        values = [float(r) for r in rewards]
+    except (TypeError, ValueError) as err:
+        bad = next(r for r in rewards if not _is_number(r))
+        raise RewardError(f"{where}: reward {bad!r} is not a number; return one float per completion") from err
+    return Scores(
+        answers=list(answers),
+        correct=torch.tensor([bool(c) for c in correct], dtype=torch.bool),
+        rewards=torch.tensor(values, dtype=torch.float32),
+    )
+
+
+def check_some_kept(kept: int, total: int, unit: str, step: int) -> None:
+    """Stop when every ``unit`` (member / group) of a step was dropped for a non-finite reward."""
+    if total > 0 and kept == 0:
+        raise RewardError(
+            f"step {step}: every {unit} ({total}) has a NaN/inf reward, so nothing is left to train on; the task's "
+            "reward function returns non-finite values — make it return a finite float for every completion"
+        )
+
+
+def _is_number(value: Any) -> bool:
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return False
+    return True

@@ -1,0 +1,163 @@
+"""The algorithm registry and the one-file recipe for a new algorithm (the docstring of es_lightning/algorithms.py):
+a settings dataclass, an Algorithm subclass and a one-line module are all it takes to train, to be configured from a
+command line with help text, and to be switched to by SequentialStrategy. Plus: every ES/GRPO setting is documented
+once, and the command line sees each with its type and default."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from dataclasses import dataclass
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+
+from es_lightning import ESModule, ReasoningDataModule, SequentialStrategy
+from es_lightning.algorithms import Algorithm, algorithm_names, get_algorithm, register_algorithm, settings_docs
+from es_lightning.es.algorithm import ESAlgorithm, ESSettings
+from es_lightning.grpo.algorithm import GRPOAlgorithm, GRPOSettings
+from es_lightning.grpo.logprobs import completion_logprobs
+from es_lightning.metrics.training import StepMetrics
+from es_lightning.modules.base import ReasoningModule
+from es_lightning.tasks import CountdownTask
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------------- a new algorithm in one place
+@dataclass
+class ReinforceSettings:
+    lr: float = 1e-2
+    """SGD step size (a test value)."""
+    group_size: int = 2
+    """Completions per prompt; their mean reward is the baseline."""
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+
+
+@register_algorithm
+class Reinforce(Algorithm):
+    """REINFORCE with a group-mean baseline (Williams 1992), plain SGD."""
+
+    name = "test-reinforce"
+    Settings = ReinforceSettings
+
+    def configure_optimizers(self, module):
+        return torch.optim.SGD([p for p in module.model.parameters() if p.requires_grad], lr=self.settings.lr)
+
+    def training_step(self, module, batch, batch_idx):
+        G = self.settings.group_size
+        with torch.no_grad():
+            rollout = module.sample(batch, G, seed=module.global_step, return_logprobs=True)
+        scores = module.score(rollout.texts, [e for e in batch for _ in range(G)])
+        rewards = scores.rewards.view(-1, G)  # [B, G]
+        advantages = (rewards - rewards.mean(1, keepdim=True)).view(-1, 1)  # [B*G, 1]
+        module.model.train()
+        logps, _ = completion_logprobs(module.model, rollout, slice(None), module.sampling.temperature, entropy=False)
+        mask = rollout.completion_mask.float()  # [B*G, C]
+        opt = module.optimizers()
+        opt.zero_grad()
+        module.manual_backward(-(advantages * logps * mask).sum() / mask.sum())
+        opt.step()
+        module.log_step(StepMetrics(
+            rewards=scores.rewards, frac_reward_zero_std=float((rewards.std(1) == 0).float().mean()),
+            accuracy=float(scores.correct.float().mean()), mean_length=float(mask.sum(-1).mean()),
+            clipped_ratio=float(rollout.truncated.float().mean()), entropy=None, batch_size=len(batch),
+        ))
+
+
+class ReinforceModule(ReasoningModule, algorithm=Reinforce):
+    """REINFORCE on a reasoning task (the one-file recipe's module)."""
+
+
+class _CharSum(CountdownTask):
+    def reward(self, completions, examples):
+        return [sum(map(ord, c)) % 97 / 97 for c in completions]
+
+
+def _fit(module, callbacks=(), steps=2):
+    trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        limit_val_batches=0, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=list(callbacks))
+    trainer.fit(module, ReasoningDataModule(task="countdown", train_size=16, val_size=4, test_size=4, batch_size=2))
+    return trainer
+
+
+def test_a_new_algorithm_is_one_class_and_trains(tiny_model_dir):
+    params = inspect.signature(ReinforceModule).parameters
+    assert params["lr"].default == 1e-2 and params["lr"].annotation is float and params["group_size"].default == 2
+    assert params["temperature"].default == 1.0 and "seed" in params  # the module's own arguments come with it
+    assert "lr: SGD step size (a test value)." in ReinforceModule.__doc__  # the field's docstring is the help text
+    with pytest.raises(ValueError, match="lr must be > 0"):
+        ReinforceModule(lr=-1.0)
+    with pytest.raises(TypeError, match=r"ReinforceModule: got an unexpected keyword argument 'lrr'; accepted: \["):
+        ReinforceModule(lrr=1.0)
+    module = ReinforceModule(model=tiny_model_dir, task=_CharSum(), max_new_tokens=6)
+    before = [p.detach().clone() for p in module.policy.model.parameters()]
+    trainer = _fit(module)
+    assert trainer.global_step == 2 and module.algorithm.name == "test-reinforce"
+    assert any(not torch.equal(a, b) for a, b in zip(before, module.model.parameters()))
+    assert {"train/reward_mean", "train/accuracy", "train/lr", "train/drift"} <= set(trainer.logged_metrics)
+    assert module.hparams["lr"] == 1e-2 and module.hparams["group_size"] == 2
+
+
+def test_sequential_strategy_switches_to_a_registered_algorithm_by_name(tiny_model_dir):
+    module = ESModule(model=tiny_model_dir, task=_CharSum(), population_size=2, max_new_tokens=6)
+    seq = SequentialStrategy(switch_step=1, algorithm="test-reinforce", settings={"lr": 0.05, "temperature": 0.7})
+    trainer = _fit(module, [seq], steps=2)
+    assert module.algorithm.name == "test-reinforce" and module.algorithm.settings.lr == 0.05
+    assert module.sampling.temperature == 0.7 and type(trainer.optimizers[0]) is torch.optim.SGD
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['lrr'\]"):
+        SequentialStrategy(switch_step=1, algorithm="test-reinforce", settings={"lrr": 1})
+
+
+def test_registry():
+    assert get_algorithm("es") is ESAlgorithm and get_algorithm("grpo") is GRPOAlgorithm
+    assert {"es", "grpo", "test-reinforce"} <= set(algorithm_names())
+    with pytest.raises(ValueError, match=r"unknown algorithm 'ppo'; registered: \["):
+        get_algorithm("ppo")
+
+    class Other(Reinforce):
+        name = "es"
+
+    with pytest.raises(ValueError, match="algorithm name 'es' is taken"):
+        register_algorithm(Other)
+
+    class NoDataclass(Reinforce):
+        name = "no-dataclass"
+        Settings = dict
+
+    with pytest.raises(TypeError, match="must be a dataclass"):
+        register_algorithm(NoDataclass)
+
+
+@pytest.mark.parametrize("settings_cls", [ESSettings, GRPOSettings])
+def test_every_setting_is_documented_once(settings_cls):
+    docs = settings_docs(settings_cls)
+    for f in dataclasses.fields(settings_cls):
+        assert len(docs.get(f.name, "")) > 10, f.name
+
+
+def test_command_line_sees_every_setting_with_type_default_and_help(capsys):
+    """What LightningCLI/jsonargparse read is the dataclass: every field, its default, its docstring; a misspelt key
+    is still refused."""
+    from es_lightning.cli import check_config, cli_main
+
+    with pytest.raises(SystemExit):
+        cli_main(["fit", "--config", str(ROOT / "recipes" / "es.yaml"), "--print_config"])
+    printed = capsys.readouterr().out
+    for f in dataclasses.fields(ESSettings):
+        assert f"\n    {f.name}: " in printed, f.name
+    assert "population_size: 32" in printed and "update_scale: alpha" in printed and "temperature: 1.0" in printed
+    with pytest.raises(SystemExit):
+        cli_main(["fit", "--model.help", "es_lightning.ESModule"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "--model.population_size POPULATION_SIZE N, population members per step" in help_text
+    assert "(type: int, default: 32)" in help_text
+    with pytest.raises(SystemExit):
+        check_config(["fit", "--config", str(ROOT / "recipes" / "grpo_es.yaml"), "--model.init_args.group_sizee", "4"])
+    assert "group_sizee" in capsys.readouterr().err

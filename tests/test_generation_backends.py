@@ -1,0 +1,52 @@
+"""make_generator: the backend factory, and the one-line refusal when vLLM is not installed (this suite's venv)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from es_lightning.generation import HFGenerator, make_generator
+from es_lightning.policy import load_policy
+
+
+@pytest.fixture(scope="module")
+def policy():
+    return load_policy("builtin:countdown-tiny")
+
+
+def test_hf_backend(policy):
+    assert isinstance(make_generator("hf", policy), HFGenerator)
+    with pytest.raises(ValueError, match="takes no engine options"):
+        make_generator("hf", policy, max_model_len=128)
+
+
+def test_unknown_backend(policy):
+    with pytest.raises(ValueError, match=r"generation_backend must be one of \('hf', 'vllm'\), got 'sglang'"):
+        make_generator("sglang", policy)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here (.venv-vllm)")
+def test_vllm_missing_names_the_install_command(policy):
+    with pytest.raises(ImportError) as err:
+        make_generator("vllm", policy)
+    message = str(err.value)
+    assert "\n" not in message
+    assert 'pip install "es-lightning[vllm]"' in message and "make test-vllm" in message
+
+
+def test_vllm_fragment_options_are_vllm_generator_arguments():
+    """configs/generation/vllm.yaml's options reach VLLMGenerator(**options): every key must be one of its arguments
+    (the module is importable without vLLM; only building an engine needs it)."""
+    import inspect
+    from pathlib import Path
+
+    import yaml
+
+    from es_lightning.generation.vllm import VLLMGenerator
+
+    fragment = Path(__file__).resolve().parents[1] / "configs" / "generation" / "vllm.yaml"
+    model = yaml.safe_load(fragment.read_text())["model"]["init_args"]
+    assert model["generation_backend"] == "vllm"
+    accepted = set(inspect.signature(VLLMGenerator.__init__).parameters) - {"self", "policy", "engine_kwargs"}
+    assert set(model["generation_options"]) <= accepted

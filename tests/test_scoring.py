@@ -1,0 +1,142 @@
+"""Bad rewards never reach the weights (issue 15.4): the policy of es_lightning/scoring.py, on real fits.
+
+A reward function that raises or miscounts stops the fit with a RewardError; a NaN/inf reward drops its ES member or
+GRPO group (checked against an update computed here from the finite members only, and against unchanged weights);
+a step with nothing finite left stops the fit."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+
+from es_lightning import ESModule, GRPOModule, ReasoningDataModule, RewardError
+from es_lightning.es.noise import param_noise
+from es_lightning.scoring import score_completions
+from es_lightning.tasks import CountdownTask
+
+
+def _trainer(max_steps=1):
+    return L.Trainer(max_steps=max_steps, accelerator="cpu", logger=False, enable_checkpointing=False,
+                     limit_val_batches=0, enable_progress_bar=False, enable_model_summary=False)
+
+
+def _dm(batch_size=4):
+    return ReasoningDataModule(task="countdown", train_size=32, val_size=4, test_size=4, batch_size=batch_size, seed=0)
+
+
+class _Raises(CountdownTask):
+    def reward(self, completions, examples):
+        raise ZeroDivisionError("division by zero")
+
+
+class _Short(CountdownTask):
+    def reward(self, completions, examples):
+        return [0.0] * (len(completions) - 1)
+
+
+class _NotANumber(CountdownTask):
+    def grade(self, completions, examples):
+        answers, correct, _ = super().grade(completions, examples)
+        return answers, correct, ["high"] * len(completions)
+
+
+class _AllNaN(CountdownTask):
+    def reward(self, completions, examples):
+        return [float("nan")] * len(completions)
+
+
+class _NaNMembers(CountdownTask):
+    """Scores like _CharSum, but the 2nd and 5th grading call of each ES step (members 1 and 4 when the population is
+    scored member by member on one process) are NaN / +inf."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def reward(self, completions, examples):
+        self.calls += 1
+        bad = {2: float("nan"), 5: float("inf")}.get((self.calls - 1) % 6 + 1)
+        if bad is not None:
+            return [bad] * len(completions)
+        return [sum(map(ord, c)) % 97 / 97 for c in completions]
+
+
+class _NaNGroup(CountdownTask):
+    """0.5 for every completion (zero-variance groups: no gradient), NaN for the completions of one prompt."""
+
+    def __init__(self, bad_target):
+        super().__init__()
+        self.bad_target = bad_target
+
+    def reward(self, completions, examples):
+        return [float("nan") if e["target"] == self.bad_target else 0.5 for e in examples]
+
+
+def test_score_completions_checks_the_contract():
+    examples = [{"nums": [1, 2], "target": 3}] * 2
+    ok = score_completions(CountdownTask(), ["1+2", "junk"], examples, step=7)
+    assert ok.correct.tolist() == [True, False] and ok.rewards.tolist() == [1.0, 0.0] and ok.answers[0] == "1+2"
+    with pytest.raises(RewardError, match=r"_Raises at step 7: scoring 2 completions raised ZeroDivisionError"):
+        score_completions(_Raises(), ["1+2", "x"], examples, step=7)
+    with pytest.raises(RewardError, match="returned 1 rewards for 2 completions"):
+        score_completions(_Short(), ["1+2", "x"], examples)
+    with pytest.raises(RewardError, match="is not a number"):
+        score_completions(_NotANumber(), ["1+2", "x"], examples)
+    nan = score_completions(_AllNaN(), ["1+2", "x"], examples)  # kept as it is: the algorithm drops its unit
+    assert nan.finite.tolist() == [False, False]
+
+
+@pytest.mark.parametrize("module_cls", [ESModule, GRPOModule])
+def test_a_raising_reward_stops_the_fit_with_the_fix(tiny_model_dir, module_cls):
+    kw = dict(population_size=2) if module_cls is ESModule else dict(group_size=2)
+    module = module_cls(model=tiny_model_dir, task=_Raises(), max_new_tokens=4, **kw)
+    before = [p.detach().clone() for p in module.policy.model.parameters()]
+    with pytest.raises(RewardError, match="must not raise"):
+        _trainer().fit(module, _dm())
+    assert all(torch.equal(a, b) for a, b in zip(before, module.model.parameters()))  # centre weights restored
+
+
+@pytest.mark.parametrize("module_cls", [ESModule, GRPOModule])
+def test_a_step_with_no_finite_reward_stops_the_fit(tiny_model_dir, module_cls):
+    kw = dict(population_size=2) if module_cls is ESModule else dict(group_size=2)
+    module = module_cls(model=tiny_model_dir, task=_AllNaN(), max_new_tokens=4, **kw)
+    with pytest.raises(RewardError, match=r"step 0: every (population member|group) \(\d+\) has a NaN/inf reward"):
+        _trainer().fit(module, _dm())
+
+
+def test_es_drops_the_members_with_non_finite_rewards(tiny_model_dir):
+    """θ1 = θ0 + α/N Σ_{finite n} z_n ε_n with z the z-score over the finite members only, computed here."""
+    module = ESModule(model=tiny_model_dir, task=_NaNMembers(), population_size=6, sigma=0.5, lr=0.01,
+                      max_new_tokens=6, temperature=1.0)
+    theta0 = {n: p.detach().clone() for n, p in module.policy.model.named_parameters()}
+    with pytest.warns(UserWarning, match="2 of 6 member rewards are NaN/inf"):
+        _trainer().fit(module, _dm())
+    rewards = module.last_rewards.double()
+    assert torch.isnan(rewards[1]) and torch.isinf(rewards[4])
+    kept = [0, 2, 3, 5]
+    r = rewards[kept]
+    assert not bool((r == r[0]).all())
+    z = (r - r.mean()) / r.std(unbiased=False)
+    for name, p in module.model.named_parameters():
+        delta = sum(z[i] * param_noise(module.seed, 0, m, name, p.numel()).double() for i, m in enumerate(kept))
+        expected = (theta0[name].double().flatten() + 0.01 / 6 * delta).view_as(p)
+        assert torch.isfinite(p).all() and torch.allclose(p.double(), expected, atol=1e-6), name
+
+
+def test_grpo_drops_the_group_with_a_non_finite_reward(tiny_model_dir):
+    """The other groups have zero variance, so the only possible gradient is the NaN group's: the weights must come out
+    of a real AdamW step bitwise unchanged (they would be NaN if the group reached the loss)."""
+    dm = _dm(batch_size=2)
+    dm.setup("fit")
+    first_batch = next(iter(dm.train_dataloader()))
+    module = GRPOModule(model=tiny_model_dir, task=_NaNGroup(first_batch[0]["target"]), group_size=2, lr=0.1,
+                        max_new_tokens=4)
+    before = {n: p.detach().clone() for n, p in module.policy.model.named_parameters()}
+    trainer = _trainer()
+    with pytest.warns(UserWarning, match="1 of 2 groups have a NaN/inf reward"):
+        trainer.fit(module, dm)
+    assert trainer.global_step == 1
+    for name, p in module.model.named_parameters():
+        assert torch.equal(p, before[name]), name
+    assert float(trainer.logged_metrics["train/reward_mean"]) == 0.5  # the dropped group is not in the statistics

@@ -1,0 +1,129 @@
+"""VLLMGenerator against HFGenerator and against the policy's own forward pass (built-in model and Qwen-like fixture)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from es_lightning.generation import SamplingParams  # noqa: E402
+
+PAIRS = {"builtin": "builtin_pair", "qwen_like": "qwen_pair"}
+BUILTIN_PROMPTS = ["12 34 56 = ", "3 5 7 =", "1 2 3 =", "90 4 2 ="]
+
+
+def _prompts(name: str, policy) -> list[str]:
+    if name == "builtin":
+        return BUILTIN_PROMPTS
+    return policy.render_prompts(["What is 2+3?", "Count to five.", "hi"], use_chat_template=True)
+
+
+def _forward_logprobs(model, rollout, temperature: float) -> torch.Tensor:
+    """The training forward's log π(o_t | q, o_<t) at ``temperature``: one full forward, no chunking."""
+    ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)
+    attn = torch.cat([rollout.prompt_mask, rollout.completion_mask], 1)
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    C = rollout.completion_ids.shape[1]
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=attn, position_ids=pos).logits[:, -C - 1:-1].float()
+    logp = torch.log_softmax(logits / temperature, -1)
+    return logp.gather(-1, rollout.completion_ids.unsqueeze(-1)).squeeze(-1) * rollout.completion_mask
+
+
+@pytest.mark.parametrize("name", ["builtin", "qwen_like"])
+def test_greedy_equals_hf(name, request, hf_generate):
+    """Greedy ids, texts, masks and truncation flags equal HFGenerator's (the Qwen-like checkpoint's sampling
+    defaults — repetition penalty 1.1, top-k 20 — reach neither)."""
+    policy, gen = request.getfixturevalue(PAIRS[name])
+    prompts = _prompts(name, policy)
+    truncated = []
+    first = gen.generate(prompts, 1, SamplingParams(max_new_tokens=4, temperature=0.0))
+    # a stop string that ends where a token ends (HF's StopStringCriteria stops only there; vLLM also inside a token)
+    stop = ["5"] if name == "builtin" else [policy.tokenizer.decode(first.completion_ids[0, 3:4])]
+    for params in (SamplingParams(max_new_tokens=10, temperature=0.0),
+                   SamplingParams(max_new_tokens=6, temperature=0.0, stop=stop),
+                   SamplingParams(max_new_tokens=3, temperature=0.0)):
+        a = gen.generate(prompts, 2, params, seed=0)
+        truncated.append(a.truncated)
+        b = hf_generate(policy, prompts, 2, params, seed=0)
+        assert a.texts == b.texts
+        if params.stop and name != "builtin":
+            # transformers' StopStringCriteria stops one token late on this byte-level vocabulary; vLLM's completion
+            # ends at the token that completes the stop string: check that independently
+            for ids, n, text in zip(a.completion_ids, a.completion_lengths, a.texts):
+                if text.endswith(stop[0]):
+                    decode = policy.tokenizer.decode
+                    assert stop[0] in decode(ids[:n]) and stop[0] not in decode(ids[:n - 1])
+            continue
+        for field in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "truncated"):
+            assert torch.equal(getattr(a, field), getattr(b, field)), field
+        assert a.num_samples == 2 and a.logprobs is None
+    assert bool(truncated[-1].all())  # the 3-token cap cuts every row
+    if name == "builtin":  # the trained model ends its answers with EOS well within 10 tokens
+        assert not bool(truncated[0].any())
+
+
+@pytest.mark.parametrize("name", ["builtin", "qwen_like"])
+@pytest.mark.parametrize("temperature,top_p", [(0.0, 1.0), (0.7, 1.0), (1.0, 0.9)])
+def test_logprobs_equal_training_forward(name, temperature, top_p, request, hf_generate):
+    """Log-probs of the sampled tokens at the sampling temperature (T=1 if greedy) within 1e-5 of a plain forward pass
+    (fp32); with top_p < 1 too (vLLM's nucleus-renormalised values are replaced). Entropies agree as well."""
+    policy, gen = request.getfixturevalue(PAIRS[name])
+    rollout = gen.generate(_prompts(name, policy), 3, SamplingParams(max_new_tokens=8, temperature=temperature,
+                                                                     top_p=top_p), seed=11, return_logprobs=True)
+    expected = _forward_logprobs(policy.model, rollout, temperature if temperature > 0 else 1.0)
+    assert rollout.logprobs.shape == rollout.completion_ids.shape
+    assert (rollout.logprobs - expected).abs().max() < 1e-5
+    assert bool((rollout.logprobs[rollout.completion_mask.bool()] < 0).all())
+    hf = hf_generate(policy, _prompts(name, policy), 1, SamplingParams(max_new_tokens=8, temperature=0.0),
+                     return_logprobs=True)
+    if temperature == 0.0:  # same greedy tokens: the HF generator's recorded entropies are the reference
+        assert (rollout.entropy[::3] - hf.entropy).abs().max() < 1e-4
+
+
+def test_checkpoint_sampling_defaults_do_not_leak(qwen_pair):
+    """The Qwen-like checkpoint asks for repetition penalty 1.1, top-k 20, top-p 0.8, T=0.7: a greedy rollout is still
+    the plain argmax loop (its random weights repeat a 4-token cycle, which a repetition penalty would break)."""
+    policy, gen = qwen_pair
+    prompt = _prompts("qwen_like", policy)[:1]
+    rollout = gen.generate(prompt, 1, SamplingParams(max_new_tokens=12, temperature=0.0))
+    ids = rollout.prompt_ids
+    with torch.no_grad():
+        for _ in range(12):
+            ids = torch.cat([ids, policy.model(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    assert rollout.completion_ids[0].tolist() == ids[0, rollout.prompt_ids.shape[1]:].tolist()
+
+
+def test_seeded_sampling_reproducible_and_independent_of_batch(builtin_pair):
+    _, gen = builtin_pair
+    params = SamplingParams(max_new_tokens=10, temperature=1.0)
+    a = gen.generate(BUILTIN_PROMPTS, 3, params, seed=7)
+    assert torch.equal(a.completion_ids, gen.generate(BUILTIN_PROMPTS, 3, params, seed=7).completion_ids)
+    assert not torch.equal(a.completion_ids, gen.generate(BUILTIN_PROMPTS, 3, params, seed=8).completion_ids)
+    assert len(set(a.texts)) > 3  # the samples of one prompt differ from each other
+    alone = gen.generate(BUILTIN_PROMPTS[2:3], 3, params, seed=7)  # the same prompt in another batch
+    assert alone.texts == a.texts[6:9]
+    reordered = gen.generate(BUILTIN_PROMPTS[::-1], 3, params, seed=7)
+    assert reordered.texts[:3] == a.texts[9:12]
+
+
+def test_common_random_numbers_across_members(builtin_pair):
+    """Member-major blocks draw the same numbers; a member a tiny σ away samples what the centre samples with the
+    same seed (common random numbers), not with another seed."""
+    policy, gen = builtin_pair
+    params = SamplingParams(max_new_tokens=10, temperature=1.0)
+    centre = gen.generate(BUILTIN_PROMPTS, 2, params, seed=3)
+    blocks = gen.generate(BUILTIN_PROMPTS * 2, 2, params, seed=3, common_random_blocks=2)
+    assert blocks.texts == centre.texts * 2
+    named = [(n, p.detach().clone()) for n, p in policy.model.named_parameters()]
+    try:
+        torch.manual_seed(0)
+        gen.push_weights((n, p + 1e-6 * torch.randn_like(p)) for n, p in named)
+        member = gen.generate(BUILTIN_PROMPTS, 2, params, seed=3)
+    finally:
+        gen.push_weights(named)
+    other_seed = gen.generate(BUILTIN_PROMPTS, 2, params, seed=4)
+    same = sum(x == y for x, y in zip(member.texts, centre.texts))
+    assert same == len(centre.texts)
+    assert sum(x == y for x, y in zip(other_seed.texts, centre.texts)) < len(centre.texts)
