@@ -29,23 +29,28 @@ class HFExport(L.Callback):
     holds it, which is the whole model under single-device and DDP training.
 
     Args:
-        dirpath: the directory to (re)write.
+        dirpath: the directory to (re)write; default ``<log_dir>/export``, inside the run's own directory (e.g.
+            ``lightning_logs/grpo_es/version_3/export``), so each run keeps its model.
         every_n_train_steps: also export every this many optimizer steps (``None``: only at the end of fit).
         keep_files: files of a previous export to carry over into the new one (a hand-written model card, say).
     """
 
     def __init__(
         self,
-        dirpath: str | os.PathLike,
+        dirpath: str | os.PathLike | None = None,
         every_n_train_steps: int | None = None,
         keep_files: Sequence[str] = ("README.md",),
     ) -> None:
         if every_n_train_steps is not None and every_n_train_steps < 1:
             raise ValueError(f"every_n_train_steps must be a positive integer or None, got {every_n_train_steps}")
-        self.dirpath = Path(dirpath)
+        self.dirpath = Path(dirpath) if dirpath is not None else None
         self.every_n_train_steps = every_n_train_steps
         self.keep_files = tuple(keep_files)
         self._last_exported_step: int | None = None
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self.dirpath is None:
+            self.dirpath = Path(trainer.log_dir or trainer.default_root_dir) / "export"
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
@@ -55,6 +60,9 @@ class HFExport(L.Callback):
                 self._last_exported_step = step
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.global_step == 0:
+            rank_zero_info("HFExport: nothing was trained (step 0), no export written")
+            return
         self.export(pl_module)
 
     @rank_zero_only
@@ -67,6 +75,8 @@ class HFExport(L.Callback):
                 f"{type(pl_module).__name__} has {type(model).__name__ if model is not None else 'none'}"
             )
         tokenizer = getattr(pl_module, "tokenizer", None)
+        if self.dirpath is None:  # export() called outside a fit
+            raise ValueError("HFExport.export() outside a fit needs dirpath=...")
         target = self.dirpath.resolve()
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
