@@ -221,3 +221,18 @@ def test_tensorboard_logger_writes_events_into_the_run_directory(tmp_path):
         cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert list((tmp_path / "es" / "version_0").glob("events.out.tfevents.*"))
+
+
+def test_wandb_logger_runs_offline_beside_the_csv_logger(tmp_path):
+    pytest.importorskip("wandb")
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "es_lightning.cli", "fit", "--config", str(ROOT / "recipes" / "es.yaml"),
+         "--config", str(ROOT / "configs" / "logger" / "wandb.yaml"), "--trainer.max_steps", "1",
+         "--model.init_args.population_size", "2", "--model.init_args.members_per_batch", "2",
+         "--data.init_args.batch_size", "2"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)  # run directory: ./lightning_logs
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "lightning_logs" / "es" / "version_0" / "metrics.csv").is_file()  # the CSV logger still decides the run directory
+    runs = list(tmp_path.rglob("offline-run-*"))
+    assert runs and list(runs[0].glob("*.wandb")), sorted(str(p) for p in tmp_path.rglob("*"))[:40]
