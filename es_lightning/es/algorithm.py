@@ -12,7 +12,8 @@ Invariants (each tested): no autograd (no ``.grad`` is ever allocated); noise a 
 parameter name, element index); exact restore of the centre weights; fp32 accumulation of the update, into an fp32
 master θ when the weights are bf16/fp16 (``master_dtype``: members are θ + σε rounded once); a member with a
 non-finite reward is dropped (:mod:`es_lightning.scoring`); under DDP the ranks split the population and apply the same
-update; under FSDP they split the prompts.
+update; under FSDP they split the prompts. Under Lightning's ``bf16-mixed`` (fp32 weights) the members generate under
+the bf16 autocast Lightning wraps ``training_step`` in; the update runs outside it, in fp32.
 """
 
 from __future__ import annotations
