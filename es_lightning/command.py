@@ -68,7 +68,7 @@ class CommandMixin:
         return trainer
 
     def _run_subcommand(self, subcommand: str) -> None:
-        log_dir = self.trainer.log_dir
+        log_dir = self._log_dir = self.trainer.log_dir
         existed = log_dir is not None and Path(log_dir).exists()
         try:
             super()._run_subcommand(subcommand)
@@ -94,8 +94,8 @@ class CommandMixin:
             if history:
                 step, metrics = history[-1]
                 lines.append(format_table([("last evaluation", step, metrics)]))
-        if trainer.log_dir is not None:
-            root = Path(trainer.log_dir)
+        if self._log_dir is not None:  # read before the fit: trainer.log_dir is a collective, and only rank 0 is here
+            root = Path(self._log_dir)
             found = [name for name in ("config.yaml", "metrics.csv", "report.json", "report.png", "export") if (root / name).exists()]
             lines.append(f"run directory: {root}/ ({', '.join(found)})")
         checkpoint = trainer.checkpoint_callback

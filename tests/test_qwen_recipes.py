@@ -120,6 +120,9 @@ def test_hf_export_under_fsdp2_writes_the_full_weights(tmp_path):
         "max_steps": 1, "logger": False, "enable_checkpointing": True,
         "callbacks": [
             {"class_path": "es_lightning.HFExport", "init_args": {"dirpath": str(tmp_path / "export")}},
+            # rank-0-only writers must not call collectives (trainer.log_dir is one): the report's end-of-fit write
+            {"class_path": "es_lightning.PassAtKCallback", "init_args": {"num_samples": 2, "ks": [1], "num_problems": 4}},
+            {"class_path": "es_lightning.TrainingReport", "init_args": {"dirpath": str(tmp_path / "report"), "plot": False}},
             {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
              "init_args": {"dirpath": str(tmp_path / "ckpt"), "filename": "last", "every_n_train_steps": 1}},
         ],
@@ -131,6 +134,7 @@ def test_hf_export_under_fsdp2_writes_the_full_weights(tmp_path):
                  "--data.init_args.batch_size", "4", "--data.init_args.train_size", "16"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "MEMBER: 2/2" in proc.stdout + proc.stderr  # two processes
+    assert (tmp_path / "report" / "report.json").is_file()
     assert sorted(p.name for p in (tmp_path / "ckpt" / "last.ckpt").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     dcp_to_torch_save(tmp_path / "ckpt" / "last.ckpt", tmp_path / "full.pt")
     gathered = torch.load(tmp_path / "full.pt", weights_only=False)["state_dict"]  # {"model.<hf name>": tensor}

@@ -16,6 +16,8 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_only
 
+from es_lightning.callbacks.log_dir import run_log_dir
+
 
 class TrainingReport(L.Callback):
     """Evaluate at start, at the stage switch and at the end; print and save the comparison.
@@ -76,7 +78,7 @@ class TrainingReport(L.Callback):
     # ------------------------------------------------------------------ output
     @rank_zero_only
     def _write(self, trainer: L.Trainer) -> None:
-        out = Path(self.dirpath or trainer.log_dir or trainer.default_root_dir)
+        out = Path(self.dirpath or run_log_dir(trainer))  # not trainer.log_dir: a collective, and only rank 0 is here
         out.mkdir(parents=True, exist_ok=True)
         print("\n" + format_table(self.rows))
         seq = self._sequential(trainer)
