@@ -163,3 +163,25 @@ def test_resume_is_bitwise(tmp_path, tiny_model_dir):
     for (name, a), (_, b) in zip(full.model.named_parameters(), resumed.model.named_parameters()):
         assert torch.equal(a, b), name
     assert any(not torch.equal(a, start[n]) for n, a in full.model.named_parameters())  # the fit moved the weights
+
+
+def test_qwen_like_bf16_whole_population_equals_member_by_member(qwen_like_small_dir):
+    """The Qwen-like fixture in bf16 (tied embeddings: the same factors perturb the lookup and the lm_head, chat
+    template, pad = EOS), sampled: one batch of 4 low-rank members equals the members one at a time, bitwise."""
+
+    def fit(members_per_batch):
+        module = ESModule(model=qwen_like_small_dir, dtype="bfloat16", population_size=4, sigma=2e-2, lr=1e-2,
+                          max_new_tokens=4, temperature=1.0, noise_rank=4, members_per_batch=members_per_batch,
+                          reward_normalization="centered", task=_CharSumTask())
+        _trainer(1).fit(module, _dm(batch_size=2))
+        return module
+
+    one, whole = fit(1), fit(4)
+    assert next(whole.model.parameters()).dtype == torch.bfloat16
+    assert len(set(one.last_rewards.tolist())) > 1
+    assert torch.equal(one.last_rewards, whole.last_rewards)
+    start = _weights(load_policy(qwen_like_small_dir, dtype="bfloat16"))
+    for (name, p), q in zip(one.model.named_parameters(), whole.model.parameters()):
+        assert torch.equal(p, q), name
+    # a real update (the bf16 norm weights at 1.0 keep theirs only with an fp32 master: es_lightning/precision.py)
+    assert not torch.equal(one.model.model.embed_tokens.weight, start["model.embed_tokens.weight"])
