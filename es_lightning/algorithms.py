@@ -113,6 +113,11 @@ class Algorithm(ABC):
         """Called at fit start, and at a switch, once the policy is placed (sharded, on its device)."""
         return None
 
+    def check_batch(self, batch_size: int) -> None:
+        """Refuse (``ValueError`` naming the fix) a training batch of ``batch_size`` prompts per rank that this
+        algorithm cannot split. Called at fit setup, for a :class:`~es_lightning.SequentialStrategy`'s second stage too."""
+        return None
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.settings!r})"
 
