@@ -43,7 +43,7 @@ test-vllm: setup-vllm        ## the vLLM backend's tests (tests/vllm_backend), o
 demo: setup                  ## the main command: GRPO then ES on the built-in model, table + plot + export
 	$(BIN)/es-lightning fit --config recipes/grpo_es.yaml
 
-compare: setup               ## base / GRPO / ES / GRPO->ES / ES->GRPO on 2 seeds, one table (README)
+compare: setup               ## base / GRPO / ES / GRPO->ES / ES->GRPO / ES low-rank on 2 seeds, one table (README)
 	OMP_NUM_THREADS=1 $(BIN)/es-lightning analyze compare --seeds 0 1 --out_dir lightning_logs/compare
 
 eval: setup                  ## evaluate the built-in model: Pass@1/4/16 table

@@ -27,14 +27,19 @@ def test_claims_against_hand_checked_numbers():
         "GRPO": _metrics(0.33, 0.55, 0.76, 0.12),  # entropy 0.12 <= 0.13, Pass@16 down, Pass@1 up: all held
         "ES": _metrics(0.27, 0.60, 0.80, 0.25),  # Pass@1 below base; Pass@16 0.07 below; entropy 0.25 >= 0.234
         "GRPO→ES": _metrics(0.30, 0.58, 0.76, 0.2),  # Pass@1 up; Pass@16 equal to GRPO's: not above
+        # half of GRPO's gain is 0.28 + 0.025 = 0.305: 0.31 holds it; Pass@16 0.84 < 0.87 - 0.02 = 0.85: not held
+        "ES low-rank": {**_metrics(0.31, 0.60, 0.84, 0.25), "fit_s": 61.2},
     }})
     held = {c: h for c, _, h, _ in report.claims()}
     assert held == {
         "GRPO: entropy <= 0.5 x base": True, "GRPO: Pass@16 < base": True, "GRPO: Pass@1 > base": True,
         "ES: Pass@1 >= base": False, "ES: |Pass@16 - base| <= 0.05": False, "ES: entropy >= 0.9 x base": True,
         "GRPO→ES: Pass@1 > base": True, "GRPO→ES: Pass@16 > GRPO's": False,
+        "ES low-rank: Pass@16 >= base - 0.02": False, "ES low-rank: Pass@1 gain >= 0.5 x GRPO's": True,
     }
     assert "GRPO→ES" in report.table() and report.to_json()["claims"][0]["seed"] == 0
+    row = next(line for line in report.table().splitlines() if line.startswith("ES low-rank"))
+    assert row.split()[-1] == "61" and next(line for line in report.table().splitlines() if line.startswith("ES ")).split()[-1] == "-"
 
 
 def test_compare_fits_every_recipe_and_evaluates_all_rows_alike(tmp_path):
@@ -45,14 +50,15 @@ def test_compare_fits_every_recipe_and_evaluates_all_rows_alike(tmp_path):
         overrides=["--data.init_args.batch_size", "2", "--model.init_args.max_new_tokens", "8"],
     )
     rows = report.results[0]
-    assert list(rows) == ["GRPO", "ES", "GRPO→ES", "ES→GRPO"]
+    assert list(rows) == ["GRPO", "ES", "GRPO→ES", "ES→GRPO", "ES low-rank"]
+    assert all(r["fit_s"] > 0 for r in rows.values())  # each fit's wall-clock, beside its metrics
     # the base row is an ordinary evaluation of the base model on the same problems with the same seeds
     problems = heldout_problems(CountdownTask(), 3, 1234)
     again = evaluate_policy(load_policy("builtin:countdown-tiny"), CountdownTask(), problems,
                             EvalSettings(num_samples=16, ks=[1, 4, 16], temperature=1.0, max_new_tokens=8, seed=1234))
     assert report.base == {c: again[c] for c in report.base}
     assert all(0 <= r["pass@1"] <= r["pass@4"] <= r["pass@16"] <= 1 for r in rows.values())
-    assert len(report.claims()) == 8
+    assert len(report.claims()) == 10
     with pytest.raises(ValueError, match="unknown methods"):
         compare_methods(methods=["PPO"])
 

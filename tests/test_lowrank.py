@@ -420,3 +420,26 @@ def test_a_failure_while_patching_leaves_the_model_unpatched(tiny):
                                       sigma=SIGMA, rank=RANK, cache=bad_cache):
             pass
     assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_copied_tensors_are_perturbed_from_the_given_centres(tiny):
+    """``centres`` (an fp32 master of a bf16 weight, say) is what vectors' member copies are perturbed from; a Linear
+    matrix still reads its live weight. Independent computation: the merged weights with that vector's centre."""
+    model = tiny.model
+    named = list(model.named_parameters())
+    centre = {n: p.detach().clone() for n, p in named}
+    name = "model.norm.weight"
+    moved = centre[name] + 0.25  # a centre that is not the live weight
+    ids = torch.randint(0, model.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        alone = []
+        for noise_id, sign in MEMBERS:
+            _load(model, _merged({**centre, name: moved}, SEED, STEP, SIGMA, RANK, noise_id, sign))
+            alone.append(model(ids).logits)
+        _load(model, centre)
+        with LowRankPopulationForward(model, named, MEMBERS, seed=SEED, step=STEP, sigma=SIGMA, rank=RANK,
+                                      centres={name: moved}):
+            batched = model(ids.repeat(len(MEMBERS), 1)).logits
+        plain = model(ids.repeat(len(MEMBERS), 1)).logits
+    torch.testing.assert_close(batched, torch.cat(alone), rtol=0, atol=1e-5)
+    assert not torch.allclose(batched, plain, atol=1e-3)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 import types
 import warnings
-from collections.abc import Iterable, MutableMapping, Sequence
+from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -138,6 +138,11 @@ class LowRankPopulationForward:
         seed, step, sigma, rank: the step's noise (``rank >= 1``).
         cache: a dict filled with every factor/noise drawn (``(noise id, name)`` → ``(A, B)`` or flat ε, fp32) and
             read before drawing; pass it on to the update so nothing is drawn twice in a step.
+        centres: ``{name: θ}`` the centre to perturb a *copied* tensor from (vectors, and matrices outside
+            ``nn.Linear``/``nn.Embedding``) when it is not the live weight — an fp32 master of a bf16 weight
+            (:meth:`~es_lightning.es.update.ESOptimizer.centre`), so that copy is θ + σε rounded once. Matrices in
+            ``nn.Linear``/``nn.Embedding`` always read the live weight, which is the master rounded: W x + σ·(low-rank
+            term) differs from the rounded W + σE by less than the weight's own rounding.
     """
 
     def __init__(
@@ -151,6 +156,7 @@ class LowRankPopulationForward:
         sigma: float,
         rank: int,
         cache: NoiseCache | None = None,
+        centres: Mapping[str, Tensor] | None = None,
     ) -> None:
         named = list(named_params)
         if rank < 1:
@@ -160,6 +166,7 @@ class LowRankPopulationForward:
             raise ValueError("LowRankPopulationForward needs at least one member")
         self.model, self.members, self.k = model, list(members), len(members)
         self.seed, self.step, self.sigma, self.rank, self.cache = seed, step, sigma, rank, cache
+        self.centres = centres or {}
         self._names = {id(p): name for name, p in named}
         self._patched: list[tuple[nn.Module, object]] = []
 
@@ -174,11 +181,14 @@ class LowRankPopulationForward:
 
     def _vectors(self, name: str, p: Tensor) -> Tensor:
         """``[k, *p.shape]`` full-rank perturbed copies, computed as ``es_lightning.es.evaluators.perturb`` does (fp32, cast once)."""
-        out = []
+        out, centre = [], self._centre(name, p)
         for i, s in self.members:
             eps = _cached_noise(self.cache, self.seed, self.step, i, name, p)
-            out.append((p.detach().float() + (s * self.sigma) * eps.view_as(p)).to(p.dtype))
+            out.append((centre + (s * self.sigma) * eps.view_as(p)).to(p.dtype))
         return torch.stack(out)
+
+    def _centre(self, name: str, p: Tensor) -> Tensor:  # fp32
+        return self.centres.get(name, p).detach().float().view_as(p)
 
     # ------------------------------------------------------------------ context
     def __enter__(self) -> LowRankPopulationForward:
@@ -208,7 +218,7 @@ class LowRankPopulationForward:
                         fallback.append(f"{mod_name}.{n} ({type(module).__name__})")
                         a, b = self._factors(self._names[id(p)], p)
                         delta = torch.bmm(a, b.transpose(1, 2)) * self._scales(p.device).view(-1, 1, 1)
-                        members[n] = (p.detach().float() + delta).to(p.dtype)
+                        members[n] = (self._centre(self._names[id(p)], p) + delta).to(p.dtype)
                     else:
                         members[n] = self._vectors(self._names[id(p)], p)
                 forward = _batched_forward(module, members, self.k)
