@@ -113,6 +113,11 @@ class Algorithm(ABC):
         """Called at fit start, and at a switch, once the policy is placed (sharded, on its device)."""
         return None
 
+    def check_generation(self, backend: str, options: Mapping[str, Any]) -> None:
+        """Refuse (``ValueError`` naming the fix) settings the generation backend cannot run (ES: several full-rank
+        members per call on vLLM). Called when the module is built and before a stage switch."""
+        return None
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.settings!r})"
 

@@ -96,6 +96,9 @@ class SequentialStrategy(L.Callback):
         if first is None:
             raise TypeError(f"SequentialStrategy switches the algorithm of a training module (GRPOModule, ESModule), "
                             f"but the module is a {type(pl_module).__name__} without one")
+        if first.name != self.target:  # e.g. a full-rank ES stage batching members on vLLM: refused now, not at the switch
+            get_algorithm(self.target)(copy.deepcopy(self.stage_settings)).check_generation(
+                pl_module.generation_backend, pl_module.generation_options)
         k = first.steps_per_batch
         if first.name != self.target and self.switch_step % k:
             lower, upper = self.switch_step // k * k, (self.switch_step // k + 1) * k

@@ -70,7 +70,7 @@ from torch import Tensor
 
 from es_lightning.generation.base import Generator, Rollout, SamplingParams, default_seed
 from es_lightning.generation.hf import _cut_at_stop
-from es_lightning.policy import Policy
+from es_lightning.policy import Policy, encode_prompts
 
 INSTALL_HINT = (
     'generation_backend "vllm" needs vLLM: pip install "es-lightning[vllm]" on a GPU machine, or `make test-vllm` '
@@ -88,6 +88,18 @@ def import_vllm():
     except ImportError as err:
         raise ImportError(INSTALL_HINT) from err
     return vllm
+
+
+def engine_option_names() -> tuple[list[str], set[str]]:
+    """The ``generation_options`` keys the vLLM backend accepts: VLLMGenerator's own arguments, and the fields of
+    vLLM's ``EngineArgs`` (what ``vllm.LLM(**kwargs)`` forwards)."""
+    import dataclasses
+    import inspect
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    own = [n for n in inspect.signature(VLLMGenerator.__init__).parameters if n not in ("self", "policy", "engine_kwargs")]
+    return own, {f.name for f in dataclasses.fields(EngineArgs)}
 
 
 @contextlib.contextmanager
@@ -204,6 +216,12 @@ class VLLMGenerator(Generator):
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         kwargs.update(engine_kwargs)
         self.engine_side_es = engine_side_es
+        #: adapters (LoRA) one engine call may hold at once: ``max_loras`` when ``enable_lora`` (low-rank ES members)
+        self.max_loras = int(kwargs.get("max_loras") or 1) if kwargs.get("enable_lora") else 0
+        self._stale = True  # the policy's weights are not in the engine yet (pushed next)
+        #: whether the engine-side ES centre (es_set_centre) is the engine's current weights; a push ends it
+        self.es_centre_current = False
+        self._adapters: list[str] | None = None
         self.llm = self._build_engine(kwargs)
         self.push_weights()
 
@@ -277,19 +295,42 @@ class VLLMGenerator(Generator):
         """Copy weights into the engine by Hugging Face name (all the policy's by default) and reset the prefix cache.
 
         The model's ``load_weights`` maps names onto vLLM's fused parameters (q/k/v, gate/up), its tensor-parallel
-        shards and tied embeddings. Used after each GRPO optimizer step and for ES members perturbed in place.
+        shards and tied embeddings. Used for ES members perturbed in place; after an optimizer step the trainer calls
+        :meth:`weights_changed` instead and the push happens before the next generation. When the engine is behind
+        the policy (:meth:`weights_changed`) a push of some tensors pushes all of them.
         """
         if self.llm is None:
             raise RuntimeError("this VLLMGenerator was closed")
-        named = self.policy.model.named_parameters() if named is None else named
+        if named is None or self._stale:
+            named, self._stale = self.policy.model.named_parameters(), False
         with preserved_host_state():
             self.llm.apply_model(lambda model: model.load_weights((n, t.detach()) for n, t in named))
             self.llm.reset_prefix_cache()
+        self.es_centre_current = False
+
+    def weights_changed(self) -> None:
+        """The policy's weights changed (an optimizer step, a restored checkpoint, a stage switch): they are pushed
+        before the next generation (once, however many steps came in between), and an engine-side ES centre must be
+        set again."""
+        self._stale = True
+        self.es_centre_current = False
+
+    def sync(self) -> None:
+        """Push the policy's weights now if they changed since the last push."""
+        if self._stale:
+            self.push_weights()
 
     # engine-side ES: the calls an ES step makes (see es_lightning/generation/vllm_es.py)
-    def es_set_centre(self, named: Iterable[tuple[str, Tensor]]) -> None:
-        """Give the engine the centre weights θ (HF names; copied to an fp32 master there) of the parameters ES moves."""
-        self._rpc("es_set_centre", [(n, t.detach()) for n, t in named])
+    def es_set_centre(self, named: Iterable[tuple[str, Tensor]], dtypes: dict[str, torch.dtype] | None = None) -> None:
+        """Give the engine the centre θ of the parameters ES moves (HF names), in the precision the trainer keeps it:
+        the ES optimizer's fp32 master of a bf16 weight, else the weight itself. ``dtypes``: the policy's dtype per name
+        (default: the tensor's), which members are rounded to, as in-place perturbation rounds them. Pushes the
+        policy's other weights first if they changed."""
+        self.sync()
+        named = [(n, t.detach()) for n, t in named]
+        dtypes = {n: (dtypes or {}).get(n, t.dtype) for n, t in named}
+        self._rpc("es_set_centre", named, dtypes)
+        self.es_centre_current = True
 
     def es_perturb(self, seed: int, step: int, noise_id: int, sign: float, sigma: float) -> None:
         """Engine weights ← θ + sign·σ·ε(seed, step, noise_id), ε regenerated inside the engine."""
@@ -300,10 +341,29 @@ class VLLMGenerator(Generator):
         self._rpc("es_restore")
 
     def es_update(self, seed: int, step: int, noise_ids: Sequence[int], weights: Sequence[float], lr: float,
-                  sigma: float, scale: str = "alpha") -> float:
-        """θ ← θ + coef·Σ w_m ε_m in the engine's fp32 master (ESOptimizer's rule and arithmetic); returns ‖Δθ‖."""
+                  sigma: float, scale: str = "alpha", noise_rank: int = 0) -> float:
+        """θ ← θ + coef·Σ w_m ε_m in the engine's copy of the centre (ESOptimizer's rule and arithmetic, low-rank
+        matrices with ``noise_rank > 0``); returns ‖Δθ‖."""
         return self._rpc("es_update", seed, step, [int(i) for i in noise_ids], [float(w) for w in weights],
-                         float(lr), float(sigma), scale)[0]
+                         float(lr), float(sigma), scale, int(noise_rank))[0]
+
+    # low-rank ES: one LoRA adapter per member, all members in one engine call
+    @contextlib.contextmanager
+    def member_adapters(self, paths: Sequence[str]) -> Iterator[None]:
+        """Within the block, a call with ``common_random_blocks = len(paths)`` runs block ``j`` of its prompts through
+        the LoRA adapter in directory ``paths[j]`` (PEFT layout; :mod:`es_lightning.es.vllm_lora` writes them). Slot
+        ``j`` keeps its adapter name and id across calls and is reloaded from disk on every call (``load_inplace``):
+        the engine otherwise serves the adapter it cached under that id, i.e. last step's member."""
+        if not self.max_loras:
+            raise RuntimeError("this engine was built without LoRA: VLLMGenerator(..., enable_lora=True, "
+                               "max_lora_rank=..., max_loras=...)")
+        if not 1 <= len(paths) <= self.max_loras:
+            raise ValueError(f"{len(paths)} adapters in one call, the engine holds at most max_loras={self.max_loras}")
+        self._adapters = list(paths)
+        try:
+            yield
+        finally:
+            self._adapters = None
 
     # ------------------------------------------------------------------ generation
     @property
@@ -343,12 +403,16 @@ class VLLMGenerator(Generator):
         tokenizer = self.policy.tokenizer
         seed = default_seed() if seed is None else int(seed)
         seeds = row_seeds(prompts, num_samples, seed, common_random_blocks)
-        token_lists = [tokenizer(p)["input_ids"] for p in prompts]
+        enc = encode_prompts(tokenizer, list(prompts))  # the ids HFGenerator feeds: one BOS, never two
+        token_lists = [row[mask.bool()].tolist() for row, mask in zip(enc["input_ids"], enc["attention_mask"])]
         eos = self.eos_token_ids
-        requests, sampling = [], []
+        adapters = self._lora_requests(len(prompts), common_random_blocks)
+        requests, sampling, loras = [], [], []
         for i, ids in enumerate(token_lists):
             for j in range(num_samples):
                 requests.append(TokensPrompt(prompt_token_ids=list(ids)))
+                if adapters is not None:
+                    loras.append(adapters[i * len(adapters) // len(prompts)])
                 sampling.append(VSamplingParams(
                     n=1,
                     max_tokens=params.max_new_tokens,
@@ -361,9 +425,21 @@ class VLLMGenerator(Generator):
                     logprobs=0 if return_logprobs else None,
                     skip_special_tokens=True,
                 ))
+        self.sync()
         with preserved_host_state():
-            outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+            outputs = self.llm.generate(requests, sampling, use_tqdm=False, lora_request=loras or None)
         return self._rollout(token_lists, outputs, num_samples, params, return_logprobs)
+
+    def _lora_requests(self, prompts: int, blocks: int) -> list | None:
+        """One LoRA request per block of prompts inside :meth:`member_adapters`, else ``None``."""
+        if self._adapters is None:
+            return None
+        if blocks != len(self._adapters):
+            raise ValueError(f"{len(self._adapters)} member adapters need common_random_blocks={len(self._adapters)} "
+                             f"(one block of prompts per member), got {blocks}")
+        from vllm.lora.request import LoRARequest
+
+        return [LoRARequest(f"es-member-{j}", j + 1, path, load_inplace=True) for j, path in enumerate(self._adapters)]
 
     def _rollout(self, token_lists, outputs, num_samples: int, params: SamplingParams, return_logprobs: bool):
         """vLLM's per-request lists → HF's layout: left-padded prompts, right-padded completions, masks with EOS."""
@@ -460,5 +536,7 @@ def _first_line(err: BaseException) -> str:
     lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
     if "validation error" in lines[0] and len(lines) > 1:
         reason = lines[1].removeprefix("Value error, ")
+        if not lines[1].startswith("Value error") and len(lines) > 2:  # "<field>" then "<what is wrong> [type=...]"
+            reason = f"{lines[1]}: {lines[2]}"
         return reason.split(" [type=")[0]
     return lines[0]

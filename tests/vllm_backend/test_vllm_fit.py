@@ -1,0 +1,194 @@
+"""`es-lightning fit` of the shipped recipes with ``generation_backend: vllm`` (configs/generation/vllm.yaml stacked on
+the recipe, sizes shrunk on the command line), 2 steps each, run in this process through the CLI class the console
+script runs — and checked against the HF backend where the two must agree.
+
+- ES, greedy: HF, vLLM engine-side and vLLM pushed give the same rewards and the same weights, bit for bit; the
+  engine's copy of θ equals the policy's after the updates.
+- ES, sampled: engine-side and pushed give the same rewards and weights (the same engine, seeds and common random
+  numbers). Against HF they differ: both samplers are exact, seeded and batch-independent, but HF draws Gumbel noise
+  from a ``torch.Generator`` per call while vLLM draws from a generator per request — different random streams.
+- GRPO: for the same reason its rollouts differ from HF's at the same seeds; what must hold is that every rollout comes
+  from the weights of the current step (a push after each optimizer step), checked before every step.
+- GRPO → ES: the switch re-sets the engine's ES centre from GRPO's weights; a full-rank ES stage that batches members
+  is refused before the fit trains.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+import yaml
+
+pytest.importorskip("vllm")
+
+from es_lightning.generation import SamplingParams  # noqa: E402
+from es_lightning.generation.vllm import policy_token_stats  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+VLLM = ["--config", str(ROOT / "configs" / "generation" / "vllm.yaml"),
+        "--model.init_args.generation_options.max_model_len", "96",
+        "--model.init_args.generation_options.cpu_kv_cache_gib", "0.0625",
+        "--model.init_args.generation_options.max_num_seqs", "64"]
+SMALL = ["--trainer.max_steps", "2", "--trainer.logger", "false", "--trainer.enable_checkpointing", "false",
+         "--data.init_args.val_size", "4", "--data.init_args.val_batch_size", "4",
+         "--model.init_args.max_new_tokens", "8"]
+
+
+def _recipe(tmp_path: Path, name: str, **stage) -> str:
+    """recipes/<name> with its callbacks' evaluations shrunk and their outputs under tmp_path (list entries cannot be
+    changed from the command line); ``stage``: SequentialStrategy's ES settings to change."""
+    cfg = yaml.safe_load((ROOT / "recipes" / name).read_text())
+    for cb in cfg["trainer"].get("callbacks", []):
+        args = cb.setdefault("init_args", {})
+        kind = cb["class_path"].rsplit(".", 1)[-1]
+        if kind == "PassAtKCallback":
+            args.update(num_samples=4, ks=[1, 4])
+            args.pop("num_problems", None)
+            args.pop("batch_size", None)
+        elif kind == "SequentialStrategy":
+            args["switch_step"] = 1
+            args["es"].update(stage)
+        elif kind == "HFExport":
+            args["dirpath"] = str(tmp_path / "export")
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return str(path)
+
+
+@pytest.fixture
+def fit(keep_alive):
+    """``fit(recipe, *args)`` runs ``es-lightning fit --config <recipe> <args>`` and returns (module, trainer); the
+    module (and its engine) lives until the session ends (see ``keep_alive``)."""
+    from es_lightning.lightning_cli import ESLightningCLI
+
+    def run(recipe: str, *args: str):
+        root = str(Path(recipe).parent)  # the saved config.yaml and any checkpoint land next to the recipe's copy
+        cli = ESLightningCLI(args=["fit", "--config", recipe, *args, "--trainer.default_root_dir", root])
+        keep_alive.append(cli.model)
+        return cli.model, cli.trainer
+
+    return run
+
+
+def _weights(module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in module.model.named_parameters()}
+
+
+def _moved(weights: dict[str, torch.Tensor]) -> bool:
+    """Whether the fit changed the built-in model's weights."""
+    from es_lightning.policy import load_policy
+
+    base = dict(load_policy("builtin:countdown-tiny").model.named_parameters())
+    return any(not torch.equal(base[n].detach(), w) for n, w in weights.items())
+
+
+def _engine_matches_policy(module) -> None:
+    """The engine's next rollout comes from the policy's weights: greedy log-probs equal the policy's forward."""
+    gen = module.generator
+    prompts = module.prompts([{"nums": [3, 5, 7], "target": 22}, {"nums": [2, 9, 4], "target": 14}])
+    rollout = gen.generate(prompts, 1, SamplingParams(max_new_tokens=6, temperature=0.0), return_logprobs=True)
+    forward, _ = policy_token_stats(module.model, rollout, 1.0)
+    assert (rollout.logprobs - forward).abs().max() < 1e-5
+
+
+ES_SMALL = [*SMALL, "--model.init_args.population_size", "4", "--model.init_args.members_per_batch", "1",
+            "--data.init_args.batch_size", "4"]
+
+
+def test_es_recipe_greedy_vllm_equals_hf(tmp_path, fit):
+    """recipes/es.yaml greedy, 2 steps: the HF backend, vLLM engine-side and vLLM pushed agree bit for bit."""
+    recipe = _recipe(tmp_path, "es.yaml")
+    greedy = [*ES_SMALL, "--model.init_args.temperature", "0", "--model.init_args.samples_per_member", "1",
+              "--model.init_args.sigma", "0.02", "--data.init_args.batch_size", "8"]  # members that score differently
+    runs = {}
+    for name, extra in (("hf", []), ("engine", VLLM),
+                        ("push", [*VLLM, "--model.init_args.generation_options.engine_side_es", "false"])):
+        module, trainer = fit(recipe, *greedy, *extra)
+        assert trainer.global_step == 2
+        runs[name] = (module, module.last_rewards.clone(), _weights(module))
+    hf, engine, push = runs["hf"], runs["engine"], runs["push"]
+    assert type(engine[0].algorithm.evaluator).__name__ == "VLLMEngineEvaluator"
+    assert type(push[0].algorithm.evaluator).__name__ == "VLLMPushEvaluator"
+    assert hf[1].std() > 0  # the members scored differently: the update moved the weights
+    for run in (engine, push):
+        assert torch.equal(run[1], hf[1])
+        assert all(torch.equal(run[2][n], hf[2][n]) for n in hf[2])
+    assert _moved(hf[2])
+    master = engine[0].generator.engine_worker._es_master  # the engine's copy of θ followed both updates
+    assert all(torch.equal(master[n], engine[2][n]) for n in master)
+    for module, _, _ in (engine, push):
+        _engine_matches_policy(module)
+
+
+def test_es_recipe_sampled_engine_side_equals_pushed(tmp_path, fit):
+    """recipes/es.yaml as shipped samples (T=1, 2 completions per prompt, common random numbers): engine-side and
+    pushed members give the same rewards and weights."""
+    recipe = _recipe(tmp_path, "es.yaml")
+    a_module, _ = fit(recipe, *ES_SMALL, *VLLM)
+    b_module, _ = fit(recipe, *ES_SMALL, *VLLM, "--model.init_args.generation_options.engine_side_es", "false")
+    assert a_module.sampling.temperature == 1.0 and a_module.algorithm.settings.samples_per_member == 2
+    assert torch.equal(a_module.last_rewards, b_module.last_rewards)
+    a, b = _weights(a_module), _weights(b_module)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+class _EngineFollowsPolicy(L.Callback):
+    """Before each training step after the first: the engine generates from the policy's current weights."""
+
+    def __init__(self) -> None:
+        self.checked = 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step > 0:
+            _engine_matches_policy(pl_module)
+            self.checked += 1
+
+
+def test_grpo_recipe_pushes_after_each_optimizer_step(tmp_path, keep_alive):
+    """recipes/grpo.yaml, 3 optimizer steps on vLLM: each rollout after the first step comes from the updated weights."""
+    from es_lightning.lightning_cli import ESLightningCLI
+
+    check = _EngineFollowsPolicy()
+    args = ["--config", _recipe(tmp_path, "grpo.yaml"), *SMALL, *VLLM, "--trainer.max_steps", "3",
+            "--trainer.default_root_dir", str(tmp_path),
+            "--data.init_args.batch_size", "2", "--model.init_args.group_size", "4"]
+    cli = ESLightningCLI(args=args, run=False)  # `es-lightning fit`, with a checking callback added
+    keep_alive.append(cli.model)
+    cli.trainer.callbacks.append(check)
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    assert cli.trainer.global_step == 3 and check.checked == 2
+    assert _moved(_weights(cli.model))
+    metrics = cli.trainer.logged_metrics
+    assert torch.isfinite(metrics["train/grad_norm"]) and float(metrics["train/clip_ratio/region_mean"]) == 0.0
+
+
+def test_grpo_es_recipe_switches_on_vllm(tmp_path, fit):
+    """recipes/grpo_es.yaml (GRPO 1 step → ES 1 step) on vLLM: the ES stage takes its engine centre from GRPO's
+    weights; the report and export are written."""
+    recipe = _recipe(tmp_path, "grpo_es.yaml", population_size=4, members_per_batch=1)
+    module, trainer = fit(recipe, *SMALL, *VLLM, "--data.init_args.batch_size", "2", "--model.init_args.group_size", "4",
+                          "--trainer.logger", "lightning.pytorch.loggers.CSVLogger",
+                          "--trainer.logger.init_args.save_dir", str(tmp_path / "logs"))
+    assert trainer.global_step == 2 and module.algorithm.name == "es"
+    assert type(module.algorithm.evaluator).__name__ == "VLLMEngineEvaluator"
+    master = module.generator.engine_worker._es_master
+    assert all(torch.equal(master[n], p.detach()) for n, p in module.model.named_parameters())
+    _engine_matches_policy(module)
+    assert (tmp_path / "export" / "config.json").exists()
+
+
+def test_batched_full_rank_members_refused_before_training(tmp_path, fit):
+    """members_per_batch > 1 with full-rank noise on vLLM: refused when the module is built (ESModule) or when the fit
+    is set up (a SequentialStrategy ES stage), before anything trains."""
+    with pytest.raises(ValueError, match=r"members_per_batch=32 with full-rank noise cannot run on vLLM.*noise_rank > 0"):
+        fit(_recipe(tmp_path, "es.yaml"), *SMALL, *VLLM)
+    with pytest.raises(ValueError, match=r"members_per_batch=32 with full-rank noise cannot run on vLLM"):
+        fit(_recipe(tmp_path, "grpo_es.yaml"), *SMALL, *VLLM, "--data.init_args.batch_size", "2")
+
+
+def test_unknown_generation_option_refused_at_construction(tmp_path, fit):
+    with pytest.raises(ValueError, match=r"unknown vLLM generation_options \['max_model_length'\]; accepted: \['max_model_len'"):
+        fit(_recipe(tmp_path, "grpo.yaml"), *SMALL, *VLLM, "--model.init_args.generation_options.max_model_length", "9")
