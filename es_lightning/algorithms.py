@@ -113,6 +113,11 @@ class Algorithm(ABC):
         """Called at fit start, and at a switch, once the policy is placed (sharded, on its device)."""
         return None
 
+    def check_batch(self, batch_size: int) -> None:
+        """Refuse (``ValueError`` naming the fix) a training batch of ``batch_size`` prompts per rank that this
+        algorithm cannot split. Called at fit setup, for a :class:`~es_lightning.SequentialStrategy`'s second stage too."""
+        return None
+
     def check_generation(self, backend: str, options: Mapping[str, Any]) -> None:
         """Refuse (``ValueError`` naming the fix) settings the generation backend cannot run (ES: several full-rank
         members per call on vLLM). Called when the module is built and before a stage switch."""

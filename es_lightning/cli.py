@@ -6,16 +6,19 @@ To run::
     es-lightning fit --config recipes/grpo_es.yaml --trainer.max_steps 20   # any key can be overridden
     es-lightning fit --config configs/trainer/cpu.yaml --config recipes/es.yaml --print_config
 
-``--config`` stacks (later files override earlier ones). Unknown keys and wrong types are refused by jsonargparse with
-a message naming the key, and a non-zero exit.
+``--config`` stacks (later files override earlier ones). A mistake (unknown key, wrong type or value, missing file)
+prints one line naming the file:line or option and the fix, and exits with status 2 (:mod:`es_lightning.cli_errors`;
+``--debug`` shows the traceback). Each fit writes ``lightning_logs/<recipe>/version_N/`` (config, metrics,
+``checkpoints/last.ckpt``, report, export); ``--ckpt_path last`` resumes the newest run of the recipe
+(:mod:`es_lightning.run_dirs`).
 
 The analysis commands (:mod:`es_lightning.analysis`) are plain functions whose signatures and docstrings become the
 options and ``--help`` (as litgpt's ``__main__``)::
 
-    es-lightning eval --checkpoints builtin:countdown-tiny runs/es/last.ckpt --tasks countdown addition sort
-    es-lightning analyze drift --tuned runs/es/last.ckpt
-    es-lightning analyze ablation --tuned runs/es/last.ckpt --top_percent 50 10 1 --eval.num_samples 16
-    es-lightning analyze forgetting --tuned runs/es/last.ckpt --tasks addition sort
+    es-lightning eval --checkpoints builtin:countdown-tiny lightning_logs/es/version_0/checkpoints/last.ckpt --tasks countdown
+    es-lightning analyze drift --tuned lightning_logs/es/version_0/checkpoints/last.ckpt
+    es-lightning analyze ablation --tuned lightning_logs/es/version_0/checkpoints/last.ckpt --top_percent 50 10 1 --eval.num_samples 16
+    es-lightning analyze forgetting --tuned lightning_logs/es/version_0/checkpoints/last.ckpt --tasks addition sort
     es-lightning analyze sweep --recipe recipes/es.yaml --populations 8 16 32 64 --steps 10
     es-lightning analyze compare --seeds 0 1          # base / GRPO / ES / GRPO→ES / ES→GRPO table (make compare)
 
@@ -34,9 +37,15 @@ import types
 import typing
 from collections.abc import Callable
 
+from es_lightning.command import CommandMixin
 from es_lightning.lightning_cli import ESLightningCLI, check_config
 
-__all__ = ["ESLightningCLI", "check_config", "cli_main"]  # the LightningCLI lives in lightning_cli (no import cycle)
+__all__ = ["CommandCLI", "ESLightningCLI", "check_config", "cli_main"]  # the LightningCLI lives in lightning_cli (no cycle)
+
+
+class CommandCLI(CommandMixin, ESLightningCLI):
+    """The LightningCLI of the ``es-lightning`` command: one-line errors, run directories, ``--ckpt_path last``,
+    progress display (:mod:`es_lightning.command`)."""
 
 
 def analysis_commands() -> dict[str, Callable | dict[str, Callable]]:
@@ -125,19 +134,37 @@ def run_analysis(args: list[str]):
         raise SystemExit(2) from err
 
 
+def _help_preamble() -> str:
+    """What `es-lightning --help` says before Lightning's usage: the analysis commands, where outputs go, the switches."""
+    analyses = ",".join(analysis_commands()["analyze"])
+    return (
+        f"es-lightning fit | validate | test (below);  es-lightning eval | analyze {{{analyses}}} (each has --help)\n\n"
+        "Outputs: each fit writes one run directory, <save_dir>/<name>/version_N/ (recipes: lightning_logs/<recipe>/...):\n"
+        "  config.yaml, metrics.csv, checkpoints/last.ckpt (every K steps and at the end), report.json/.png, export/.\n"
+        "Resume the newest run of a recipe: the same command with --ckpt_path last.\n"
+        "Switches: --debug (or ES_LIGHTNING_DEBUG=1) full tracebacks;  ES_LIGHTNING_NUM_THREADS=N torch CPU threads\n"
+        "  (default 1 per process);  ES_LIGHTNING_PROGRESS_SECONDS=S seconds between progress lines in a log.\n"
+    )
+
+
 def cli_main(args: list[str] | None = None) -> None:
     """Entry point of the ``es-lightning`` console script."""
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import es_lightning  # noqa: F401  (registers the package's classes for short class_path names)
+    from es_lightning import cli_errors, console
 
-    argv = sys.argv[1:] if args is None else list(args)
-    if argv and argv[0] in ("eval", "analyze"):
-        run_analysis(argv)
-        return
-    if argv and argv[0] in ("-h", "--help"):
-        print("es-lightning eval | analyze {drift,ablation,forgetting,sweep}: see `es-lightning eval --help`, "
-              "`es-lightning analyze --help`\n")
-    ESLightningCLI(args=args)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    argv = cli_errors.pop_debug_flag(sys.argv[1:] if args is None else list(args))
+    cli_errors.remember(argv)
+    console.quiet_libraries()
+    with cli_errors.one_line_errors():
+        console.configure_threads()
+        import es_lightning  # noqa: F401  (registers the package's classes for short class_path names)
+
+        if argv and argv[0] in ("eval", "analyze"):
+            run_analysis(argv)
+            return
+        if argv and argv[0] in ("-h", "--help"):
+            print(_help_preamble())
+        CommandCLI(args=argv)
 
 
 if __name__ == "__main__":

@@ -23,10 +23,20 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from es_lightning.hub import hub_errors
 from es_lightning.tasks import Task, get_task
 
 HELDOUT_FRACTION = 0.1
 _LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
+
+
+def _is_empty(path: Path) -> bool:
+    """A data file with no rows: zero bytes, or (jsonl) only blank lines."""
+    if path.stat().st_size == 0:
+        return True
+    if path.suffix == ".jsonl" and path.stat().st_size < 1 << 20:
+        return not path.read_text(errors="replace").strip()
+    return False
 
 
 def in_heldout_pool(prompt: str, fraction: float = HELDOUT_FRACTION) -> bool:
@@ -197,6 +207,7 @@ class ReasoningDataModule(L.LightningDataModule):
         out: dict[str, Any] = {"train": dsets[self.train_split]}
         for split, name in (("val", self.val_split), ("test", self.test_split)):
             out[split] = dsets[name] if name is not None and name in dsets else None  # None: carved off train below
+        self._check_carving(out)
         for split, size in (("test", self.test_size), ("val", self.val_size)):
             if out[split] is None:
                 n = size if size is not None else max(1, len(out["train"]) // 10)
@@ -211,12 +222,33 @@ class ReasoningDataModule(L.LightningDataModule):
             result[split] = [self.task.preprocess(dict(r)) for r in ds]
         return result
 
+    def _check_carving(self, out: dict[str, Any]) -> None:
+        """Refuse, naming the source and its size, a train split too small for the val/test rows carved off it."""
+        rows = len(out["train"])
+        if rows == 0:
+            raise ValueError(
+                f"data.source {self.source!r} has no rows in its {self.train_split!r} split; give a file with one JSON "
+                "object per line (columns: " + ", ".join(self.task.required_columns) + ")"
+            )
+        carved = {split: size if size is not None else max(1, rows // 10)
+                  for split, size in (("val", self.val_size), ("test", self.test_size)) if out[split] is None}
+        if rows - sum(carved.values()) < 1:
+            asked = " and ".join(f"data.{split}_size={n}" for split, n in carved.items())
+            raise ValueError(
+                f"data.source {self.source!r} has {rows} rows in its {self.train_split!r} split, too few to carve "
+                f"{asked} held-out rows off it and keep any for training; lower "
+                + " / ".join(f"data.{split}_size" for split in carved)
+                + " (e.g. to " + str(max(1, rows // 10)) + "), or give the held-out rows as their own split "
+                "(validation.jsonl / test.jsonl beside train.jsonl)"
+            )
+
     def _load_source(self, datasets):
         path = Path(os.path.expanduser(self.source))
         if self.source == "hub":
             if self.task.hub_dataset is None:
                 raise ValueError(f"task {self.task.name!r} has no default hub dataset; set data.source to a name or path")
-            return datasets.load_dataset(self.task.hub_dataset, self.hub_config or self.task.hub_config)
+            with hub_errors(self.task.hub_dataset, kind="dataset"):
+                return datasets.load_dataset(self.task.hub_dataset, self.hub_config or self.task.hub_config)
         if path.exists():
             if path.is_dir() and (path / "dataset_dict.json").exists() or (path / "dataset_info.json").exists():
                 loaded = datasets.load_from_disk(str(path))
@@ -235,10 +267,20 @@ class ReasoningDataModule(L.LightningDataModule):
                     f"no data files in {self.source!r}; expected {', '.join(sorted(_LOCAL_FORMATS))} files (a directory "
                     "may hold train.jsonl / validation.jsonl / test.jsonl)"
                 )
+            empty = [f for fs in by_split.values() for f in fs if _is_empty(Path(f))]
+            if empty:
+                raise ValueError(
+                    f"data file {empty[0]!r} is empty (0 rows); fill it with one JSON object per line (columns: "
+                    + ", ".join(self.task.required_columns) + ") or point data.source at another file"
+                )
             return datasets.load_dataset(fmt, data_files=by_split)
-        if self.source.startswith((".", "/", "~")):
-            raise FileNotFoundError(f"data source {self.source!r} does not exist")
-        return datasets.load_dataset(self.source, self.hub_config or self.task.hub_config)
+        if self.source.startswith((".", "/", "~")) or path.suffix in _LOCAL_FORMATS:
+            raise FileNotFoundError(
+                f"data source {self.source!r} does not exist (relative paths are read from {os.getcwd()}); give a "
+                "jsonl/json/parquet/arrow/csv file or directory, a hub dataset name, 'hub' or 'procedural'"
+            )
+        with hub_errors(self.source, kind="dataset"):
+            return datasets.load_dataset(self.source, self.hub_config or self.task.hub_config)
 
     def _map_columns(self, ds, split: str):
         if self.column_mapping:
@@ -252,7 +294,7 @@ class ReasoningDataModule(L.LightningDataModule):
         missing = [c for c in raw_needed if c not in ds.column_names]
         if missing:
             raise ValueError(
-                f"the {split} split of {self.source!r} lacks column(s) {missing} that task {self.task.name!r} needs; "
+                f"data.source {self.source!r}: its {split} split lacks column(s) {missing} that task {self.task.name!r} needs; "
                 f"it has {ds.column_names}. Map them with data.column_mapping, e.g. "
                 f"column_mapping: {{{ds.column_names[0] if ds.column_names else 'your_column'}: {missing[0]}}}"
             )

@@ -8,6 +8,7 @@ never ``cli``. ``tests/test_imports.py`` keeps the whole package free of import 
 from __future__ import annotations
 
 import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 
 __all__ = ["ESLightningCLI", "check_config"]
@@ -28,6 +29,10 @@ class ESLightningCLI(LightningCLI):
         )
 
     def instantiate_trainer(self, **kwargs):
+        trainer = self._get(self.config_init, "trainer", default={})
+        if trainer.get("enable_checkpointing") is False and isinstance(trainer.get("callbacks"), list):
+            # `--trainer.enable_checkpointing false` also turns off a recipe's RunCheckpoint (Lightning would refuse both)
+            trainer["callbacks"] = [cb for cb in trainer["callbacks"] if not isinstance(cb, ModelCheckpoint)]
         try:
             return super().instantiate_trainer(**kwargs)
         except ValueError as err:  # Lightning's FSDPStrategy refuses CPUs: say what does shard on one

@@ -7,6 +7,7 @@ regular HF directory shipped inside the package, so tests exercise the very code
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,8 @@ from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from es_lightning.hub import hub_errors
 
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_DIR = Path(__file__).parent / "builtin"
@@ -156,8 +159,9 @@ def load_policy(
     kwargs["dtype"] = torch_dtype if torch_dtype is not None else "auto"
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
-    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    tokenizer = load_tokenizer(name_or_path, trust_remote_code=trust_remote_code, revision=revision)
+    with hub_errors(name_or_path) if not Path(path).is_dir() else contextlib.nullcontext():  # a hub id: fail fast offline
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        tokenizer = load_tokenizer(name_or_path, trust_remote_code=trust_remote_code, revision=revision)
     # model.generation_config is left as the checkpoint wrote it (HFExport saves it back unchanged); rollouts never
     # read its sampling defaults (es_lightning/generation/config.py)
     return Policy(model=model, tokenizer=tokenizer)

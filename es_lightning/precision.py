@@ -105,6 +105,28 @@ def resolve_master_dtype(model_dtype: torch.dtype, master_dtype: str | torch.dty
     return master if lower_precision(model_dtype, master) else None
 
 
+def check_master_dtype(model_dtype: str, master_dtype: str | None) -> None:
+    """Validate the ``master_dtype`` knob when a module is built: a known name, and — when the module's ``dtype`` is
+    explicit — not lower than it (``dtype: auto`` and Lightning's ``*-true`` precisions are checked again against the
+    parameters themselves when the optimizer is built, :func:`master_dtype_for`)."""
+    if master_dtype is None or master_dtype == "same":
+        return
+    _as_dtype(master_dtype, "master_dtype")
+    if model_dtype in _NAMES:
+        resolve_master_dtype(_NAMES[model_dtype], master_dtype)
+
+
+def master_dtype_for(params: Iterable[Tensor], master_dtype: str | torch.dtype | None = "float32") -> torch.dtype | None:
+    """The master dtype an optimizer over ``params`` gets (:func:`resolve_master_dtype` for their lowest-precision
+    floating dtype: the parameters as they *are* when the optimizer is built, after Lightning's precision plugin
+    converted them), or ``None`` when none of them needs a master."""
+    dtypes = {p.dtype for p in params if p.is_floating_point()}
+    if not dtypes:
+        return None
+    lowest = max(dtypes, key=lambda d: (torch.finfo(d).eps, -torch.finfo(d).max))
+    return resolve_master_dtype(lowest, master_dtype)
+
+
 def check_device_dtype(device: torch.device | str, dtype: torch.dtype) -> None:
     """Refuse, naming the fix, a weight dtype the device cannot run: bf16 on a GPU without bf16 arithmetic (compute
     capability < 8.0: vLLM refuses it too) or on a CPU whose PyTorch build cannot compute in it (a real probe: a

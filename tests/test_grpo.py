@@ -354,7 +354,7 @@ def test_fit_logs_and_resumes_exactly(tiny_model_dir, tmp_path):
 
 
 def test_num_iterations_makes_that_many_optimizer_steps(tiny_model_dir, tmp_path):
-    module = _module(tiny_model_dir, num_iterations=2, mini_batch_size=3, loss_type="grpo", epsilon_high=0.28,
+    module = _module(tiny_model_dir, num_iterations=2, mini_batch_size=4, loss_type="grpo", epsilon_high=0.28,
                      mask_truncated_completions=True, max_new_tokens=4)
     trainer = _trainer(tmp_path, 4, enable_checkpointing=False)
     trainer.fit(module, _data())

@@ -37,29 +37,51 @@ def _shortened_recipe(tmp_path: Path) -> Path:
             args["es"]["population_size"] = 4
         if cb["class_path"].endswith("PassAtKCallback"):
             args.update(num_samples=16, every_n_train_steps=2)
-        if cb["class_path"].endswith("HFExport"):
-            args["dirpath"] = str(tmp_path / "export")
+        if cb["class_path"].endswith("RunCheckpoint"):
+            args["every_n_train_steps"] = 3  # step 3, and last.ckpt at the end (4 is not a multiple of 3)
     path = tmp_path / "grpo_es_short.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
 
 
 def test_grpo_es_recipe_end_to_end_and_export_loads_everywhere(tmp_path):
-    proc = _run(["fit", "--config", str(_shortened_recipe(tmp_path))], cwd=tmp_path)
+    recipe = _shortened_recipe(tmp_path)
+    proc = _run(["fit", "--config", str(recipe)], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = proc.stdout + proc.stderr
     assert "step 2: switching to ES" in out, out[-3000:]
     for row in ("base (step 0)", "after GRPO (step 2)", "final (step 4)"):
         assert row in out, out[-3000:]
 
-    report = json.loads(next((tmp_path / "logs").rglob("report.json")).read_text())
+    # a console a log file can hold: progress lines (stdout is a pipe here), no bar, tips or library warnings
+    assert "step 1/4 [GRPO]" in proc.stdout and "step 4/4 [ES]" in proc.stdout, proc.stdout[-3000:]
+    for noise in ("Tip:", "IterableDataset", "deprecated", "Epoch 0/", "v_num", "it/s", "\r"):
+        assert noise not in out, (noise, out[-3000:])
+
+    # everything in the run's own directory: config, metrics, checkpoints, report, export
+    run = tmp_path / "logs" / "grpo_es" / "version_0"
+    for name in ("config.yaml", "metrics.csv", "report.json", "report.png", "export/config.json", "checkpoints/last.ckpt"):
+        assert (run / name).is_file(), name
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 4
+    assert f"run directory: {run}/" in proc.stdout, proc.stdout[-2000:]
+
+    # --ckpt_path last resumes the newest run of the recipe, into a run directory of its own
+    resumed = _run(["fit", "--config", str(recipe), "--ckpt_path", "last", "--trainer.max_steps", "5"], cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert f"resuming from {run}/checkpoints/last.ckpt" in resumed.stderr, resumed.stderr[-3000:]
+    second = tmp_path / "logs" / "grpo_es" / "version_1"
+    assert torch.load(second / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 5
+    assert (second / "export" / "config.json").is_file() and (run / "export" / "config.json").is_file()
+    assert "base (step 0)" in resumed.stdout and "final (step 5)" in resumed.stdout  # the table survives the resume
+
+    report = json.loads((run / "report.json").read_text())
     assert [(r["label"], r["step"]) for r in report["rows"]] == [("base", 0), ("after GRPO", 2), ("final", 4)]
     assert report["switch_step"] == 2
     assert next((tmp_path / "logs").rglob("report.png")).stat().st_size > 1000
     metrics = report["rows"][-1]
     assert 0 <= metrics["val/pass@1"] <= metrics["val/pass@16"] <= 1
 
-    export = tmp_path / "export"
+    export = run / "export"
     model = AutoModelForCausalLM.from_pretrained(export).eval()  # plain transformers, no es_lightning code
     tok = AutoTokenizer.from_pretrained(export)
     ids = tok(["c:3 5 7>22="], return_tensors="pt")

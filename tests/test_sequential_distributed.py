@@ -85,7 +85,7 @@ def test_grpo_es_resume_on_two_processes_is_bitwise(mode, tiny_model_dir, tmp_pa
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads((tmp_path / f"{mode}.json").read_text())
     assert result["sharded"] == (mode == "fsdp2") and result["is_dir"] == (mode == "fsdp2")
-    grpo, es = ["grpo", "AdamW"], ["es", "ESOptimizer"]
+    grpo, es = ["grpo", "MasterAdamW"], ["es", "ESOptimizer"]
     assert result["stages"] == {"1": grpo, "2": grpo, "3": es, "4": es}
     for resume_step, resumed in result["resumed"].items():
         assert resumed["step"] == 4

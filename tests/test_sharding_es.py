@@ -244,13 +244,14 @@ def test_sharded_settings_are_checked_with_the_fix():
         ShardedEvaluator(ESSettings(population_size=4)).check(module)
 
 
-def test_fsdp1_on_cpu_is_refused_with_the_cpu_alternative(tmp_path):
+def test_fsdp1_on_cpu_is_refused_with_the_cpu_alternative(tmp_path, capsys):
     from es_lightning.cli import cli_main
 
     recipe = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes", "es.yaml")
-    with pytest.raises(ValueError, match="fsdp2_cpu.yaml"):
+    with pytest.raises(SystemExit) as refused:  # the command's one-line error (es_lightning/cli_errors.py)
         cli_main(["fit", "--config", recipe, "--trainer.accelerator", "cpu", "--trainer.strategy", "fsdp",
                   "--trainer.default_root_dir", str(tmp_path)])
+    assert refused.value.code == 2 and "fsdp2_cpu.yaml" in capsys.readouterr().err
 
 
 def test_fsdp1_gets_one_unit_per_transformer_block_unless_configured(tiny_model_dir):

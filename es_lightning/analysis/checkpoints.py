@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from es_lightning.policy import Policy, load_policy
+from es_lightning.policy import Policy, load_policy, resolve_model_path
 
 STATE_PREFIX = "model."
 
@@ -53,8 +53,17 @@ def is_lightning_checkpoint(spec: str) -> bool:
     return spec.endswith(".ckpt") or Path(os.path.expanduser(spec)).is_file()
 
 
-def read_checkpoint(path: str) -> dict[str, Any]:
-    """The checkpoint dictionary of an es-lightning module, checked: a clear error for anything else."""
+def check_model_spec(spec: str) -> None:
+    """Refuse, without loading anything, a model that cannot be loaded: a missing ``.ckpt`` or local directory, a
+    sharded checkpoint directory, an unknown ``builtin:`` name (hub ids are left to the hub). Commands that compare
+    several models call it for all of them before evaluating the first."""
+    if is_lightning_checkpoint(spec):
+        _check_checkpoint_path(spec)
+    else:
+        resolve_model_path(spec)
+
+
+def _check_checkpoint_path(path: str) -> Path:
     file = Path(os.path.expanduser(path))
     if file.is_dir():
         raise ValueError(
@@ -69,6 +78,12 @@ def read_checkpoint(path: str) -> dict[str, Any]:
             "lightning_logs/es/version_0/checkpoints/last.ckpt), an exported Hugging Face directory, a hub id, or "
             "builtin:countdown-tiny"
         )
+    return file
+
+
+def read_checkpoint(path: str) -> dict[str, Any]:
+    """The checkpoint dictionary of an es-lightning module, checked: a clear error for anything else."""
+    file = _check_checkpoint_path(path)
     try:
         checkpoint = torch.load(file, map_location="cpu", weights_only=False)
     except Exception as err:  # not a torch file at all

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from es_lightning.analysis.checkpoints import LoadedModel, load_model
+from es_lightning.analysis.checkpoints import LoadedModel, check_model_spec, load_model
 from es_lightning.analysis.output import format_table, markdown_table, write_json
 from es_lightning.analysis.settings import PAPER_EVAL, EvalSettings, resolve_device
 from es_lightning.data import ReasoningDataModule, procedural_split
@@ -147,6 +147,9 @@ def evaluate_models(
         raise ValueError(f"got {len(labels)} labels for {len(models)} models; give one label per model or none")
     settings = replace(settings, ks=settings.pass_at_ks())
     settings.completion_cap()
+    for model in models:  # every path checked before the first model spends minutes being evaluated
+        if not isinstance(model, LoadedModel):
+            check_model_spec(model)
     task_objs = [get_task(t) for t in tasks]
     if not task_objs:
         raise ValueError("name at least one task, e.g. --tasks countdown addition sort")

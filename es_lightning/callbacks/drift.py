@@ -15,16 +15,24 @@ with ``ParameterDrift(every_n_steps=10)`` in the trainer's callbacks, or turn it
     callbacks:
       - class_path: es_lightning.ParameterDrift
         init_args: {every_n_steps: 0}
+
+With bf16 weights and fp32 master weights (``master_dtype``, es_lightning/precision.py) θ and θ₀ are read from the
+masters — the weights the optimizer updates: a bf16 weight is off its master by up to half an ulp (2⁻⁹ relative),
+more than a whole run of GRPO at lr 1e-6 moves it, so drift read from the bf16 weights would be rounding noise (or 0
+where no update crossed an ulp). Without a master (fp32 weights, ``master_dtype: same``) the weights are read.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import lightning as L
 import torch
 
 from es_lightning.es.sharding import ShardView, clean_name, gather_full, local_snapshot, localize, shard_views, sharded_drift
+from es_lightning.es.update import ESOptimizer
+from es_lightning.precision import MasterState, local
 
 
 class ParameterDrift(L.Callback):
@@ -47,8 +55,18 @@ class ParameterDrift(L.Callback):
         self._module = pl_module
 
     def _views(self, pl_module) -> list[ShardView]:
+        """This rank's pieces of every parameter — of its fp32 master where the optimizer keeps one (see the module
+        docstring), so that θ and θ₀ are the weights the optimizer updates."""
         named = [(clean_name(n), p) for n, p in pl_module.model.named_parameters()]
-        return shard_views(named, pl_module.trainer.strategy.model if pl_module.sharded else None)
+        views = shard_views(named, pl_module.trainer.strategy.model if pl_module.sharded else None)
+        masters = _masters(pl_module.trainer.strategy.optimizers, named)
+        out = []
+        for v in views:
+            m = masters.get(v.name)
+            if m is not None and not v.mirror and local(m).numel() == v.local.numel():
+                v = replace(v, local=local(m).view(v.local.shape))
+            out.append(v)
+        return out
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not self.every_n_steps:
@@ -93,3 +111,18 @@ class ParameterDrift(L.Callback):
         """Checkpoints written before this callback existed kept θ₀ at the top level (``checkpoint["theta0"]``)."""
         if self.theta0 is None and checkpoint.get("theta0") is not None:
             self.theta0 = dict(checkpoint["theta0"])
+
+
+def _masters(optimizers, named) -> dict[str, torch.Tensor]:
+    """``{clean name: master}`` of the parameters whose optimizer keeps an fp32 master (current: an ES optimizer
+    refreshes masters a checkpoint did not restore from the weights first; AdamW's exist from its first step)."""
+    out = {}
+    for opt in optimizers:
+        if not isinstance(opt, MasterState):
+            continue
+        for name, p in named:
+            if isinstance(opt, ESOptimizer) and opt.has_master(p):
+                out[name] = opt.centre(p)
+            elif p in opt.state and "master" in opt.state[p]:
+                out[name] = opt.state[p]["master"]
+    return out

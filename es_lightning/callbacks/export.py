@@ -16,6 +16,8 @@ from pathlib import Path
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 
+from es_lightning.es.sharding import is_dtensor, is_sharded
+
 
 class HFExport(L.Callback):
     """Save ``pl_module.model`` and ``pl_module.tokenizer`` with ``save_pretrained`` at the end of fit (and optionally
@@ -25,27 +27,36 @@ class HFExport(L.Callback):
     or a full disk mid-write leaves the previous export intact. (POSIX cannot ``rename`` over a non-empty directory, so
     the swap is two renames; a crash exactly between them leaves the previous export at ``.<name>.old-*`` beside it.)
 
-    Sharded models (FSDP) must be gathered before ``save_pretrained``; this callback saves the module as rank zero
-    holds it, which is the whole model under single-device and DDP training.
+    Sharded models (FSDP2 ``ModelParallelStrategy``, FSDP1 ``FSDPStrategy``): every rank joins one gather of the full
+    weights (``torch.distributed.checkpoint.state_dict.get_model_state_dict`` with ``full_state_dict`` and
+    ``cpu_offload``: the whole model lands in rank zero's host memory, one tensor at a time, and nowhere else) and rank
+    zero writes them — the export is the whole model, never a rank's shard. Under single-device and DDP training rank
+    zero already holds the whole model. The weights are written in the dtype the model holds (bf16 under
+    ``bf16-true``, as Qwen's own checkpoints); fp32 master weights are optimizer state and stay in the checkpoints.
 
     Args:
-        dirpath: the directory to (re)write.
+        dirpath: the directory to (re)write; default ``<log_dir>/export``, inside the run's own directory (e.g.
+            ``lightning_logs/grpo_es/version_3/export``), so each run keeps its model.
         every_n_train_steps: also export every this many optimizer steps (``None``: only at the end of fit).
         keep_files: files of a previous export to carry over into the new one (a hand-written model card, say).
     """
 
     def __init__(
         self,
-        dirpath: str | os.PathLike,
+        dirpath: str | os.PathLike | None = None,
         every_n_train_steps: int | None = None,
         keep_files: Sequence[str] = ("README.md",),
     ) -> None:
         if every_n_train_steps is not None and every_n_train_steps < 1:
             raise ValueError(f"every_n_train_steps must be a positive integer or None, got {every_n_train_steps}")
-        self.dirpath = Path(dirpath)
+        self.dirpath = Path(dirpath) if dirpath is not None else None
         self.every_n_train_steps = every_n_train_steps
         self.keep_files = tuple(keep_files)
         self._last_exported_step: int | None = None
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self.dirpath is None:
+            self.dirpath = Path(trainer.log_dir or trainer.default_root_dir) / "export"
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
@@ -55,23 +66,34 @@ class HFExport(L.Callback):
                 self._last_exported_step = step
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.global_step == 0:
+            rank_zero_info("HFExport: nothing was trained (step 0), no export written")
+            return
         self.export(pl_module)
 
-    @rank_zero_only
-    def export(self, pl_module: L.LightningModule) -> Path:
-        """Write the directory now (rank zero only); returns its path."""
+    def export(self, pl_module: L.LightningModule) -> Path | None:
+        """Write the directory now; returns its path on rank zero (``None`` on the others). Call it on every rank
+        when the model is sharded (the weights are gathered collectively)."""
         model = getattr(pl_module, "model", None)
         if model is None or not hasattr(model, "save_pretrained"):
             raise AttributeError(
                 "HFExport needs the LightningModule to expose a Hugging Face model (with save_pretrained) as `.model`; "
                 f"{type(pl_module).__name__} has {type(model).__name__ if model is not None else 'none'}"
             )
+        state_dict = _full_state_dict(pl_module, model)  # a collective when sharded: every rank runs it
+        if rank_zero_only.rank != 0:
+            return None
+        return self._write(pl_module, model, state_dict)
+
+    def _write(self, pl_module: L.LightningModule, model, state_dict: dict | None) -> Path:
         tokenizer = getattr(pl_module, "tokenizer", None)
+        if self.dirpath is None:  # export() called outside a fit
+            raise ValueError("HFExport.export() outside a fit needs dirpath=...")
         target = self.dirpath.resolve()
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
         try:
-            model.save_pretrained(tmp)  # weights as model.safetensors (the only format transformers 5 writes)
+            model.save_pretrained(tmp, state_dict=state_dict)  # model.safetensors (the only format transformers 5 writes)
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)
             for name in self.keep_files:
@@ -88,6 +110,24 @@ class HFExport(L.Callback):
             raise
         rank_zero_info(f"HFExport: wrote {target}")
         return target
+
+
+def _full_state_dict(pl_module: L.LightningModule, model) -> dict | None:
+    """The model's full weights on rank zero's CPU when its parameters are sharded (``{}`` on the other ranks), else
+    ``None`` (``save_pretrained`` reads the model itself)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    trainer = getattr(pl_module, "_trainer", None)
+    root = trainer.strategy.model if trainer is not None else None
+    if not is_sharded(model, root):
+        return None
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    if any(is_dtensor(p) for p in model.parameters()):  # FSDP2: the DTensors gather themselves
+        return get_model_state_dict(model, options=options)
+    # FSDP1: the units live in the strategy's wrapper around the LightningModule; its keys carry the attribute path
+    prefix = next(name for name, module in pl_module.named_children() if module is model) + "."
+    full = get_model_state_dict(root, options=options)
+    return {k.removeprefix(prefix): v for k, v in full.items() if k.startswith(prefix)}
 
 
 def _swap_in(new: Path, target: Path) -> None:

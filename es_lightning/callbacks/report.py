@@ -67,6 +67,12 @@ class TrainingReport(L.Callback):
         self._record(trainer, pl_module, "final")
         self._write(trainer)
 
+    def state_dict(self) -> dict[str, Any]:
+        return {"rows": self.rows}  # a resumed run's table still starts with the base row
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.rows = [tuple(row) for row in state_dict.get("rows", [])]
+
     # ------------------------------------------------------------------ output
     @rank_zero_only
     def _write(self, trainer: L.Trainer) -> None:

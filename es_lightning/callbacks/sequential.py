@@ -3,7 +3,9 @@
 Ba et al. 2026 (§3.2) find that GRPO followed by ES combines GRPO's Pass@1 gain with ES's broader coverage, with the
 update budget split 50/50; they also study the reverse order. This callback does the switch inside one ``fit``: the
 same policy weights are carried over, the first stage's optimizer state and LR schedulers are dropped, and the second
-stage's are created — exactly as if the second algorithm had started from the first one's final weights.
+stage's are created — exactly as if the second algorithm had started from the first one's final weights. The one
+piece of optimizer state that *is* the weights goes on: with bf16 weights the fp32 masters
+(:func:`~es_lightning.precision.copy_masters`), so GRPO → ES and ES → GRPO lose no update below a bf16 ulp.
 
 How: the module keeps its class; it is given the second stage's algorithm object (``module.set_algorithm``) and the
 trainer's optimizers are replaced by the new ``configure_optimizers()``. ``module.algorithm.name`` says which stage
@@ -29,6 +31,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from es_lightning.algorithms import SAMPLING_KEYS, get_algorithm
 from es_lightning.generation import SamplingParams
+from es_lightning.precision import copy_masters
 
 
 class SequentialStrategy(L.Callback):
@@ -96,6 +99,9 @@ class SequentialStrategy(L.Callback):
         if first is None:
             raise TypeError(f"SequentialStrategy switches the algorithm of a training module (GRPOModule, ESModule), "
                             f"but the module is a {type(pl_module).__name__} without one")
+        batch_size = pl_module.train_batch_size() if hasattr(pl_module, "train_batch_size") else None
+        if batch_size is not None:  # the second stage's batch split, now rather than at the switch
+            get_algorithm(self.target)(self.stage_settings).check_batch(batch_size)
         if first.name != self.target:  # e.g. a full-rank ES stage batching members on vLLM: refused now, not at the switch
             get_algorithm(self.target)(copy.deepcopy(self.stage_settings)).check_generation(
                 pl_module.generation_backend, pl_module.generation_options)
@@ -128,7 +134,11 @@ class SequentialStrategy(L.Callback):
             p.grad = None  # nothing of the first stage's optimisation survives
         algorithm = get_algorithm(self.target)(copy.deepcopy(self.stage_settings))
         pl_module.set_algorithm(algorithm, self.stage_sampling)
+        previous = list(trainer.strategy.optimizers)
         trainer.strategy.optimizers, trainer.strategy.lr_scheduler_configs = _init_optimizers_and_lr_schedulers(pl_module)
+        for old in previous:  # fp32 master weights go on: the switch loses no sub-ulp bits (es_lightning/precision.py)
+            for new in trainer.strategy.optimizers:
+                copy_masters(old, new)
         algorithm.on_fit_start(pl_module)
         rank_zero_info(
             f"SequentialStrategy: step {trainer.global_step}: switching to {self.target.upper()} "

@@ -9,9 +9,11 @@ One step, on one batch of prompts shared by the whole population (Ba et al. 2026
 3. **log** — the shared training metrics plus ES's own (``js_succ``, ``pass_pop``, ``update_norm``).
 
 Invariants (each tested): no autograd (no ``.grad`` is ever allocated); noise a pure function of (seed, step, member,
-parameter name, element index); exact restore of the centre weights; fp32 accumulation of the update; a member with a
+parameter name, element index); exact restore of the centre weights; fp32 accumulation of the update, into an fp32
+master θ when the weights are bf16/fp16 (``master_dtype``: members are θ + σε rounded once); a member with a
 non-finite reward is dropped (:mod:`es_lightning.scoring`); under DDP the ranks split the population and apply the same
-update; under FSDP they split the prompts.
+update; under FSDP they split the prompts. Under Lightning's ``bf16-mixed`` (fp32 weights) the members generate under
+the bf16 autocast Lightning wraps ``training_step`` in; the update runs outside it, in fp32.
 """
 
 from __future__ import annotations
@@ -65,8 +67,13 @@ class ESAlgorithm(Algorithm):
         return perturbed_parameters(module.policy.model, self.settings.trainable)
 
     def configure_optimizers(self, module: ReasoningModule) -> ESOptimizer:
+        """The ES optimizer over the perturbed parameters; with bf16/fp16 weights it keeps their fp32 centre θ
+        (``module.master_dtype``): members are perturbed from it and the update is added to it
+        (:mod:`es_lightning.es.update`)."""
         s = self.settings
-        return ESOptimizer(self.parameters(module), lr=s.lr, sigma=s.sigma, scale=s.update_scale)
+        named = self.parameters(module)
+        return ESOptimizer(named, lr=s.lr, sigma=s.sigma, scale=s.update_scale,
+                           master_dtype=module.master_dtype_for([p for _, p in named]))
 
     def check_generation(self, backend: str, options) -> None:
         if backend == "vllm":  # several full-rank members per engine call cannot be run (es_lightning/es/vllm_evaluators.py)
@@ -135,7 +142,8 @@ class ESAlgorithm(Algorithm):
         if module.sharded:  # FSDP1 units: the update, too, goes shard by shard
             opt.optimizer.shard_root = module.trainer.strategy.model
         opt.optimizer.set_update(module.seed, step, noise_ids, weights * signs, noise_cache=noise_cache)
-        opt.step()
+        with torch.autocast(module.device.type, enabled=False):  # bf16-mixed: the update's matmuls stay fp32
+            opt.step()
         return float(opt.optimizer.last_update_norm)
 
 

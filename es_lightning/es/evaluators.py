@@ -18,6 +18,11 @@ Evaluators (chosen in one place, :func:`select_evaluator`):
 * :class:`ShardedEvaluator` — FSDP (the parameters are sharded, a forward is a collective): every rank runs every
   member on its share of the prompts, perturbing only its own shard.
 
+Master weights: with bf16/fp16 weights the ES optimizer keeps the centre θ in fp32 (``master_dtype``). Every evaluator
+perturbs from it (:func:`centre`, :meth:`~es_lightning.es.update.ESOptimizer.centre_views`) — a member is θ + σε
+rounded once to the weights' dtype — and the in-place ones restore the weights by writing it back (the master, not a
+bf16 copy, is then the one model-sized buffer).
+
 Every evaluator fills a :class:`MemberTally` of per-member sums for what it ran; the tally is summed across ranks in one
 collective, so member-split and prompt-split layouts produce the same :class:`PopulationScores`.
 :class:`PopulationStep` holds a step's shared state and does generate → grade → tally for a block of members.
@@ -50,6 +55,7 @@ from es_lightning.es.noise import param_noise
 from es_lightning.es.population import PopulationForward
 from es_lightning.es.settings import ESSettings
 from es_lightning.es.sharding import clean_name, prompt_share, shard_views
+from es_lightning.es.update import ESOptimizer
 from es_lightning.generation import Rollout
 from es_lightning.scoring import Scores
 
@@ -58,7 +64,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BatchedMembersEvaluator", "InPlaceEvaluator", "Member", "MemberTally", "PopulationEvaluator", "PopulationScores",
-    "PopulationStep", "ShardedEvaluator", "perturb", "perturbed_parameters", "rollout_seed", "select_evaluator",
+    "PopulationStep", "ShardedEvaluator", "centre", "es_optimizer", "perturb", "perturbed_parameters", "rollout_seed",
+    "select_evaluator",
 ]
 
 
@@ -131,6 +138,25 @@ def perturbed_parameters(model: torch.nn.Module, trainable: str | None) -> list[
 def perturb(centre: Tensor, eps: Tensor, sign: float, sigma: float) -> Tensor:
     """θ + sign·σ·ε for one tensor, computed in fp32 and cast once to the parameter's dtype."""
     return (centre.float() + (sign * sigma) * eps.view_as(centre)).to(centre.dtype)
+
+
+def es_optimizer(module: ReasoningModule) -> ESOptimizer | None:
+    """The fit's ES optimizer — it holds the fp32 centre θ of bf16/fp16 weights (``master_dtype``) — or ``None``
+    outside a fit (the weights are then the centre)."""
+    trainer = module._trainer
+    for opt in trainer.strategy.optimizers if trainer is not None else ():
+        if isinstance(opt, ESOptimizer):
+            return opt
+    return None
+
+
+def centre(opt: ESOptimizer | None, p: Tensor, copy: bool = True) -> Tensor:
+    """The centre members of ``p`` are perturbed from: its fp32 master (no copy) when the optimizer keeps one, else
+    ``p`` (a copy when ``copy``, for an in-place evaluation to restore from). Writing it into ``p`` restores ``p``
+    bit for bit (the weight is the master rounded to nearest)."""
+    if opt is not None and opt.has_master(p):
+        return opt.centre(p)
+    return p.detach().clone() if copy else p.detach()
 
 
 def rollout_seed(seed: int, step: int) -> int:
@@ -235,13 +261,14 @@ class InPlaceEvaluator(PopulationEvaluator):
         mine = list(members)[module.trainer.global_rank::module.trainer.world_size]
         named = perturbed_parameters(module.policy.model, s.trainable)
         run = PopulationStep(module, s, examples, step)
-        base = [p.detach().clone() for _, p in named]
+        opt = es_optimizer(module)
+        base = [centre(opt, p) for _, p in named]  # fp32 master (no copy) or a copy of the weights
         report_progress(module, 0, len(mine))
         try:
             for done, member in enumerate(mine, 1):
                 for (name, p), b in zip(named, base):
                     eps = param_noise(module.seed, step, member.noise_id, name, p.numel(), device=p.device)
-                    p.copy_(perturb(b, eps, member.sign, s.sigma))
+                    p.copy_(perturb(b, eps, member.sign, s.sigma))  # rounded once to the weight's dtype
                 run.run([member])
                 report_progress(module, done, len(mine))
         finally:
@@ -264,6 +291,7 @@ class BatchedMembersEvaluator(PopulationEvaluator):
         k = s.members_per_batch
         keep_noise = 1 < len(mine) <= k  # the noise is held anyway: hand it to the update
         cache: dict[tuple[int, str], Tensor] = {}
+        opt = es_optimizer(module)
         report_progress(module, 0, len(mine))
         for start in range(0, len(mine), k):
             chunk = mine[start:start + k]
@@ -276,7 +304,7 @@ class BatchedMembersEvaluator(PopulationEvaluator):
                         eps = param_noise(module.seed, step, m.noise_id, name, p.numel(), device=p.device)
                         if keep_noise:
                             cache[(m.noise_id, name)] = eps
-                    values.append(perturb(p.detach(), eps, m.sign, s.sigma))
+                    values.append(perturb(centre(opt, p, copy=False), eps, m.sign, s.sigma).to(p.dtype))
                 stacked[name] = torch.stack(values)
             with PopulationForward(module.policy.model, stacked):
                 run.run(chunk)
@@ -319,17 +347,23 @@ class ShardedEvaluator(PopulationEvaluator):
         share = prompt_share(len(examples), trainer.global_rank, trainer.world_size)
         views = shard_views(perturbed_parameters(module.policy.model, s.trainable), trainer.strategy.model)
         run = PopulationStep(module, s, examples, step, local=examples[share])
-        base = [v.read() for v in views]  # this rank's shard of θ: exact restore
+        opt = es_optimizer(module)
+        # this rank's shard of θ: its fp32 master's piece (no copy), else a copy of the shard — the exact restore
+        base = opt.centre_views(views) if opt is not None else [(v, v.read()) for v in views]
         report_progress(module, 0, len(members))
         try:
             for done, member in enumerate(members, 1):
-                for v, b in zip(views, base):
+                for v, b in base:
                     v.write(perturb(b, v.noise(module.seed, step, member.noise_id), member.sign, s.sigma))
+                if opt is not None:
+                    opt.sync_mirrors(views)  # FSDP1 gathered copies of mastered parameters, from the shards
                 run.run([member], columns=share)
                 report_progress(module, done, len(members))
         finally:
-            for v, b in zip(views, base):
+            for v, b in base:
                 v.write(b)  # bit-for-bit restore of this rank's centre shard
+            if opt is not None:
+                opt.sync_mirrors(views)
         return run.tally.finish(module)
 
 

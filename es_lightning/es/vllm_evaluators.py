@@ -30,13 +30,14 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
-from torch import Tensor
 
 from es_lightning.es.evaluators import (
     BACKEND_EVALUATORS,
     Member,
     PopulationEvaluator,
     PopulationStep,
+    centre,
+    es_optimizer,
     perturb,
     perturbed_parameters,
     report_progress,
@@ -44,7 +45,6 @@ from es_lightning.es.evaluators import (
 from es_lightning.es.lowrank import lowrank_factors
 from es_lightning.es.noise import param_noise
 from es_lightning.es.settings import ESSettings
-from es_lightning.es.update import ESOptimizer
 from es_lightning.es.vllm_lora import check_lora_coverage, lora_engine_options, lora_matrices, write_member_adapter
 
 if TYPE_CHECKING:
@@ -74,21 +74,6 @@ def select_vllm_evaluator(module: ReasoningModule, settings: ESSettings) -> Popu
     if module.engine_options().get("engine_side_es", True):
         return VLLMEngineEvaluator(settings)
     return VLLMPushEvaluator(settings)
-
-
-def es_optimizer(module: ReasoningModule) -> ESOptimizer | None:
-    """The fit's ES optimizer (it holds the fp32 centre of bf16 weights when it keeps masters), or ``None``."""
-    trainer = module._trainer
-    for opt in trainer.strategy.optimizers if trainer is not None else ():
-        if isinstance(opt, ESOptimizer):
-            return opt
-    return None
-
-
-def centre_of(opt: ESOptimizer | None, p: Tensor) -> Tensor:
-    """The tensor members of ``p`` are perturbed from, not to be written: the optimizer's master of ``p`` when it keeps
-    one, else ``p``'s weights (which then are the centre)."""
-    return opt.centre(p) if opt is not None and opt.has_master(p) else p.detach()
 
 
 def _mine(module: ReasoningModule, members: Sequence[Member]) -> list[Member]:
@@ -127,7 +112,7 @@ class VLLMEngineEvaluator(PopulationEvaluator):
             return
         opt = es_optimizer(module)
         named = perturbed_parameters(module.policy.model, self.settings.trainable)
-        gen.es_set_centre([(n, centre_of(opt, p)) for n, p in named], dtypes={n: p.dtype for n, p in named})
+        gen.es_set_centre([(n, centre(opt, p, copy=False)) for n, p in named], dtypes={n: p.dtype for n, p in named})
 
     def after_update(self, module, step, members, weights):
         """The ES optimizer's update, applied to the engine's copy of θ from the same seeds, weights, lr, σ and
@@ -154,8 +139,7 @@ class VLLMPushEvaluator(PopulationEvaluator):
         mine = _mine(module, members)
         opt = es_optimizer(module)
         named = perturbed_parameters(module.policy.model, s.trainable)
-        # the fp32 master (not written) when the optimizer keeps one, else a copy of the weights: the exact restore
-        base = [opt.centre(p) if opt is not None and opt.has_master(p) else p.detach().clone() for _, p in named]
+        base = [centre(opt, p) for _, p in named]  # fp32 master (no copy) or a copy of the weights: the exact restore
         run = PopulationStep(module, s, examples, step)
         report_progress(module, 0, len(mine))
         try:

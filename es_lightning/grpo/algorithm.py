@@ -16,6 +16,22 @@ One training step (one batch of prompts):
 ``num_iterations > 1`` the importance ratio measures the drift of the later passes. The training forward runs each
 prompt once and shares its key/value cache with the G completions of its group (``share_prompt_prefix``).
 
+Precision (DESIGN.md, "Master weights in fp32"): with bf16/fp16 weights the optimizer is
+:class:`~es_lightning.precision.MasterAdamW` — AdamW applied to an fp32 master of each weight kept in the optimizer's
+state (fp32 moments too), the weight being the master rounded once per step — so a step at Ba et al.'s lr = 1e-6,
+~1/100 of a bf16 ulp at a weight of 0.02, is kept instead of rounded away. Not fp32 parameters with bf16 autocast
+(Lightning's ``bf16-mixed``, verl's FSDP actor): the GPU trainer fragments use ``bf16-true``, which makes the
+parameters bf16 whatever the module asks; generation (and vLLM, and ES after a switch) runs on the weights the model
+holds, which are then bf16 at half the memory and bandwidth; and a master keyed by the model's own parameter goes
+through ``torch.distributed.checkpoint``'s sharded optimizer state unchanged (es_lightning/precision.py has the
+reasons and the memory table: 16 bytes per parameter, as fp32 training). ``master_dtype: same`` is plain AdamW on the
+weights. Under ``bf16-mixed`` the parameters are fp32 (no master) and Lightning runs the step, generation included,
+under bf16 autocast: the log-probs a rollout records and the training forward's come from the same autocast forward.
+
+Memory: ``mini_batch_size`` completions per forward/backward, log-probs projected ``logprob_chunk_size`` tokens at a
+time (:mod:`es_lightning.grpo.logprobs`: never ``[rows, C, V]`` in fp32), ``gradient_checkpointing`` for the
+activations; the Qwen recipes' headers give the memory model.
+
 Features: DDP and FSDP through the Trainer's strategy (groups stay on one rank; the ``dapo`` token count and the
 ``batch`` reward std are global); exact resume; a frozen reference for the KL term loaded only when ``beta > 0`` and kept
 out of checkpoints (not sharded by FSDP: a plain module on each rank).
@@ -34,11 +50,12 @@ from torch import Tensor
 
 from es_lightning.algorithms import Algorithm, register_algorithm
 from es_lightning.generation import Rollout, SamplingParams
-from es_lightning.grpo.logprobs import completion_logprobs
+from es_lightning.grpo.logprobs import completion_logprobs, enable_gradient_checkpointing
 from es_lightning.grpo.loss import group_advantages, grpo_loss
 from es_lightning.grpo.settings import GRPOSettings
 from es_lightning.metrics.training import StepMetrics, masked_token_mean
 from es_lightning.policy import load_policy
+from es_lightning.precision import MasterAdamW
 from es_lightning.scoring import check_some_kept
 
 if TYPE_CHECKING:
@@ -83,8 +100,11 @@ class GRPOAlgorithm(Algorithm):
 
     # ------------------------------------------------------------------ models and optimizer
     def configure_model(self, module: ReasoningModule) -> None:
-        """Train mode (``from_pretrained`` returns eval mode) and, only when ``beta > 0``, the frozen reference."""
+        """Train mode (``from_pretrained`` returns eval mode), activation checkpointing when asked and, only when
+        ``beta > 0``, the frozen reference."""
         module.model.train()
+        if self.settings.gradient_checkpointing:
+            enable_gradient_checkpointing(module.model)
         if self.settings.beta > 0 and self._reference is None:
             ref = load_policy(module.model_name, dtype=module.dtype_name, trust_remote_code=module.trust_remote_code).model
             ref.eval().requires_grad_(False)
@@ -99,14 +119,28 @@ class GRPOAlgorithm(Algorithm):
         return self._reference.model
 
     def configure_optimizers(self, module: ReasoningModule):
-        """AdamW over the policy's trainable parameters, with a linear warmup to a constant LR (stepped per optimizer
-        step by :meth:`training_step`)."""
+        """AdamW over the policy's trainable parameters — on fp32 masters of bf16/fp16 ones (:class:`MasterAdamW`,
+        ``module.master_dtype``; see the module docstring) — with a linear warmup to a constant LR (stepped per
+        optimizer step by :meth:`training_step`)."""
         s = self.settings
         params = [p for p in module.model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=s.lr, betas=s.betas, weight_decay=s.weight_decay)
+        optimizer = MasterAdamW(params, lr=s.lr, betas=s.betas, weight_decay=s.weight_decay,
+                                master_dtype=module.master_dtype_for(params))
         warmup = s.warmup_steps
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (warmup + 1)))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def check_batch(self, batch_size: int) -> None:
+        """``mini_batch_size`` must divide the ``batch_size × group_size`` completions of a rank's batch (or hold them
+        all): equal mini-batches keep ``grpo``/``bnpo``'s per-mini-batch normalisation the same for every row."""
+        s = self.settings
+        rows = batch_size * s.group_size
+        if s.mini_batch_size is not None and s.mini_batch_size < rows and rows % s.mini_batch_size:
+            fits = [d for d in range(1, rows + 1) if rows % d == 0 and d <= s.mini_batch_size]
+            raise ValueError(
+                f"mini_batch_size={s.mini_batch_size} does not divide the {rows} completions of a batch (data.batch_size "
+                f"{batch_size} × group_size {s.group_size}); use a divisor of {rows}, e.g. mini_batch_size: {fits[-1]}"
+            )
 
     # ------------------------------------------------------------------ the training step
     def rollout_seed(self, module: ReasoningModule, step: int) -> int:
@@ -181,6 +215,7 @@ class GRPOAlgorithm(Algorithm):
         if world > 1:  # dapo divides by the global token count; DDP averages gradients over ranks
             num_items = module.trainer.strategy.reduce(num_items.clone(), reduce_op="sum") / world
         n = loss_mask.shape[0]
+        self.check_batch(n // s.group_size)  # a data loader other than ReasoningDataModule's: checked here
         size = s.mini_batch_size or n
         chunks = [slice(i, min(i + size, n)) for i in range(0, n, size)]
         sums: dict[str, Tensor] = {}
@@ -216,12 +251,13 @@ class GRPOAlgorithm(Algorithm):
         T = module.sampling.temperature
         with_entropy = s.entropy_coef != 0.0  # the logged entropy is the rollout's (ReasoningModule.log_step)
         logps, entropy = completion_logprobs(module.model, rollout, rows, T, entropy=with_entropy,
-                                             entropy_grad=with_entropy, share_prompt=s.share_prompt_prefix)
+                                             entropy_grad=with_entropy, share_prompt=s.share_prompt_prefix,
+                                             chunk_size=s.logprob_chunk_size)
         ref_logps = None
         if s.beta > 0:
             with torch.no_grad():
                 ref_logps, _ = completion_logprobs(self.reference_model(module), rollout, rows, T, entropy=False,
-                                                   share_prompt=s.share_prompt_prefix)
+                                                   share_prompt=s.share_prompt_prefix, chunk_size=s.logprob_chunk_size)
         loss, stats = grpo_loss(
             logps, rollout.logprobs[rows].to(logps), advantages, loss_mask,
             loss_type=s.loss_type, epsilon_low=s.epsilon_low, epsilon_high=s.epsilon_high,

@@ -37,11 +37,12 @@ logits, this module         18 V · chunk_size + 2H per token       1.6 GB      
 
 (1.5B: L = 28, H = 1536, I = 8960, V = 151,936, 1.54 B params; 7B: L = 28, H = 3584, I = 18,944, V = 152,064, 7.6 B;
 at ``recipes/qwen2.5-1.5b-instruct/gsm8k/grpo.yaml``'s micro-batch of 64 completions × C = 1024 from 8 prompts of
-P ≈ 200: T = 67,136 shared, 78,336 unshared; K = 65,536; chunk_size 512.) The recipe as written (``mini_batch_size:
-64``, no checkpointing) needs ~250 GB even with this module — so, on one 80 GB GPU and ≤ 60 GB with fp32 master weights:
-``gradient_checkpointing`` on (``share_prompt_prefix: false``) at ``mini_batch_size: 64``: 24.6 + 16.9 + 1.6 ≈ 43 GB;
-or no checkpointing at ``mini_batch_size: 8``: 24.6 + 27.8 + 1.4 ≈ 54 GB. The 7B model needs FSDP over ≥ 4 GPUs for
-weights and optimizer (122 / 4 ≈ 31 GB each) and checkpointing at ``mini_batch_size: 32`` per GPU: 31 + 19 + 1.6 ≈ 51 GB.
+P ≈ 200: T = 67,136 shared, 78,336 unshared; K = 65,536; chunk_size 512.) ``mini_batch_size: 64`` without
+checkpointing would need ~250 GB even with this module — so, on one 80 GB GPU and ≤ 60 GB with fp32 master weights, the
+recipe turns ``gradient_checkpointing`` on (``share_prompt_prefix: false``) at ``mini_batch_size: 64``: 24.6 + 16.9 +
+1.6 ≈ 43 GB; the alternative is no checkpointing at ``mini_batch_size: 8``: 24.6 + 27.8 + 1.4 ≈ 54 GB. The 7B model
+needs FSDP over ≥ 4 GPUs for weights and optimizer (122 / 4 ≈ 31 GB each) and checkpointing at ``mini_batch_size: 32``
+per GPU: 31 + 19 + 1.6 ≈ 51 GB.
 (Rollouts are another phase: their KV cache, 2·L·kv_heads·head_dim·2 bytes per token — 28 KB for 1.5B, 57 KB for 7B
 — times B·G·(P + C) tokens: 17.6 GB for the 1.5B recipe's 512 rows.) ``python benchmarks/grpo_memory.py
 --memory-model`` prints these numbers; without the flag it measures the logits rows on the Qwen-like fixture.

@@ -34,6 +34,7 @@ from es_lightning.generation import Generator, Rollout, SamplingParams, check_ge
 from es_lightning.metrics.training import StepMetrics, shared_metrics
 from es_lightning.modules.stage import STAGE_KEY, peek_stage_on_load
 from es_lightning.policy import Policy, load_policy
+from es_lightning.precision import check_device_dtype, check_master_dtype, master_dtype_for
 from es_lightning.scoring import Scores, score_completions
 from es_lightning.tasks import Task, get_task
 
@@ -69,6 +70,13 @@ class ReasoningModule(L.LightningModule):
             ``vllm.LLM`` engine argument); none for ``"hf"``. Checked at construction.
         seed: base seed of the module's sampling streams and ES noise (a pure function of it and the step, so a resumed
             run draws the same samples as an uninterrupted one).
+        master_dtype: dtype of the master weights the optimizer updates when the policy's weights have less precision
+            (``float32``, the default: an fp32 master for bf16/fp16 weights, none for fp32 ones; ``float64``; or
+            ``same``: no master, updates rounded to the weights' dtype). A bf16 weight has 8 significant bits: an ES
+            step (α/√N ≈ 4e-5) or an AdamW step at lr 1e-6 is mostly rounded away without a master (ES keeps ~43% of
+            the elements, norm weights freeze). Memory: +4 bytes per parameter (1.5B model: +6.2 GB); for ES +2 net, as
+            the master doubles as the exact copy the in-place evaluation restores from; GRPO totals 16 bytes per
+            parameter, as fp32 training (table in ``es_lightning/precision.py``).
     """
 
     #: the algorithm a subclass is bound to (``class ESModule(ReasoningModule, algorithm=ESAlgorithm)``)
@@ -94,6 +102,7 @@ class ReasoningModule(L.LightningModule):
         generation_backend: str = "hf",
         generation_options: dict[str, Any] | None = None,
         seed: int = 0,
+        master_dtype: str = "float32",
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["task"])
@@ -109,6 +118,8 @@ class ReasoningModule(L.LightningModule):
         #: engine settings an algorithm needs on top of ``generation_options`` (:meth:`require_generation_options`)
         self._needed_generation_options: dict[str, Any] = {}
         self.seed = seed
+        check_master_dtype(dtype, master_dtype)
+        self.master_dtype = master_dtype
         self.model: torch.nn.Module | None = None
         self.tokenizer = None
         self._generator: Generator | None = None
@@ -208,6 +219,23 @@ class ReasoningModule(L.LightningModule):
         by the algorithm the module was built with, so a fit keeps one data layout across a stage switch."""
         first = type(self).algorithm_class
         return bool(first is not None and first.shares_batch_across_ranks)
+
+    # ------------------------------------------------------------------ precision
+    def master_dtype_for(self, params: Sequence[Tensor]) -> torch.dtype | None:
+        """The master dtype of an optimizer over ``params`` (``None``: no master), from the ``master_dtype`` knob and
+        the parameters' dtype as they are now — under Lightning's ``bf16-true`` bf16, whatever ``dtype`` loaded."""
+        return master_dtype_for(params, self.master_dtype)
+
+    def check_precision(self) -> None:
+        """Refuse, naming the fix, weights the device cannot compute in — or, under ``bf16-mixed``/``16-mixed``, the
+        autocast dtype — before anything generates or steps (:func:`~es_lightning.precision.check_device_dtype`)."""
+        if self.model is None:
+            return
+        dtypes = {p.dtype for p in self.model.parameters() if p.is_floating_point()}
+        precision = str(getattr(self._trainer, "precision", "")) if self._trainer is not None else ""
+        autocast = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
+        for dtype in sorted(dtypes | ({autocast} if autocast else set()), key=str):
+            check_device_dtype(self.device, dtype)
 
     # ------------------------------------------------------------------ rollouts and scoring
     def prompts(self, examples: Sequence[dict[str, Any]]) -> list[str]:
@@ -347,19 +375,32 @@ class ReasoningModule(L.LightningModule):
         return self.algorithm.configure_optimizers(self) if self.algorithm is not None else None
 
     def setup(self, stage: str) -> None:
-        """Strategies that build optimizers before restoring a checkpoint (FSDP, FSDP2) learn the stage first."""
+        """Check the training batch against the algorithm (before the model loads); strategies that build optimizers
+        before restoring a checkpoint (FSDP, FSDP2) learn the stage first."""
+        if stage == "fit" and self.algorithm is not None:
+            batch_size = self.train_batch_size()
+            if batch_size is not None:
+                self.algorithm.check_batch(batch_size)
         if stage == "fit" and self.algorithm is not None and self.trainer.strategy.restore_checkpoint_after_setup:
             peek_stage_on_load(self, self.trainer.strategy)
+
+    def train_batch_size(self) -> int | None:
+        """Prompts per training batch on each rank, when the fit's data module says (``ReasoningDataModule``)."""
+        dm = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        size = getattr(dm, "batch_size", None)
+        return size if isinstance(size, int) else None
 
     def on_fit_start(self) -> None:
         """Mark a sharded policy for lockstep generation before anything generates (FSDP1 wraps only at setup); let
         the algorithm choose its helpers (which may ask for engine settings); start a vLLM engine."""
+        self.check_precision()
         _ = self.sharded
         if self.algorithm is not None:
             self.algorithm.on_fit_start(self)
         self.start_generator()
 
     def on_validation_start(self) -> None:
+        self.check_precision()
         _ = self.sharded
         if self._generator is None:
             self.start_generator()

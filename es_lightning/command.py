@@ -1,0 +1,104 @@
+"""``es-lightning fit | validate | test``: what a user expects around the LightningCLI.
+
+:class:`CommandMixin` goes in front of :class:`~es_lightning.cli.ESLightningCLI` (what scripts and analyses build) to
+make the command a user runs (``class CommandCLI(CommandMixin, ESLightningCLI)`` in :mod:`es_lightning.cli`). The command
+
+- refuses mistakes in one line (:mod:`es_lightning.cli_errors`), checks that every output directory can be written
+  before anything is loaded (:func:`~es_lightning.run_dirs.check_writable`);
+- resolves ``--ckpt_path last`` to the newest run of the recipe (:func:`~es_lightning.run_dirs.resolve_last`);
+- shows a step bar on a terminal and progress lines in a log (:mod:`es_lightning.console`);
+- after a fit, says where everything went — or that nothing was trained; after a failure, removes the run directory
+  it had just created if nothing but its startup files landed there;
+- does not offer ``predict`` (a reasoning module has no prediction loop; ``es-lightning eval`` samples completions and
+  scores them).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.utilities import rank_zero_only
+
+from es_lightning import cli_errors, console, run_dirs
+from es_lightning.callbacks import PassAtKCallback, TrainingReport
+from es_lightning.callbacks.report import format_table
+
+
+class _FitRecord(L.Callback):
+    """The global step a fit started training from (``None``: the loop never started)."""
+
+    def __init__(self) -> None:
+        self.start_step: int | None = None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.start_step = trainer.global_step
+
+
+class CommandMixin:
+    """The ``es-lightning`` command's additions to a LightningCLI (see the module docstring)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self._record = _FitRecord()
+        kwargs.setdefault("parser_class", cli_errors.OneLineErrorParser)
+        super().__init__(*args, **kwargs)
+
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        return {name: keys for name, keys in LightningCLI.subcommands().items() if name != "predict"}
+
+    def before_instantiate_classes(self) -> None:
+        super().before_instantiate_classes()
+        config = self.config[self.subcommand]
+        cli_errors.remember(config=config)
+        if self.subcommand == "fit":
+            run_dirs.resolve_last(config)
+        run_dirs.check_writable(config)
+
+    def instantiate_classes(self) -> None:
+        with cli_errors.building():
+            super().instantiate_classes()
+
+    def instantiate_trainer(self, **kwargs) -> L.Trainer:
+        trainer = super().instantiate_trainer(**kwargs)
+        if trainer.progress_bar_callback is not None:
+            console.choose_progress_bar(trainer.callbacks)
+        trainer.callbacks.append(self._record)
+        return trainer
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        log_dir = self.trainer.log_dir
+        existed = log_dir is not None and Path(log_dir).exists()
+        try:
+            super()._run_subcommand(subcommand)
+        except BaseException:
+            run_dirs.remove_if_empty(log_dir, existed)
+            raise
+        if subcommand == "fit":
+            self._summary()
+
+    @rank_zero_only
+    def _summary(self) -> None:
+        trainer = self.trainer
+        start = self._record.start_step
+        if start is None or trainer.global_step == start:
+            at = trainer.global_step
+            why = (f"trainer.max_steps is {trainer.max_steps}" if trainer.max_steps == 0 else
+                   f"the run was already at step {at}, trainer.max_steps = {trainer.max_steps}; raise it to continue")
+            print(f"nothing was trained: {why}")
+            return
+        lines = []
+        if not any(isinstance(cb, TrainingReport) for cb in trainer.callbacks):  # it prints its own table
+            history = next((cb.history for cb in trainer.callbacks if isinstance(cb, PassAtKCallback) and cb.history), [])
+            if history:
+                step, metrics = history[-1]
+                lines.append(format_table([("last evaluation", step, metrics)]))
+        if trainer.log_dir is not None:
+            root = Path(trainer.log_dir)
+            found = [name for name in ("config.yaml", "metrics.csv", "report.json", "report.png", "export") if (root / name).exists()]
+            lines.append(f"run directory: {root}/ ({', '.join(found)})")
+        checkpoint = trainer.checkpoint_callback
+        if checkpoint is not None and getattr(checkpoint, "last_model_path", ""):
+            lines.append(f"last checkpoint: {checkpoint.last_model_path} (resume: add --ckpt_path last to the same command)")
+        print("\n".join(lines))

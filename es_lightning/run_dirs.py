@@ -1,0 +1,158 @@
+"""Where a run's outputs go, and how ``--ckpt_path last`` finds the run to resume.
+
+Every fit writes under one directory of its own, the first logger's ``log_dir``: with the recipes' CSV logger
+``<save_dir>/<name>/version_<N>/`` (``lightning_logs/grpo_es/version_3/``) holding ``config.yaml``, ``metrics.csv``,
+``checkpoints/last.ckpt`` (:class:`~es_lightning.callbacks.RunCheckpoint`), ``report.json``/``report.png``
+(:class:`~es_lightning.TrainingReport`) and ``export/`` (:class:`~es_lightning.HFExport`).
+
+``--ckpt_path last`` resumes the *newest* run of the recipe: the most recently written ``last.ckpt`` under
+``<save_dir>/<name>/*/checkpoints/``. (Lightning's own ``"last"`` looks only in the new run's empty directory.) The
+resumed fit is a new run directory (``version_<N+1>``) whose ``config.yaml`` records the checkpoint it started from:
+Lightning's CSV logger deletes the ``metrics.csv`` of a directory it reopens, so continuing in place would lose the first
+run's metrics. When no checkpoint exists yet, the fit starts from scratch (so a job script can always pass
+``--ckpt_path last``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch.utilities import rank_zero_info
+
+from es_lightning.callbacks.checkpoint import recover
+from es_lightning.cli_errors import UserError
+
+#: what a run directory holds before anything was trained (a failed run with only these is removed)
+_STARTUP_FILES = {"config.yaml", "hparams.yaml"}
+
+
+def _get(node: Any, name: str, default=None):
+    if node is None:
+        return default
+    if isinstance(node, dict):
+        return node.get(name, default)
+    return getattr(node, name, default)
+
+
+def _loggers(trainer_cfg: Any) -> list[Any]:
+    logger = _get(trainer_cfg, "logger")
+    if logger is None or isinstance(logger, bool):
+        return []
+    return list(logger) if isinstance(logger, list) else [logger]
+
+
+def _is_global_zero() -> bool:
+    return all(os.environ.get(v, "0") == "0" for v in ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID"))
+
+
+def run_root(config: Any) -> Path | None:
+    """``<save_dir>/<name>`` of the first logger (where the recipe's run directories are), or ``None``."""
+    trainer = _get(config, "trainer")
+    loggers = _loggers(trainer)
+    if loggers:
+        args = _get(loggers[0], "init_args") or {}
+        save_dir, name = _get(args, "save_dir"), _get(args, "name")
+        if save_dir is None:
+            return None
+        return Path(os.path.expanduser(str(save_dir))) / ("" if name in (None, "") else str(name))
+    if _get(trainer, "logger") is False:
+        return Path(_get(trainer, "default_root_dir") or os.getcwd())
+    return None
+
+
+def find_last_checkpoint(root: Path) -> Path | None:
+    """The most recently written ``last.ckpt`` of any run under ``root`` (a kill's leftovers are repaired first)."""
+    if not root.is_dir():
+        return None
+    dirs = [d for d in root.glob("*/checkpoints") if d.is_dir()] + ([root / "checkpoints"] if (root / "checkpoints").is_dir() else [])
+    if _is_global_zero():
+        for d in dirs:
+            recover(d)
+    candidates = [p for d in dirs for p in d.glob("last*.ckpt")]
+    return max(candidates, key=lambda p: p.stat().st_mtime) if candidates else None
+
+
+def resolve_last(config: Any) -> None:
+    """Turn ``ckpt_path: last`` into the newest run's ``last.ckpt`` (or ``None``: a fresh run), in place."""
+    if _get(config, "ckpt_path") != "last":
+        return
+    root = run_root(config)
+    if root is None:
+        return  # another logger layout: Lightning's own "last" (the run's checkpoint directory)
+    found = find_last_checkpoint(root)
+    if found is None:
+        rank_zero_info(f"--ckpt_path last: no last.ckpt under {root}/*/checkpoints yet: starting a new run")
+        config.ckpt_path = None
+    else:
+        rank_zero_info(f"--ckpt_path last: resuming from {found}")
+        config.ckpt_path = str(found)
+
+
+def output_dirs(config: Any) -> list[tuple[str, str]]:
+    """``[(option, path)]`` of every directory the run will write: loggers' ``save_dir``, callbacks' ``dirpath``,
+    ``trainer.default_root_dir``."""
+    trainer = _get(config, "trainer")
+    out = []
+    for i, logger in enumerate(_loggers(trainer)):
+        save_dir = _get(_get(logger, "init_args"), "save_dir")
+        if save_dir is not None:
+            key = "trainer.logger.init_args.save_dir" if len(_loggers(trainer)) == 1 else f"trainer.logger[{i}].init_args.save_dir"
+            out.append((key, str(save_dir)))
+    if _get(trainer, "default_root_dir") is not None or not out:  # Lightning writes there only without a logger's dir
+        out.insert(0, ("trainer.default_root_dir", _get(trainer, "default_root_dir") or os.getcwd()))
+    callbacks = _get(trainer, "callbacks") or []
+    for i, cb in enumerate(callbacks if isinstance(callbacks, list) else [callbacks]):
+        dirpath = _get(_get(cb, "init_args"), "dirpath")
+        if dirpath is not None:
+            out.append((f"trainer.callbacks[{i}].init_args.dirpath ({_get(cb, 'class_path')})", str(dirpath)))
+    return out
+
+
+def check_writable(config: Any) -> None:
+    """Refuse, before anything is loaded or trained, an output directory that cannot be created or written."""
+    for option, path in output_dirs(config):
+        target = Path(os.path.expanduser(path)).absolute()
+        existing = target
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        problem = None
+        if not existing.is_dir():
+            problem = f"{existing} is a file, not a directory"
+        else:
+            try:
+                with tempfile.TemporaryFile(dir=existing):
+                    pass
+            except OSError as err:
+                problem = f"{existing} is not writable ({err.strerror})"
+        if problem:
+            flag = option.split(" ")[0]
+            raise UserError(
+                f"output directory {path!r} ({option}) cannot be written: {problem}; choose another with "
+                f"--{flag.replace('[0]', '')} /a/writable/dir"
+            )
+
+
+def remove_if_empty(log_dir: str | os.PathLike | None, existed_before: bool) -> None:
+    """After a failed run: delete its run directory when the run created it and left nothing in it but its startup
+    files (no checkpoint, no metrics row)."""
+    if log_dir is None or existed_before or not _is_global_zero():
+        return
+    path = Path(log_dir)
+    if not path.is_dir():
+        return
+    for f in path.rglob("*"):
+        if f.is_dir():
+            continue
+        if f.name in _STARTUP_FILES and f.parent == path:
+            continue
+        if f.name == "metrics.csv" and sum(1 for _ in f.open()) <= 1:
+            continue
+        return
+    shutil.rmtree(path, ignore_errors=True)
+    parent = path.parent  # <save_dir>/<name> made just for this run
+    if parent.is_dir() and not any(parent.iterdir()):
+        parent.rmdir()

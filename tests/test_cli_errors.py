@@ -1,0 +1,206 @@
+"""Mistakes a user makes with the `es-lightning` command end in ONE line on stderr — what is wrong, where (file:line or
+option), the fix — and exit status 2, quickly; `--debug` / ES_LIGHTNING_DEBUG=1 brings the traceback back.
+
+The table runs every case through the command's entry point (`es_lightning.cli.cli_main`, what the console script
+calls) inside one child process, so the ~6 s of imports are paid once: each case gets a fresh argument list, its own
+working directory, its stderr captured, and an alarm that fails it if it takes more than CASE_TIMEOUT seconds (nothing
+may hang: an unreachable hub is probed once, briefly). A few cases also run as a real `python -m es_lightning.cli`
+process to check the process's exit status and the whole of its stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = ROOT / "recipes"
+CASE_TIMEOUT = 60
+#: the hub as seen from a machine without network: a closed local port (connection refused at once), an empty cache
+OFFLINE_ENV = {"HF_ENDPOINT": "http://127.0.0.1:9", "HTTPS_PROXY": "", "https_proxy": ""}
+SMALL = ["--data.init_args.train_size", "64", "--data.init_args.val_size", "8", "--data.init_args.test_size", "8"]
+
+
+def _files(tmp: Path) -> None:
+    """The bad inputs of the table, written into the cases' working directory."""
+    es = (RECIPES / "es.yaml").read_text()
+    (tmp / "typo.yaml").write_text(es.replace("population_size: 32 ", "populaton_size: 32 "))
+    (tmp / "sigma.yaml").write_text(es.replace("sigma: 0.005 ", "sigma: -0.01 "))
+    grpo = yaml.safe_load((RECIPES / "grpo.yaml").read_text())
+    for cb in grpo["trainer"]["callbacks"]:
+        if cb["class_path"].endswith("PassAtKCallback"):
+            cb["init_args"]["ks"] = [1, 64]
+    (tmp / "kbig.yaml").write_text(yaml.safe_dump(grpo, sort_keys=False))
+    (tmp / "empty.jsonl").write_text("")
+    (tmp / "two.jsonl").write_text('{"question": "1+1", "answer": "#### 2"}\n{"question": "2+2", "answer": "#### 4"}\n')
+    (tmp / "cols.jsonl").write_text('{"q": "1+1", "a": "#### 2"}\n' * 30)
+    (tmp / "nocfg").mkdir()
+    (tmp / "nocfg" / "model.safetensors").write_bytes(b"")
+    (tmp / "afile").write_text("a file, not a directory")
+
+
+GRPO = ["fit", "--config", str(RECIPES / "grpo.yaml")]
+ES = ["fit", "--config", str(RECIPES / "es.yaml")]
+GSM8K = ["--data.init_args.task", "gsm8k"]
+
+#: (name, command line, fragments the one line must contain)
+CASES = [
+    ("misspelt key in a YAML file", ["fit", "--config", "typo.yaml"],
+     ["typo.yaml:16:", "populaton_size", "did you mean 'population_size'"]),
+    ("misspelt key on the command line", ES + ["--model.init_args.sigmaa", "1"],
+     ["--model.init_args.sigmaa", "ESModule has no option 'sigmaa'", "did you mean 'sigma'"]),
+    ("misspelt trainer key", ES + ["--trainer.max_stepz", "3"], ["--trainer.max_stepz", "did you mean 'max_steps'"]),
+    ("wrong class_path", ES + ["--model.class_path", "es_lightning.ESModul"],
+     ["--model.class_path", "no class 'es_lightning.ESModul'", "did you mean es_lightning.ESModule"]),
+    ("missing config file", ["fit", "--config", "recipes/ess.yaml"], ["recipes/ess.yaml", "does not exist"]),
+    ("unknown subcommand", ["fitt", "--config", str(RECIPES / "es.yaml")], ["unknown command 'fitt'", "did you mean 'fit'"]),
+    ("value of the wrong type", ES + ["--data.init_args.val_size", "many"],
+     ["--data.init_args.val_size", "expected int or null", "'many'"]),
+    ("ES population_size < 2", ES + SMALL + ["--model.init_args.population_size=1"],
+     ["--model.init_args.population_size", "population_size must be >= 2", "got 1"]),
+    ("ES sigma <= 0 in a YAML file", ["fit", "--config", "sigma.yaml"] + SMALL,
+     ["sigma.yaml:17:", "model.init_args.sigma", "sigma must be a positive", "got -0.01", "1.5e-3"]),
+    ("GRPO group_size < 2", GRPO + SMALL + ["--model.init_args.group_size=1"],
+     ["--model.init_args.group_size", "group_size must be >= 2", "try 8"]),
+    ("sampling temperature < 0", GRPO + SMALL + ["--model.init_args.temperature=-1"],
+     ["--model.init_args.temperature", "temperature must be"]),
+    ("data batch_size < 1", ES + SMALL + ["--data.init_args.batch_size", "0"],
+     ["--data.init_args.batch_size", "batch_size must be >= 1"]),
+    ("callback k > num_samples", ["fit", "--config", "kbig.yaml"] + SMALL,
+     ["kbig.yaml:", "ks", "k=64 exceeds num_samples=16", "Raise num_samples"]),
+    ("missing data file", GRPO + GSM8K + ["--data.init_args.source", "missing.jsonl"],
+     ["--data.init_args.source", "'missing.jsonl' does not exist"]),
+    ("empty data file", GRPO + GSM8K + ["--data.init_args.source", "empty.jsonl"],
+     ["empty.jsonl", "is empty (0 rows)", "question, answer"]),
+    ("fewer rows than the splits", GRPO + GSM8K + ["--data.init_args.source", "two.jsonl"],
+     ["two.jsonl", "has 2 rows", "data.val_size=200", "lower data.val_size"]),
+    ("missing columns", GRPO + GSM8K + ["--data.init_args.source", "cols.jsonl", "--data.init_args.val_size", "2",
+                                       "--data.init_args.test_size", "2"],
+     ["cols.jsonl", "lacks column(s) ['question', 'answer']", "column_mapping"]),
+    ("model directory without config.json", GRPO + SMALL + ["--model.init_args.model", "nocfg"],
+     ["--model.init_args.model", "'nocfg' has no config.json", "save_pretrained"]),
+    ("model path that does not exist", GRPO + SMALL + ["--model.init_args.model", "./no/such/model"],
+     ["'./no/such/model' does not exist", "builtin:countdown-tiny"]),
+    ("hub model with no network", GRPO + SMALL + ["--model.init_args.model", "Qwen/Qwen2.5-0.5B-Instruct"],
+     ["'Qwen/Qwen2.5-0.5B-Instruct'", "hub cannot be reached (offline)", "local directory"]),
+    ("hub dataset with no network", GRPO + GSM8K + ["--data.init_args.source", "openai/gsm8k"],
+     ["'openai/gsm8k'", "hub cannot be reached (offline)", "--repo-type dataset"]),
+    ("unwritable output directory", GRPO + SMALL + ["--trainer.logger.init_args.save_dir", "afile/logs"],
+     ["'afile/logs'", "cannot be written", "is a file", "--trainer.logger.init_args.save_dir"]),
+    ("generation_backend vllm without vLLM", GRPO + SMALL + ["--model.init_args.generation_backend", "vllm"],
+     ["--model.init_args.generation_backend", "vllm", 'pip install "es-lightning[vllm]"', "make test-vllm"]),
+]
+
+HARNESS = textwrap.dedent("""
+    import contextlib, io, json, os, signal, sys, time, traceback
+    from es_lightning.cli import cli_main
+
+    cases, out_path = json.load(open(sys.argv[1])), sys.argv[2]
+
+    def hang(signum, frame):
+        raise TimeoutError("the case took too long")
+
+    signal.signal(signal.SIGALRM, hang)
+    results = {}
+    for name, argv in cases:
+        err, code, start = io.StringIO(), 0, time.monotonic()
+        signal.alarm(CASE_TIMEOUT)
+        try:
+            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+                cli_main(argv)
+        except SystemExit as exit:
+            code = exit.code
+        except BaseException:
+            code, err = "exception", io.StringIO(traceback.format_exc())
+        finally:
+            signal.alarm(0)
+        results[name] = {"code": code, "stderr": err.getvalue(), "seconds": time.monotonic() - start}
+    json.dump(results, open(out_path, "w"))
+""").replace("CASE_TIMEOUT", str(CASE_TIMEOUT))
+
+
+def _env(tmp: Path) -> dict[str, str]:
+    return {**os.environ, **OFFLINE_ENV, "HF_HOME": str(tmp / "hf_home"), "PYTHONUNBUFFERED": "1",
+            "ES_LIGHTNING_DEBUG": ""}
+
+
+@pytest.fixture(scope="module")
+def table(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bad_inputs")
+    _files(tmp)
+    (tmp / "cases.json").write_text(json.dumps([(name, argv) for name, argv, _ in CASES]))
+    proc = subprocess.run([sys.executable, "-c", HARNESS, str(tmp / "cases.json"), str(tmp / "out.json")], cwd=tmp,
+                          env=_env(tmp), capture_output=True, text=True, timeout=CASE_TIMEOUT * 4 + 60 * len(CASES) // 4)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return tmp, json.loads((tmp / "out.json").read_text())
+
+
+def test_there_are_enough_cases():
+    assert len(CASES) >= 15
+
+
+@pytest.mark.parametrize("name,argv,fragments", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_one_line_and_exit_2(table, name, argv, fragments):
+    _, results = table
+    result = results[name]
+    errors = [line for line in result["stderr"].splitlines() if line.startswith("es-lightning: error:")]
+    assert result["code"] == 2, result["stderr"][-3000:]
+    assert len(errors) == 1, result["stderr"][-3000:]
+    assert "Traceback" not in result["stderr"] and len(result["stderr"].splitlines()) == 1, result["stderr"]
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]
+    assert result["seconds"] < CASE_TIMEOUT
+
+
+def test_failed_runs_leave_no_run_directory(table):
+    tmp, _ = table
+    leftovers = [p for p in tmp.rglob("version_*")]
+    assert not leftovers, leftovers
+
+
+def _cli(args, cwd, env=None, timeout=120):
+    return subprocess.run([sys.executable, "-m", "es_lightning.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env=env or {**os.environ, "ES_LIGHTNING_DEBUG": ""})
+
+
+def test_process_prints_one_line_and_exits_2(tmp_path):
+    _files(tmp_path)
+    proc = _cli(["fit", "--config", "typo.yaml"], tmp_path, env=_env(tmp_path))
+    assert proc.returncode == 2
+    lines = [ln for ln in proc.stderr.splitlines() if not ln.startswith("Seed set")]
+    assert lines == [lines[0]] and lines[0].startswith("es-lightning: error: typo.yaml:16:"), proc.stderr
+
+
+def test_hub_offline_fails_fast_in_a_process(tmp_path):
+    proc = _cli(GRPO + SMALL + ["--model.init_args.model", "Qwen/Qwen2.5-0.5B-Instruct"], tmp_path, env=_env(tmp_path),
+                timeout=60)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and proc.stderr.count("es-lightning: error:") == 1, proc.stderr
+
+
+def test_debug_switch_shows_the_traceback(tmp_path):
+    _files(tmp_path)
+    proc = _cli(["fit", "--config", "sigma.yaml", "--debug"] + SMALL, tmp_path)
+    assert proc.returncode != 0
+    assert "Traceback (most recent call last)" in proc.stderr and "sigma must be a positive" in proc.stderr
+
+
+def test_tensorboard_fragment_without_the_package_says_how_to_install(tmp_path):
+    pytest.importorskip("lightning")
+    try:
+        import tensorboard  # noqa: F401
+
+        pytest.skip("tensorboard is installed: the logger works (tests/test_run_outputs.py)")
+    except ImportError:
+        pass
+    proc = _cli(GRPO + SMALL + ["--config", str(ROOT / "configs" / "logger" / "tensorboard.yaml")], tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    line = [ln for ln in proc.stderr.splitlines() if ln.startswith("es-lightning: error:")][0]
+    assert "tensorboard" in line and "pip install" in line, line

@@ -1,0 +1,195 @@
+"""Lightning's precisions for every algorithm (issue 11, item 7), GRPO's memory knobs, and the precision settings a
+fit refuses before any step (issue 11, "Bad input") — on real Trainers, the tiny HF model and the Qwen-like fixture.
+
+The GPU trainer fragments (``configs/trainer/{gpu,ddp,fsdp,fsdp2,multinode_fsdp}.yaml``) use ``bf16-true``: the
+module's parameters are converted to bf16 and bf16 is the default dtype inside steps. ``bf16-mixed`` keeps fp32
+parameters and runs ``training_step`` — rollouts included — under bf16 autocast. Both run here on the CPU.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+
+import es_lightning.grpo.algorithm as grpo_algorithm
+from es_lightning import ESModule, GRPOModule, ReasoningDataModule, SequentialStrategy
+from es_lightning.es.update import ESOptimizer
+from es_lightning.precision import MasterAdamW
+from es_lightning.tasks import CountdownTask
+
+
+@pytest.fixture(params=["tiny_model_dir", "qwen_like_small_dir"], ids=["tiny", "qwen_like"])
+def model_dir(request) -> str:
+    return request.getfixturevalue(request.param)
+
+
+class _CharSum(CountdownTask):
+    def reward(self, completions, examples):
+        return [sum(map(ord, c)) % 97 / 97 for c in completions]
+
+
+ES = dict(population_size=4, sigma=0.05, lr=0.01, temperature=1.0)
+
+
+def _module(kind, model_dir, **kw):
+    if kind == "es":
+        return ESModule(model=model_dir, task=_CharSum(), max_new_tokens=6, **ES, **kw)
+    return GRPOModule(model=model_dir, task=_CharSum(), group_size=2, lr=1e-3, max_new_tokens=6, **kw)
+
+
+def _dm(batch_size=2):
+    return ReasoningDataModule(task="countdown", train_size=16, val_size=4, test_size=4, batch_size=batch_size, seed=0)
+
+
+def _trainer(max_steps=1, callbacks=(), **kw):
+    return L.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                     limit_val_batches=0, enable_progress_bar=False, enable_model_summary=False,
+                     callbacks=list(callbacks), **kw)
+
+
+# ---------------------------------------------------------------------------------------------------- item 7
+@pytest.mark.parametrize("precision", ["bf16-true", "bf16-mixed"])
+@pytest.mark.parametrize("kind", ["es", "grpo", "grpo_es"])
+def test_every_algorithm_trains_under_bf16_precisions(kind, precision, model_dir):
+    """ES, GRPO and the GRPO→ES switch each take their steps: bf16-true trains bf16 weights through fp32 masters,
+    bf16-mixed fp32 weights (no master) under autocast."""
+    module = _module("es" if kind == "es" else "grpo", model_dir)
+    module.configure_model()
+    before = {n: p.detach().float().clone() for n, p in module.model.named_parameters()}
+    callbacks = [SequentialStrategy(switch_step=1, es=ES)] if kind == "grpo_es" else []
+    steps = 2 if kind == "grpo_es" else 1
+    trainer = _trainer(steps, callbacks, precision=precision)
+    trainer.fit(module, _dm())
+    assert trainer.global_step == steps and module.algorithm.name == ("grpo" if kind == "grpo" else "es")
+    params = dict(module.model.named_parameters())
+    true = precision == "bf16-true"
+    assert all(p.dtype == (torch.bfloat16 if true else torch.float32) and torch.isfinite(p).all()
+               for p in params.values())
+    assert any(not torch.equal(p.float(), before[n]) for n, p in params.items()), "the steps moved the weights"
+    opt = trainer.optimizers[0]
+    assert isinstance(opt, ESOptimizer if kind != "grpo" else MasterAdamW)
+    assert opt.master_dtype == (torch.float32 if true else None)
+    for p in params.values():
+        has = p in opt.state and "master" in opt.state[p]
+        assert has == true
+        if has:
+            assert opt.state[p]["master"].dtype == torch.float32 and torch.equal(p, opt.state[p]["master"].to(p.dtype))
+    assert torch.isfinite(trainer.logged_metrics["train/reward_mean"])
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-true", "bf16-mixed"])
+def test_rollout_logprobs_equal_the_training_forward(precision, model_dir, monkeypatch):
+    """π_old (recorded while sampling) against the first pass's training forward of the same weights: equal to 1e-5 in
+    fp32; under bf16 within what bf16 logits allow (both run in bf16 — bf16-mixed autocasts the rollout and the
+    loss alike — but a KV-cached decode and a full forward round differently): |Δ log p| <= 0.1 per token, <= 0.01 on
+    average, and no token's ratio outside GRPO's clip range [0.8, 1.2]. Measured: max 0.053 / mean 0.0034 (tiny,
+    bf16-true), 0.033 / 0.0006 (tiny, bf16-mixed), 0.0019 / 0.00014 (Qwen-like); fp32 3.8e-6."""
+    seen = []
+    real = grpo_algorithm.completion_logprobs
+
+    def recording(model, rollout, rows, temperature, **kw):  # the real function, its inputs and outputs kept
+        out = real(model, rollout, rows, temperature, **kw)
+        if torch.is_grad_enabled():
+            seen.append((out[0].detach().float(), rollout.logprobs[rows].float(), rollout.completion_mask[rows].bool(),
+                         torch.is_autocast_enabled("cpu")))
+        return out
+
+    monkeypatch.setattr(grpo_algorithm, "completion_logprobs", recording)
+    module = GRPOModule(model=model_dir, task=_CharSum(), group_size=4, lr=1e-6, max_new_tokens=16)
+    _trainer(1, precision=precision).fit(module, _dm(batch_size=4))
+    logps, old, mask, autocast = seen[0]
+    assert autocast == (precision == "bf16-mixed")
+    gap = (logps - old)[mask]
+    assert int(mask.sum()) >= 32
+    if precision == "32-true":
+        assert float(gap.abs().max()) < 1e-5
+        return
+    assert float(gap.abs().max()) <= 0.1 and float(gap.abs().mean()) <= 0.01, (gap.abs().max(), gap.abs().mean())
+    ratio = gap.exp()
+    assert bool(((ratio >= 0.8) & (ratio <= 1.2)).all())
+
+
+# ---------------------------------------------------------------------------------------------------- memory knobs
+class _Grads(L.Callback):
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.grads = {n: p.grad.detach().clone() for n, p in pl_module.model.named_parameters() if p.grad is not None}
+
+
+def test_gradient_checkpointing_and_chunk_size_change_memory_not_gradients(model_dir):
+    """The same step with activation checkpointing and a 3-token log-prob chunk: the layers really recompute
+    (HF's flag is set in training), and the gradients equal those of the plain step (fp32)."""
+    grads = []
+    for kw in ({"share_prompt_prefix": False},
+               {"share_prompt_prefix": False, "gradient_checkpointing": True, "logprob_chunk_size": 3}):
+        module = _module("grpo", model_dir, mini_batch_size=2, **kw)
+        record = _Grads()
+        _trainer(1, [record]).fit(module, _dm())
+        layers = [m for m in module.model.modules() if hasattr(m, "gradient_checkpointing")]
+        assert layers and all(m.gradient_checkpointing == kw.get("gradient_checkpointing", False) for m in layers)
+        grads.append(record.grads)
+    plain, checkpointed = grads
+    assert plain.keys() == checkpointed.keys()
+    for name in plain:
+        assert torch.allclose(plain[name], checkpointed[name], rtol=1e-4, atol=1e-7), name
+    assert any(float(g.abs().max()) > 0 for g in plain.values())
+
+
+def test_gradient_checkpointing_with_a_shared_prompt_prefix_is_refused_at_construction(tiny_model_dir):
+    with pytest.raises(ValueError, match="share_prompt_prefix: false") as err:
+        GRPOModule(model=tiny_model_dir, gradient_checkpointing=True)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="logprob_chunk_size must be >= 1"):
+        GRPOModule(model=tiny_model_dir, logprob_chunk_size=0)
+
+
+# ---------------------------------------------------------------------------------------------------- bad input
+class _NoStep(L.Callback):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        raise AssertionError("a training step started")
+
+
+def _refused(module, match, precision="32-true", callbacks=(), batch_size=2):
+    generated = []
+    generator = module.generator
+
+    class _Spy:  # the real generator, noting whether anything generated
+        def generate(self, *args, **kwargs):
+            generated.append(1)
+            return generator.generate(*args, **kwargs)
+
+    module._generator = _Spy()
+    trainer = _trainer(1, [*callbacks, _NoStep()], precision=precision)
+    with pytest.raises(ValueError, match=match) as err:
+        trainer.fit(module, _dm(batch_size))
+    assert "\n" not in str(err.value) and trainer.global_step == 0 and not generated
+    return str(err.value)
+
+
+@pytest.mark.parametrize("kind", ["es", "grpo"])
+def test_a_dtype_the_device_cannot_run_is_refused_before_any_step(kind, tiny_model_dir):
+    _refused(_module(kind, tiny_model_dir, dtype="float16"), "use dtype: bfloat16 with trainer.precision: bf16-true")
+    _refused(_module(kind, tiny_model_dir), "use dtype: bfloat16", precision="16-true")
+
+
+@pytest.mark.parametrize("kind", ["es", "grpo"])
+def test_a_master_dtype_below_the_model_is_refused(kind, tiny_model_dir):
+    with pytest.raises(ValueError, match="master_dtype: float32") as err:
+        _module(kind, tiny_model_dir, master_dtype="bfloat16")  # dtype float32: refused when built
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="unknown master_dtype"):
+        _module(kind, tiny_model_dir, master_dtype="fp8")
+    # dtype: auto loads the tiny model's fp32 weights: known only at setup, refused there
+    _refused(_module(kind, tiny_model_dir, dtype="auto", master_dtype="bfloat16"), "master_dtype: float32")
+    _module(kind, tiny_model_dir, dtype="bfloat16", master_dtype="bfloat16")  # equal to the model's: no master, fine
+
+
+def test_a_grpo_mini_batch_that_cannot_split_the_batch_is_refused_at_setup(tiny_model_dir):
+    message = _refused(_module("grpo", tiny_model_dir, mini_batch_size=3), "does not divide the 4 completions")
+    assert "mini_batch_size: 2" in message and "data.batch_size 2 × group_size 2" in message
+    # a second GRPO stage is checked when the fit starts, not at the switch
+    _refused(_module("es", tiny_model_dir), "mini_batch_size: 2",
+             callbacks=[SequentialStrategy(switch_step=5, grpo=dict(group_size=2, mini_batch_size=3))])
+    for ok in (1, 2, 4, 64):  # divisors of 4, or all at once
+        module = _module("grpo", tiny_model_dir, mini_batch_size=ok)
+        module.algorithm.check_batch(2)

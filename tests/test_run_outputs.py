@@ -1,0 +1,238 @@
+"""Where a run's outputs go and what the command says: RunCheckpoint's schedule and atomic replacement, `eval` checking
+every path first, `--help`, no `predict`, `--trainer.max_steps 0`, CPU threads, local paths without `./`, loggers."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from es_lightning import ReasoningDataModule, RunCheckpoint
+from es_lightning.callbacks.checkpoint import OLD_SUFFIX, PARTIAL_SUFFIX, recover, replace_atomically, side_path
+from es_lightning.cli import ESLightningCLI, check_config, cli_main
+from es_lightning.policy import load_policy, resolve_model_path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------------- RunCheckpoint
+class _Regression(L.LightningModule):
+    """y = 3x by SGD; with ``steps_per_batch`` > 1 each batch makes several optimizer steps (GRPO's num_iterations)."""
+
+    def __init__(self, steps_per_batch: int = 1) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(1, 1)
+        self.steps_per_batch = steps_per_batch
+        self.automatic_optimization = steps_per_batch == 1
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.automatic_optimization:
+            return torch.nn.functional.mse_loss(self.layer(x), y)
+        opt = self.optimizers()
+        for _ in range(self.steps_per_batch):
+            opt.zero_grad()
+            self.manual_backward(torch.nn.functional.mse_loss(self.layer(x), y))
+            opt.step()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _fit(tmp_path, module, max_steps, every, save_top_k=-1):
+    x = torch.linspace(-1, 1, 64).unsqueeze(1)
+    loader = DataLoader(TensorDataset(x, 3 * x), batch_size=4)
+    ckpt = RunCheckpoint(every_n_train_steps=every, dirpath=str(tmp_path), save_top_k=save_top_k)
+    trainer = L.Trainer(max_steps=max_steps, callbacks=[ckpt], logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, accelerator="cpu")
+    trainer.fit(module, loader)
+    return sorted(p.name for p in tmp_path.iterdir())
+
+
+def test_checkpoint_every_k_steps_and_last_at_the_end(tmp_path):
+    files = _fit(tmp_path, _Regression(), max_steps=7, every=3)
+    assert files == ["last.ckpt", "step=3.ckpt", "step=6.ckpt"]
+    assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 7  # 7 is not a multiple of 3
+
+
+def test_a_batch_that_steps_over_a_multiple_of_k_still_checkpoints(tmp_path):
+    # two optimizer steps a batch: the step goes 2, 4, 6, 8 and never equals 3; saves when it passes 3 and 6
+    files = _fit(tmp_path, _Regression(steps_per_batch=2), max_steps=8, every=3)
+    assert files == ["last.ckpt", "step=4.ckpt", "step=6.ckpt"]
+    assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 8
+
+
+def test_only_last_ckpt_by_default(tmp_path):
+    assert _fit(tmp_path, _Regression(), max_steps=5, every=2, save_top_k=0) == ["last.ckpt"]
+
+
+def test_stage_progress_bar_counts_optimizer_steps_without_v_num(tmp_path):
+    from es_lightning import StageProgressBar
+
+    bar = StageProgressBar()
+    x = torch.linspace(-1, 1, 64).unsqueeze(1)
+    trainer = L.Trainer(max_steps=6, callbacks=[bar], logger=False, enable_checkpointing=False, accelerator="cpu",
+                        enable_model_summary=False, default_root_dir=tmp_path)
+    trainer.fit(_Regression(steps_per_batch=2), DataLoader(TensorDataset(x, 3 * x), batch_size=4))
+    assert (bar.train_progress_bar.n, bar.train_progress_bar.total) == (6, 6)  # steps of max_steps, not batches
+    assert bar.train_progress_bar.desc.startswith("_Regression")  # the stage (here: the module's name)
+    assert "v_num" not in bar.get_metrics(trainer, trainer.lightning_module)
+
+
+def test_bad_interval_is_refused():
+    with pytest.raises(ValueError, match="every_n_train_steps must be >= 1"):
+        RunCheckpoint(every_n_train_steps=0)
+
+
+def test_file_replacement_leaves_old_or_new(tmp_path):
+    target = tmp_path / "last.ckpt"
+    target.write_bytes(b"old")
+    partial = side_path(target, PARTIAL_SUFFIX)
+    partial.write_bytes(b"half")  # a kill while writing: only the hidden partial file is incomplete
+    recover(tmp_path)
+    assert target.read_bytes() == b"old" and not partial.exists()
+    partial.write_bytes(b"new")
+    replace_atomically(partial, target)
+    assert target.read_bytes() == b"new" and not partial.exists()
+
+
+def test_sharded_directory_swap_is_repaired_after_a_kill_between_renames(tmp_path):
+    target = tmp_path / "last.ckpt"
+    (target / "shard").mkdir(parents=True)
+    (target / "shard" / "0.distcp").write_bytes(b"old")
+    new = side_path(target, PARTIAL_SUFFIX)
+    (new / "shard").mkdir(parents=True)
+    (new / "shard" / "0.distcp").write_bytes(b"new")
+    os.replace(target, side_path(target, OLD_SUFFIX))  # the first rename of the swap, then the process dies
+    assert not target.exists()
+    recover(tmp_path)  # what RunCheckpoint.setup and --ckpt_path last do first
+    assert (target / "shard" / "0.distcp").read_bytes() == b"old"
+    (new / "shard").mkdir(parents=True)
+    (new / "shard" / "0.distcp").write_bytes(b"new")
+    replace_atomically(new, target)
+    assert (target / "shard" / "0.distcp").read_bytes() == b"new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+
+
+def test_enable_checkpointing_false_turns_a_recipes_checkpoint_off(tmp_path):
+    cli = ESLightningCLI(args=["--config", str(ROOT / "recipes" / "es.yaml"), "--trainer.enable_checkpointing", "false",
+                               "--trainer.default_root_dir", str(tmp_path)], run=False)
+    assert cli.trainer.checkpoint_callback is None
+
+
+# ---------------------------------------------------------------------- the command
+def test_help_lists_every_analysis_command_and_no_predict(capsys):
+    with pytest.raises(SystemExit) as done:
+        cli_main(["--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    from es_lightning.cli import analysis_commands
+
+    for name in analysis_commands()["analyze"]:
+        assert name in out.split("\n")[0], out[:500]
+    assert "compare" in out.split("\n")[0] and "--ckpt_path last" in out and "--debug" in out
+    assert "predict" not in out
+    with pytest.raises(SystemExit) as done:
+        cli_main(["predict", "--config", str(ROOT / "recipes" / "eval.yaml")])
+    assert done.value.code == 2
+    assert "unknown command 'predict'" in capsys.readouterr().err
+
+
+def test_max_steps_0_says_nothing_was_trained_and_last_with_no_run_starts_fresh(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "es_lightning.cli", "fit", "--config", str(ROOT / "recipes" / "grpo_es.yaml"),
+         "--trainer.max_steps", "0", "--ckpt_path", "last", "--trainer.logger.init_args.save_dir", str(tmp_path)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "no last.ckpt under" in proc.stderr and "starting a new run" in proc.stderr, proc.stderr[-2000:]
+    assert "nothing was trained: trainer.max_steps is 0" in proc.stdout, proc.stdout[-2000:]
+    assert not list(tmp_path.rglob("*.ckpt")) and not list(tmp_path.rglob("export"))
+
+
+def test_one_thread_per_process_unless_asked(tmp_path):
+    code = ("import torch; from es_lightning.console import configure_threads; configure_threads(); "
+            "print(torch.get_num_threads())")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "ES_LIGHTNING_NUM_THREADS")}
+    one = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    two = subprocess.run([sys.executable, "-c", code], env={**env, "ES_LIGHTNING_NUM_THREADS": "2"},
+                         capture_output=True, text=True, timeout=120)
+    assert one.stdout.strip() == "1", one.stderr
+    assert two.stdout.strip() == "2", two.stderr
+
+
+# ---------------------------------------------------------------------- local paths
+def test_local_paths_without_dot_slash_are_local(tmp_path, monkeypatch, tiny_model_dir):
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(tiny_model_dir, tmp_path / "mymodel")
+    shutil.copytree(tiny_model_dir, tmp_path / "models" / "tiny")  # "org/name" shape, but a directory here
+    assert resolve_model_path("mymodel") == "mymodel"
+    assert resolve_model_path("models/tiny") == "models/tiny"
+    assert load_policy("models/tiny").model.config.hidden_size == 32
+    (tmp_path / "train.jsonl").write_text("".join(f'{{"question": "{i}+1", "answer": "#### {i + 1}"}}\n' for i in range(12)))
+    dm = ReasoningDataModule("gsm8k", source="train.jsonl", train_size=None, val_size=2, test_size=2, batch_size=2)
+    dm.setup()
+    assert len(dm.splits["train"]) == 8 and dm.splits["val"] and dm.splits["test"]
+
+
+# ---------------------------------------------------------------------- eval checks every path first
+def test_eval_checks_every_checkpoint_before_evaluating(tmp_path, monkeypatch):
+    import es_lightning.analysis.evaluate as evaluate
+    from es_lightning.analysis.settings import EvalSettings
+
+    loaded = []
+    real = evaluate.load_model
+    monkeypatch.setattr(evaluate, "load_model", lambda *a, **k: loaded.append(a) or real(*a, **k))  # a spy
+    settings = EvalSettings(num_problems=2, num_samples=2)
+    with pytest.raises(FileNotFoundError, match="missing.ckpt' does not exist"):
+        evaluate.evaluate_models(["builtin:countdown-tiny", str(tmp_path / "missing.ckpt")], settings=settings,
+                                 progress=False)
+    with pytest.raises(FileNotFoundError, match="no-such-dir' does not exist"):
+        evaluate.evaluate_models(["builtin:countdown-tiny", str(tmp_path / "no-such-dir")], settings=settings,
+                                 progress=False)
+    assert loaded == []  # nothing was loaded, let alone evaluated
+
+
+# ---------------------------------------------------------------------- loggers from fragments
+def test_logger_fragments_compose_after_a_recipe():
+    recipe = str(ROOT / "recipes" / "grpo_es.yaml")
+    tb = check_config(["fit", "--config", recipe, "--config", str(ROOT / "configs" / "logger" / "tensorboard.yaml")])
+    logger = tb.fit.trainer.logger
+    assert logger.class_path.endswith("TensorBoardLogger")
+    assert (logger.init_args.save_dir, logger.init_args.name) == ("lightning_logs", "grpo_es")  # the run directory kept
+    wb = check_config(["fit", "--config", recipe, "--config", str(ROOT / "configs" / "logger" / "wandb.yaml")])
+    loggers = wb.fit.trainer.logger
+    assert [lg.class_path.rsplit(".", 1)[1] for lg in loggers] == ["CSVLogger", "WandbLogger"]
+
+
+def test_tensorboard_logger_writes_events_into_the_run_directory(tmp_path):
+    pytest.importorskip("tensorboard")
+    proc = subprocess.run(
+        [sys.executable, "-m", "es_lightning.cli", "fit", "--config", str(ROOT / "recipes" / "es.yaml"),
+         "--config", str(ROOT / "configs" / "logger" / "tensorboard.yaml"), "--trainer.max_steps", "1",
+         "--model.init_args.population_size", "2", "--model.init_args.members_per_batch", "2",
+         "--data.init_args.batch_size", "2", "--trainer.logger.init_args.save_dir", str(tmp_path)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert list((tmp_path / "es" / "version_0").glob("events.out.tfevents.*"))
+
+
+def test_wandb_logger_runs_offline_beside_the_csv_logger(tmp_path):
+    pytest.importorskip("wandb")
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "es_lightning.cli", "fit", "--config", str(ROOT / "recipes" / "es.yaml"),
+         "--config", str(ROOT / "configs" / "logger" / "wandb.yaml"), "--trainer.max_steps", "1",
+         "--model.init_args.population_size", "2", "--model.init_args.members_per_batch", "2",
+         "--data.init_args.batch_size", "2"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)  # run directory: ./lightning_logs
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "lightning_logs" / "es" / "version_0" / "metrics.csv").is_file()  # the CSV logger still decides the run directory
+    runs = list(tmp_path.rglob("offline-run-*"))
+    assert runs and list(runs[0].glob("*.wandb")), sorted(str(p) for p in tmp_path.rglob("*"))[:40]
