@@ -73,3 +73,26 @@ def hf_generate():
         return HFGenerator(policy).generate(*args, **kwargs)
 
     return generate
+
+
+@pytest.fixture
+def es_fit(keep_alive):
+    """``es_fit(steps, **ESModule kwargs)``: an ESModule fit through the Python API on the built-in model and compact
+    Countdown (4 prompts a step, greedy, population 4, no evaluation); returns (module, trainer)."""
+    import lightning as L
+
+    from es_lightning import CountdownTask, ESModule, ReasoningDataModule
+
+    def run(steps: int, **kwargs):
+        L.seed_everything(0, verbose=False)
+        kwargs = {"population_size": 4, "sigma": 0.02, "lr": 0.01, "max_new_tokens": 8, "temperature": 0.0, **kwargs}
+        module = ESModule(**kwargs)
+        keep_alive.append(module)
+        data = ReasoningDataModule(CountdownTask(prompt_format="compact"), train_size=16, val_size=2, test_size=2,
+                                   batch_size=4)
+        trainer = L.Trainer(max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
+        trainer.fit(module, data)
+        return module, trainer
+
+    return run

@@ -192,3 +192,25 @@ def test_batched_full_rank_members_refused_before_training(tmp_path, fit):
 def test_unknown_generation_option_refused_at_construction(tmp_path, fit):
     with pytest.raises(ValueError, match=r"unknown vLLM generation_options \['max_model_length'\]; accepted: \['max_model_len'"):
         fit(_recipe(tmp_path, "grpo.yaml"), *SMALL, *VLLM, "--model.init_args.generation_options.max_model_length", "9")
+
+
+def test_bf16_engine_side_keeps_the_trainers_master(es_fit):
+    """bf16 policy, fp32 master in the ES optimizer (master_dtype float32): after 3 updates the engine's copy of θ is
+    the trainer's fp32 master bit for bit and the engine's weights are the policy's bf16 weights (= bf16(master));
+    engine-side and pushed members give the same rewards and weights."""
+    options = dict(max_model_len=96, cpu_kv_cache_gib=0.0625, max_num_seqs=64)
+    engine, trainer = es_fit(3, dtype="bfloat16", generation_backend="vllm", generation_options=options)
+    push, _ = es_fit(3, dtype="bfloat16", generation_backend="vllm",
+                      generation_options={**options, "engine_side_es": False})
+    opt = trainer.optimizers[0]
+    named = dict(engine.model.named_parameters())
+    assert all(p.dtype == torch.bfloat16 and opt.has_master(p) for p in named.values())
+    master = engine.generator.engine_worker._es_master
+    assert all(master[n].dtype == torch.float32 and torch.equal(master[n], opt.state[p]["master"]) for n, p in named.items())
+    assert sum(int((opt.state[p]["master"].to(torch.bfloat16) != opt.state[p]["master"]).sum()) for p in named.values())
+    assert torch.equal(engine.last_rewards, push.last_rewards)
+    pushed = dict(push.model.named_parameters())
+    assert all(torch.equal(p, pushed[n]) for n, p in named.items())
+    engine_params = {n: p.detach().clone() for n, p in engine.generator.engine_model.named_parameters()}
+    engine.generator.push_weights()  # the policy's bf16 weights, pushed: the engine's weights already were these
+    assert all(torch.equal(engine_params[n], p) for n, p in engine.generator.engine_model.named_parameters())
