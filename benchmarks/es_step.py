@@ -20,17 +20,30 @@ model is loaded) is its own:
 
 Prints a/b, a/c, a/d (and a1/b, a1/c) and each variant's peak memory; targets: a/c ≤ 1.15, a/b ≤ 0.8, ES memory ≤ 0.5 × (e).
 
-Low-rank (EGGROLL) population, ``--lowrank`` (issue 14; :mod:`es_lightning.es.lowrank`)::
+Population modes, ``--lowrank`` (issue 14: EGGROLL low-rank members, :mod:`es_lightning.es.lowrank`)::
 
-    python benchmarks/es_step.py --lowrank                    # built-in model
-    python benchmarks/es_step.py --lowrank --qwen-like        # Qwen2-shaped, vocabulary 151,936
+    python benchmarks/es_step.py --lowrank                          # built-in model and the Qwen-like fixture
+    python benchmarks/es_step.py --lowrank --population 32 --batch 32 --max-new-tokens 16 --rounds 7
+    python benchmarks/es_step.py --lowrank --lowrank-models qwen-like --accelerator gpu --threads 8
 
-(l) all N members in ONE batch of N×B rows through ``LowRankPopulationForward`` (factors drawn once for the step), the
-    generate, then the update through ``ESOptimizer(noise_rank=r)`` reusing the step's factors;
-(d) one plain batched generate of the same N×B prompts. Both greedy and forced to ``max_new_tokens`` (equal work).
-Timed in one process in alternating rounds (medians, first pair dropped); peak memory (``ru_maxrss`` above the process's
-baseline after loading) each in a fresh process. Prints l/d for the generate alone and for the whole step, and the
-memory ratio; targets: l/d ≤ 1.10 (built-in), ≤ 1.25 (Qwen-like), memory ≤ 1.2.
+One table per model (the built-in model, fp32; the Qwen-like fixture of ``es_lightning.builtin.qwen_like``, V =
+151,936, tied embeddings, bf16, with the r1 Countdown prompt in its chat template), one row per mode, each a real ES
+step of :class:`es_lightning.ESModule` in a ``Trainer`` (scoring and update included):
+
+(l) ``noise_rank=r, members_per_batch=N``: the whole population in one generate through the shared weights;
+(a) ``members_per_batch=N``: the whole population in one generate, each member through its own weight copy;
+(a1) ``members_per_batch=1``: one member at a time, perturbed in place;
+(d) one plain batched generate of the same N×B×n completions with the centre weights — the floor.
+
+Like for like: (d) is the module's own generator call with the step's prompts, sampling settings and common random
+numbers, and every row of every generate runs to ``max_new_tokens`` (no EOS, no stop string), so the modes generate
+exactly the tokens (d) does. Alternating rounds: beside every ES step (before it on even steps, after it on odd ones)
+one (d) is run, so each step/d ratio compares neighbours in time; the table prints medians over ``--rounds`` steps per
+mode (a warm-up step dropped). "gen/d" is the step's generate alone. Peak memory, each step and each (d) on its own:
+above what was held just before it (CPU: the resident set's high-water mark, reset per block, with
+``MALLOC_MMAP_THRESHOLD_`` so that freed tensors leave at once; CUDA: ``max_memory_allocated``). Targets: (l) step/d
+≤ 1.10 on the built-in model, ≤ 1.25 on the Qwen-like fixture; (l) peak/d ≤ 1.2. Timings from a busy machine mean
+nothing: run it alone.
 """
 
 from __future__ import annotations
@@ -165,114 +178,171 @@ def variant_e(args):
     return {"s_per_step": sum(times[1:]) / max(1, len(times) - 1), "peak_mb": _rss_mb() - base}
 
 
-# ---------------------------------------------------------------------------------------------------- low-rank population
-def _qwen_like_model(dtype):
-    """TO BE REPLACED by ``es_lightning.builtin.qwen_like`` (the real-models engineer's fixture) once it is on this
-    branch: a Qwen2 with the real vocabulary (151,936), hidden 64, head_dim 32, tied embeddings (as Qwen2.5-0.5B/1.5B),
-    random weights. The built-in char tokenizer encodes the prompts (its ids are valid rows of the big vocabulary)."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from es_lightning.builtin.tokenizer import build_char_tokenizer
-
-    config = Qwen2Config(vocab_size=151_936, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=256,
-                         tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=None)
-    torch.manual_seed(0)
-    return Qwen2ForCausalLM(config).to(dtype).eval(), build_char_tokenizer()
+# ---------------------------------------------------------------------------------------------------- population modes
+#: ES step modes of the --lowrank table: label -> ESModule settings (N = population size)
+MODES = {
+    "l": lambda n, r: {"noise_rank": r, "members_per_batch": n},
+    "a": lambda n, r: {"members_per_batch": n},
+    "a1": lambda n, r: {"members_per_batch": 1},
+}
+MODE_NAMES = {"d": "one batched generate, centre weights", "l": "low-rank r={r}, {n} members/batch",
+              "a": "full-rank, {n} members/batch (copies)", "a1": "full-rank, one member at a time"}
 
 
-def _lowrank_setup(args):
-    import torch
+class _PeakMemory:
+    """Peak memory of a block above what was held just before it: CUDA ``max_memory_allocated``; CPU the resident
+    set's high-water mark (Linux ``VmHWM``, reset through ``/proc/self/clear_refs``; the parent sets
+    ``MALLOC_MMAP_THRESHOLD_`` so that freed tensors leave the resident set at once)."""
 
-    from es_lightning.data import procedural_split
-    from es_lightning.tasks import CountdownTask
+    def __init__(self, cuda: bool):
+        self.cuda, self.peak_mb = cuda, 0.0
 
-    torch.manual_seed(0)
-    dtype = getattr(torch, args.dtype)
-    if args.qwen_like:
-        model, tokenizer = _qwen_like_model(dtype)
-    else:
-        from es_lightning.policy import load_policy
+    @staticmethod
+    def _kb(field):
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
-        policy = load_policy(args.model, dtype=args.dtype)
-        model, tokenizer = policy.model.eval(), policy.tokenizer
-    task = CountdownTask()
-    prompts = [task.prompt(e) for e in procedural_split(task, "train", args.batch, seed=0)]
-    enc = tokenizer(prompts * args.population, return_tensors="pt", padding=True)  # [N·B, P], member-major
-    return torch, model, enc, tokenizer.pad_token_id
+    def __enter__(self):
+        import torch
 
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.before = torch.cuda.memory_allocated()
+        else:
+            self.before = self._kb("VmRSS") * 1024
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # VmHWM := VmRSS
+        self.t0 = time.perf_counter()
+        return self
 
-def _lowrank_round(torch, model, enc, pad, args, kind, step):
-    """One round: ``kind="l"`` low-rank population step (draw, generate, update) or ``"d"`` plain batched generate.
-    Returns (generate seconds, whole-round seconds)."""
-    from es_lightning.es.lowrank import LowRankPopulationForward
-    from es_lightning.es.update import ESOptimizer
+    def __exit__(self, *exc):
+        import torch
 
-    def generate():
-        model.generate(**enc, max_new_tokens=args.max_new_tokens, min_new_tokens=args.max_new_tokens, do_sample=False,
-                       pad_token_id=pad, eos_token_id=None)
-
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        if kind == "d":
-            generate()
-            t = time.perf_counter() - t0
-            return t, t
-        named = list(model.named_parameters())
-        members = [(m, 1.0) for m in range(args.population)]
-        cache = {}
-        with LowRankPopulationForward(model, named, members, seed=0, step=step, sigma=1.5e-3, rank=args.rank,
-                                      cache=cache):
-            t1 = time.perf_counter()
-            generate()
-            t_gen = time.perf_counter() - t1
-        opt = ESOptimizer(named, lr=1e-4, sigma=1.5e-3, noise_rank=args.rank)
-        z = torch.randn(args.population, generator=torch.Generator().manual_seed(step))
-        opt.set_update(0, step, torch.arange(args.population), z, noise_cache=cache)
-        opt.step()
-    return t_gen, time.perf_counter() - t0
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.seconds = time.perf_counter() - self.t0
+        peak = torch.cuda.max_memory_allocated() if self.cuda else self._kb("VmHWM") * 1024
+        self.peak_mb = (peak - self.before) / 2**20
 
 
-def lowrank_timing(args):
+def modes_child(args):
+    """One model, every mode: per mode a real ``Trainer.fit`` of ``rounds + 1`` steps; beside each step (before it on
+    even steps, after it on odd ones) one plain batched generate (d) of the same N×B×n completions, so every step/d
+    ratio compares neighbours in time. Every row of both is forced to ``max_new_tokens`` (no EOS, no stop string)."""
+    import gc
     import statistics
 
-    torch, model, enc, pad = _lowrank_setup(args)
-    times = {"l": [], "d": []}
-    for step in range(args.rounds + 1):
-        for kind in ("d", "l") if step % 2 else ("l", "d"):  # alternate which goes first
-            times[kind].append(_lowrank_round(torch, model, enc, pad, args, kind, step))
-    med = {k: [statistics.median(x[i] for x in v[1:]) for i in range(2)] for k, v in times.items()}  # drop warm-up
-    return {"l_gen_s": med["l"][0], "l_step_s": med["l"][1], "d_s": med["d"][0]}
+    import lightning as L
 
+    from es_lightning import ESModule, ParameterDrift, ReasoningDataModule
+    from es_lightning.generation import HFGenerator
+    from es_lightning.tasks import CountdownTask
 
-def lowrank_memory(args, kind):
-    torch, model, enc, pad = _lowrank_setup(args)
-    base = _rss_mb()
-    _lowrank_round(torch, model, enc, pad, args, kind, step=0)
-    return {"peak_mb": _rss_mb() - base}
+    class FixedLength(HFGenerator):
+        """The module's own generator with no EOS and no stop string: every completion has max_new_tokens tokens."""
+
+        @property
+        def eos_token_ids(self):
+            return []
+
+        def _stop_criterion(self, stop):
+            return None
+
+    cuda = args.accelerator in ("gpu", "cuda")
+    n, samples = args.population, args.samples
+
+    class Probe(L.Callback):
+        def __init__(self):
+            self.rows = []  # (step s, its generate s, d s, step peak MB, d peak MB)
+
+        def d(self, module, batch):
+            params = module.sampling_params()
+            blocks = {"common_random_blocks": n} if n > 1 else {}
+            with _PeakMemory(cuda) as m:
+                module.generator.generate(module.prompts(batch) * n, samples, params, seed=1,
+                                          return_logprobs=params.temperature > 0, **blocks)
+            return m.seconds, m.peak_mb
+
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            self.pending = self.d(module, batch) if trainer.global_step % 2 == 0 else None
+            self.meter = _PeakMemory(cuda).__enter__()
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            self.meter.__exit__(None, None, None)
+            d_s, d_mb = self.pending or self.d(module, batch)
+            gen = float(trainer.callback_metrics["train/time/generate_s"])
+            self.rows.append((self.meter.seconds, gen, d_s, self.meter.peak_mb, d_mb))
+
+    if args.qwen_like:
+        task = CountdownTask(prompt_format="r1", use_chat_template=True)  # the real-model prompt, chat template
+    else:
+        task = CountdownTask(prompt_format="compact")
+    out = {}
+    for mode in args.modes.split(","):
+        module = ESModule(model=args.model, dtype=args.dtype, task=task, population_size=n, sigma=args.sigma, lr=1e-3,
+                          samples_per_member=samples, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                          **MODES[mode](n, args.rank))
+        module.configure_model()
+        module._generator = FixedLength(module.policy)
+        probe = Probe()
+        trainer = L.Trainer(max_steps=args.rounds + 1, accelerator=args.accelerator, devices=1, logger=False,
+                            enable_checkpointing=False, limit_val_batches=0, enable_progress_bar=False,
+                            enable_model_summary=False, callbacks=[probe, ParameterDrift(every_n_steps=0)])
+        dm = ReasoningDataModule(task=task, train_size=args.batch * (args.rounds + 2), val_size=4, test_size=4,
+                                 batch_size=args.batch)
+        trainer.fit(module, dm)
+        rows = probe.rows[1:]  # the first round warms up (thread pools, lazy init, stop-string tables)
+        med = [statistics.median(r[i] for r in rows) for i in range(5)]
+        out[mode] = {"step_s": med[0], "generate_s": med[1], "d_s": med[2], "step_mb": med[3], "d_mb": med[4],
+                     "step_over_d": statistics.median(r[0] / r[2] for r in rows),
+                     "generate_over_d": statistics.median(r[1] / r[2] for r in rows)}
+        del module, trainer, probe
+        gc.collect()
+    return out
 
 
 def lowrank_main(args) -> None:
-    common = [f"--model={args.model}", f"--population={args.population}", f"--batch={args.batch}",
-              f"--max-new-tokens={args.max_new_tokens}", f"--rank={args.rank}", f"--rounds={args.rounds}",
-              f"--dtype={args.dtype}", f"--threads={args.threads}"] + (["--qwen-like"] if args.qwen_like else [])
-    results = {}
-    for variant in ("lowrank-time", "lowrank-mem-l", "lowrank-mem-d"):
-        out = subprocess.run([sys.executable, __file__, "--variant", variant] + common, capture_output=True, text=True,
-                             check=True).stdout.strip().splitlines()[-1]
-        results[variant] = json.loads(out)
-    t, ml, md = results["lowrank-time"], results["lowrank-mem-l"], results["lowrank-mem-d"]
-    model = "Qwen-like (V=151936, hidden 64, head_dim 32)" if args.qwen_like else args.model
-    target = 1.25 if args.qwen_like else 1.10
-    print(f"low-rank population: N={args.population} B={args.batch} max_new_tokens={args.max_new_tokens} "
-          f"rank={args.rank} dtype={args.dtype} model={model}; medians of {args.rounds} alternating rounds")
-    print(f"(l) generate {t['l_gen_s']:.3f} s, whole step (draw + generate + update) {t['l_step_s']:.3f} s; "
-          f"(d) {t['d_s']:.3f} s")
-    print(f"l/d generate only              = {t['l_gen_s'] / t['d_s']:.2f}")
-    print(f"l/d whole step (no scoring)    = {t['l_step_s'] / t['d_s']:.2f}   target <= {target:.2f}")
-    print(f"peak memory l / d              = {ml['peak_mb']:.1f} MB / {md['peak_mb']:.1f} MB"
-          f" = {ml['peak_mb'] / max(md['peak_mb'], 1e-9):.2f}   target <= 1.20")
+    """The --lowrank table, for the built-in model and/or the Qwen-like fixture (each in its own process)."""
+    import os
+    import tempfile
+
+    from es_lightning.builtin.qwen_like import QWEN_VOCAB_SIZE, build_qwen_like
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root, "MALLOC_MMAP_THRESHOLD_": "65536", "TOKENIZERS_PARALLELISM": "false",
+           "OMP_NUM_THREADS": str(args.threads)}
+    with tempfile.TemporaryDirectory() as tmp:
+        for which in args.lowrank_models.split(","):
+            qwen = which == "qwen-like"
+            model = build_qwen_like(os.path.join(tmp, "qwen-like")) if qwen else args.model
+            dtype = args.dtype or ("bfloat16" if qwen else "float32")
+            forwarded = [f"--model={model}", f"--population={args.population}", f"--batch={args.batch}",
+                         f"--max-new-tokens={args.max_new_tokens}", f"--rank={args.rank}", f"--rounds={args.rounds}",
+                         f"--dtype={dtype}", f"--threads={args.threads}", f"--samples={args.samples}",
+                         f"--temperature={args.temperature}", f"--sigma={args.sigma}", f"--modes={args.modes}",
+                         f"--accelerator={args.accelerator}"] + (["--qwen-like"] if qwen else [])
+            proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--variant", "modes", *forwarded],
+                                  capture_output=True, text=True, env=env)
+            if proc.returncode:
+                raise RuntimeError(f"the {which} run failed:\n{proc.stderr[-3000:]}")
+            res = json.loads(proc.stdout.strip().splitlines()[-1])
+            name = f"Qwen-like (V={QWEN_VOCAB_SIZE:,}, hidden 64, tied embeddings)" if qwen else model
+            target = 1.25 if qwen else 1.10
+            sampling = "greedy" if args.temperature == 0 else f"T={args.temperature}"
+            print(f"\n{name}, {dtype}: N={args.population} B={args.batch} n={args.samples} "
+                  f"{args.max_new_tokens} new tokens (every row), {sampling}, {args.accelerator}, {args.threads} "
+                  f"thread(s); medians of {args.rounds} rounds, each step beside its own (d)")
+            d_s = [r["d_s"] for r in res.values()]
+            d_mb = [r["d_mb"] for r in res.values()]
+            print(f"{'mode':<48}{'step s':>9}{'step/d':>8}{'gen/d':>7}{'peak MB':>10}{'peak/d':>8}")
+            print(f"{'(d)  ' + MODE_NAMES['d']:<48}{sorted(d_s)[len(d_s) // 2]:>9.3f}{1:>8.2f}{1:>7.2f}"
+                  f"{sorted(d_mb)[len(d_mb) // 2]:>10.1f}{1:>8.2f}")
+            for mode, r in res.items():
+                label = f"({mode}) ".ljust(5) + MODE_NAMES[mode].format(r=args.rank, n=args.population)
+                print(f"{label:<48}{r['step_s']:>9.3f}{r['step_over_d']:>8.2f}{r['generate_over_d']:>7.2f}"
+                      f"{r['step_mb']:>10.1f}{r['step_mb'] / max(r['d_mb'], 1e-9):>8.2f}")
+            print(f"targets (issue 14): (l) step/d <= {target:.2f}, (l) peak/d <= 1.20")
 
 
 VARIANTS = {
@@ -282,9 +352,7 @@ VARIANTS = {
     "c": variant_c,
     "d": lambda args: variant_c(args, one_batch=True),
     "e": variant_e,
-    "lowrank-time": lowrank_timing,
-    "lowrank-mem-l": lambda args: lowrank_memory(args, "l"),
-    "lowrank-mem-d": lambda args: lowrank_memory(args, "d"),
+    "modes": modes_child,
 }
 
 
@@ -300,11 +368,19 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads per variant (1: steadier figures on a shared machine)")
     parser.add_argument("--variant", choices=sorted(VARIANTS))
-    parser.add_argument("--lowrank", action="store_true", help="the low-rank (EGGROLL) population benchmark instead")
-    parser.add_argument("--qwen-like", action="store_true", help="--lowrank on a Qwen2-shaped model, V=151,936")
-    parser.add_argument("--rank", type=int, default=1, help="noise rank for --lowrank (EGGROLL: effective from rank 1)")
-    parser.add_argument("--rounds", type=int, default=5, help="timed alternating rounds for --lowrank (+1 warm-up)")
-    parser.add_argument("--dtype", default="float32", help="model dtype for --lowrank (float32 | bfloat16)")
+    parser.add_argument("--lowrank", action="store_true",
+                        help="the population-modes table instead: low-rank, full-rank batched, member by member vs (d)")
+    parser.add_argument("--lowrank-models", default="builtin,qwen-like",
+                        help="--lowrank: builtin (= --model) and/or qwen-like (the fixture, V=151,936), comma-separated")
+    parser.add_argument("--modes", default="l,a,a1", help="--lowrank: which ES modes (l, a, a1), comma-separated")
+    parser.add_argument("--rank", type=int, default=1, help="--lowrank: noise rank of (l) (EGGROLL learns from rank 1)")
+    parser.add_argument("--rounds", type=int, default=5, help="--lowrank: timed steps per mode (+1 warm-up)")
+    parser.add_argument("--dtype", default=None, help="--lowrank: model dtype (default fp32 built-in, bf16 Qwen-like)")
+    parser.add_argument("--samples", type=int, default=1, help="--lowrank: samples_per_member n")
+    parser.add_argument("--temperature", type=float, default=0.0, help="--lowrank: 0 = greedy (Ba et al.)")
+    parser.add_argument("--sigma", type=float, default=5e-3, help="--lowrank: noise scale")
+    parser.add_argument("--accelerator", default="cpu", help="--lowrank: cpu or gpu (peak memory: CUDA allocator)")
+    parser.add_argument("--qwen-like", action="store_true", help=argparse.SUPPRESS)  # set by --lowrank for its child
     args = parser.parse_args()
     if args.variant:
         import torch

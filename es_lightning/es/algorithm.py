@@ -2,8 +2,9 @@
 
 One step, on one batch of prompts shared by the whole population (Ba et al. 2026, App. G; Qiu et al. 2025, Alg. 2):
 
-1. **evaluate** — N members θ + σ ε_n, each scored on the batch with the task's reward (mean over prompts and
-   ``samples_per_member`` completions), by a :class:`~es_lightning.es.evaluators.PopulationEvaluator`;
+1. **evaluate** — N members θ + σ ε_n (a matrix's ε_n of rank r with ``noise_rank = r``, EGGROLL), each scored on
+   the batch with the task's reward (mean over prompts and ``samples_per_member`` completions), by a
+   :class:`~es_lightning.es.evaluators.PopulationEvaluator`;
 2. **update** — the N rewards are normalised (z-score) and θ ← θ + (α/N) Σ z_n ε_n is applied by
    :class:`~es_lightning.es.update.ESOptimizer` (one ``global_step``; the noise regenerated from its seeds);
 3. **log** — the shared training metrics plus ES's own (``js_succ``, ``pass_pop``, ``update_norm``).
@@ -26,6 +27,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from es_lightning.algorithms import Algorithm, register_algorithm
 from es_lightning.es.evaluators import Member, PopulationEvaluator, PopulationScores, perturbed_parameters, select_evaluator
+from es_lightning.es.lowrank import check_noise_rank
 from es_lightning.es.settings import ESSettings
 from es_lightning.es.update import ESOptimizer, normalize_rewards
 from es_lightning.es.vllm_evaluators import check_vllm_settings  # also registers the vLLM evaluators
@@ -73,7 +75,11 @@ class ESAlgorithm(Algorithm):
         s = self.settings
         named = self.parameters(module)
         return ESOptimizer(named, lr=s.lr, sigma=s.sigma, scale=s.update_scale,
-                           master_dtype=module.master_dtype_for([p for _, p in named]))
+                           master_dtype=module.master_dtype_for([p for _, p in named]), noise_rank=s.noise_rank)
+
+    def configure_model(self, module: ReasoningModule) -> None:
+        if self.settings.noise_rank:  # its bound is the perturbed matrices' smaller side: known once the model is loaded
+            check_noise_rank(self.settings.noise_rank, perturbed_parameters(module.model, self.settings.trainable))
 
     def check_generation(self, backend: str, options) -> None:
         if backend == "vllm":  # several full-rank members per engine call cannot be run (es_lightning/es/vllm_evaluators.py)

@@ -15,6 +15,10 @@ Evaluators (chosen in one place, :func:`select_evaluator`):
   copy: the one model-sized buffer of DESIGN.md, the lowest memory. Under DDP rank r runs members r, r + W, ….
 * :class:`BatchedMembersEvaluator` — ``members_per_batch`` members in one batched ``generate``, each block of rows
   through its own weights (:mod:`es_lightning.es.population`); the centre weights are never written. Same rewards.
+* :class:`LowRankEvaluator` — ``noise_rank = r > 0`` (EGGROLL): ``members_per_batch`` members (the whole population
+  when it equals ``population_size``) in one batched ``generate`` through the *shared* weights, each block of rows
+  adding its rank-r term (:mod:`es_lightning.es.lowrank`): no weight copies; the factors, drawn once per step, are
+  handed to the update.
 * :class:`ShardedEvaluator` — FSDP (the parameters are sharded, a forward is a collective): every rank runs every
   member on its share of the prompts, perturbing only its own shard.
 
@@ -51,6 +55,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
+from es_lightning.es.lowrank import LowRankPopulationForward
 from es_lightning.es.noise import param_noise
 from es_lightning.es.population import PopulationForward
 from es_lightning.es.settings import ESSettings
@@ -63,9 +68,9 @@ if TYPE_CHECKING:
     from es_lightning.modules.base import ReasoningModule
 
 __all__ = [
-    "BatchedMembersEvaluator", "InPlaceEvaluator", "Member", "MemberTally", "PopulationEvaluator", "PopulationScores",
-    "PopulationStep", "ShardedEvaluator", "centre", "es_optimizer", "perturb", "perturbed_parameters", "rollout_seed",
-    "select_evaluator",
+    "BatchedMembersEvaluator", "InPlaceEvaluator", "LowRankEvaluator", "Member", "MemberTally", "PopulationEvaluator",
+    "PopulationScores", "PopulationStep", "ShardedEvaluator", "centre", "es_optimizer", "perturb", "perturbed_parameters",
+    "rollout_seed", "select_evaluator",
 ]
 
 
@@ -313,6 +318,46 @@ class BatchedMembersEvaluator(PopulationEvaluator):
         return run.tally.finish(module, cache)
 
 
+class LowRankEvaluator(PopulationEvaluator):
+    """EGGROLL low-rank members (``noise_rank = r > 0``): ``members_per_batch`` members per ``generate`` call, each
+    block of rows running W x + sign·(σ/√r)·A (Bᵀ x) through the shared weights
+    (:class:`~es_lightning.es.lowrank.LowRankPopulationForward`); vectors get their members' full-rank copies.
+
+    Memory: no weight copy and no write to the centre (it is never touched, so nothing needs restoring); the step's
+    factors of this rank's members, O(N·r·(m+n)) fp32 per matrix (plus the vectors' noise), are kept in one cache from
+    the first block to the update, which reuses them instead of drawing them again (``PopulationScores.noise_cache``).
+    Under DDP rank r runs members r, r + W, … (each rank's cache holds its members; the update draws the rest).
+
+    With fp32 masters (:mod:`es_lightning.precision`) the forward reads the live weights, which are the master rounded
+    to the model's dtype — the centre every evaluator scores members around — and adds the rank-r term in the
+    activations, where it is not rounded into a bf16 weight (the vectors' copies are perturbed from the live weight).
+    """
+
+    def check(self, module):
+        if module.generation_backend != "hf":
+            raise ValueError(
+                f"noise_rank={self.settings.noise_rank} adds each member's low-rank term inside the policy's HF forward, "
+                f"which generation_backend={module.generation_backend!r} does not run; use generation_backend: hf with "
+                "noise_rank > 0, or noise_rank: 0"
+            )
+
+    def evaluate(self, module, examples, step, members):
+        s = self.settings
+        mine = list(members)[module.trainer.global_rank::module.trainer.world_size]
+        named = perturbed_parameters(module.policy.model, s.trainable)
+        run = PopulationStep(module, s, examples, step)
+        k = s.members_per_batch
+        cache: dict = {}  # (noise id, name) -> (A, B) for a matrix, flat ε for a vector: drawn once this step
+        report_progress(module, 0, len(mine))
+        for start in range(0, len(mine), k):
+            chunk = mine[start:start + k]
+            with LowRankPopulationForward(module.policy.model, named, [(m.noise_id, m.sign) for m in chunk],
+                                          seed=module.seed, step=step, sigma=s.sigma, rank=s.noise_rank, cache=cache):
+                run.run(chunk)
+            report_progress(module, start + len(chunk), len(mine))
+        return run.tally.finish(module, cache)
+
+
 class ShardedEvaluator(PopulationEvaluator):
     """FSDP: all ranks run every member together, each on its share of the prompts, perturbing only its own shard.
 
@@ -329,6 +374,12 @@ class ShardedEvaluator(PopulationEvaluator):
     """
 
     def check(self, module):
+        if self.settings.noise_rank:
+            raise ValueError(
+                f"noise_rank={self.settings.noise_rank} is not supported on a sharded (FSDP) policy yet: its members would "
+                "need the low-rank forward on every rank's prompt share; use noise_rank: 0 with FSDP, or DDP "
+                "(configs/trainer/ddp.yaml) if the model fits on one device"
+            )
         if self.settings.members_per_batch > 1:
             rank_zero_warn(
                 f"members_per_batch={self.settings.members_per_batch} stacks full copies of the weights, which a sharded "
@@ -379,9 +430,11 @@ BACKEND_EVALUATORS: dict[str, Callable[[ReasoningModule, ESSettings], Population
 def select_evaluator(module: ReasoningModule, settings: ESSettings) -> PopulationEvaluator:
     """The evaluator for this module and these settings — the one place the choice is made."""
     if module.sharded:
-        return ShardedEvaluator(settings)
+        return ShardedEvaluator(settings)  # refuses noise_rank > 0 in its check
     if module.generation_backend in BACKEND_EVALUATORS:  # vLLM: members pushed, perturbed engine-side, or LoRA adapters
         return BACKEND_EVALUATORS[module.generation_backend](module, settings)
+    if settings.noise_rank:
+        return LowRankEvaluator(settings)
     if settings.members_per_batch > 1:
         return BatchedMembersEvaluator(settings)
     return InPlaceEvaluator(settings)

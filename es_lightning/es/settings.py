@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass
 
 from es_lightning.algorithms import validate_choice
+from es_lightning.es.lowrank import check_noise_rank
 from es_lightning.es.update import NORMALIZATIONS
 
 UPDATE_SCALES = ("alpha", "textbook")
@@ -39,6 +40,14 @@ class ESSettings:
     """Members scored together in one batched generate, each block of rows through its own weights. 1 perturbs the
     policy in place member by member (one extra model-sized buffer); k > 1 holds k perturbed copies (and, when a rank's
     members fit in one batch, their fp32 noise) and is much faster when per-call overhead dominates. Same rewards."""
+    noise_rank: int = 0
+    """Rank r of each matrix's perturbation. 0 (default): full-rank Gaussian ε, as Ba et al. 2026 and Qiu et al. 2025.
+    r >= 1: EGGROLL's low-rank noise (Sarkar et al. 2025, "Evolution Strategies at the Hyperscale", arXiv 2511.16652):
+    a matrix W [m, n] gets σ·A Bᵀ/√r (A [m, r], B [n, r] Gaussian; entries of variance σ², as full-rank), vectors keep
+    full-rank noise. Members then run through the shared weights, adding a rank-r term each: no weight copies, so with
+    members_per_batch = population_size the whole population is one batched generate at any model size (O(N·r·(m+n))
+    extra per matrix, not O(N·m·n)); the update Σ z E is still full-rank (rank up to N·r), one matmul per matrix.
+    EGGROLL learns from r = 1. At most any perturbed matrix's smaller side; HF generation, unsharded (DDP) policies."""
     trainable: str | None = None
     """Regex: only parameters whose name matches are perturbed and updated (default: all)."""
 
@@ -59,6 +68,7 @@ class ESSettings:
             raise ValueError(f"samples_per_member must be >= 1, got {self.samples_per_member}")
         if self.members_per_batch < 1:
             raise ValueError(f"members_per_batch must be >= 1 (1 = one member at a time), got {self.members_per_batch}")
+        check_noise_rank(self.noise_rank, ())  # its bound by the matrices is checked once the model is loaded
         if self.trainable is not None:
             try:
                 re.compile(self.trainable)
