@@ -214,3 +214,33 @@ def test_bf16_engine_side_keeps_the_trainers_master(es_fit):
     engine_params = {n: p.detach().clone() for n, p in engine.generator.engine_model.named_parameters()}
     engine.generator.push_weights()  # the policy's bf16 weights, pushed: the engine's weights already were these
     assert all(torch.equal(engine_params[n], p) for n, p in engine.generator.engine_model.named_parameters())
+
+
+def test_resumed_engine_side_fit_equals_the_uninterrupted_one(tmp_path, keep_alive):
+    """bf16 + fp32 master, engine-side ES on vLLM: a fit resumed from its step-1 checkpoint ends with the same weights
+    and master as the fit that ran 3 steps in one go — the new engine's centre is taken from the checkpoint's master
+    (restored after the engine started), not from the bf16 weights."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from es_lightning import CountdownTask, ESModule, ReasoningDataModule
+
+    def run(steps, ckpt_path=None, save=False):
+        L.seed_everything(0, verbose=False)
+        module = ESModule(population_size=4, sigma=0.02, lr=0.01, max_new_tokens=8, temperature=0.0, dtype="bfloat16",
+                          generation_backend="vllm", generation_options=dict(max_model_len=96, cpu_kv_cache_gib=0.0625))
+        keep_alive.append(module)
+        callbacks = [ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)] if save else []
+        trainer = L.Trainer(max_steps=steps, logger=False, enable_checkpointing=save, callbacks=callbacks,
+                            enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                            num_sanity_val_steps=0)
+        data = ReasoningDataModule(CountdownTask(prompt_format="compact"), train_size=16, val_size=2, test_size=2,
+                                   batch_size=4)
+        trainer.fit(module, data, ckpt_path=ckpt_path)
+        opt = trainer.optimizers[0]
+        engine = module.generator.engine_worker._es_master  # the engine's θ: the trainer's master, bitwise
+        assert all(torch.equal(engine[n], opt.state[p]["master"]) for n, p in module.model.named_parameters())
+        return {n: (p.detach().clone(), opt.state[p]["master"].clone()) for n, p in module.model.named_parameters()}
+
+    whole = run(3, save=True)
+    resumed = run(3, ckpt_path=str(next(tmp_path.glob("*step=1.ckpt"))))
+    assert all(torch.equal(whole[n][0], resumed[n][0]) and torch.equal(whole[n][1], resumed[n][1]) for n in whole)
