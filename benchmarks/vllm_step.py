@@ -207,13 +207,15 @@ def bench_model(name: str, path: str, args, device: str = "cpu", dtype: str = "f
 
 def print_tables(steps: list, members: list) -> None:
     if steps:
-        print(f"\n{'module step':<52} {'step s':>9} {'generate s':>11} {'rounds':>7}")
+        width = max(len(r[0]) for r in steps) + 1
+        print(f"\n{'module step':<{width}} {'step s':>9} {'generate s':>11} {'rounds':>7}")
         for what, seconds, generate, n in steps:
-            print(f"{what:<52} {seconds:>9.4f} {generate:>11.4f} {n:>7}")
+            print(f"{what:<{width}} {seconds:>9.4f} {generate:>11.4f} {n:>7}")
     if members:
-        print(f"\n{'per member / rollout':<52} {'median s':>9} {'rounds':>7}")
+        width = max(len(r[0]) for r in members) + 1
+        print(f"\n{'per member / rollout':<{width}} {'median s':>9} {'rounds':>7}")
         for what, seconds, n in members:
-            print(f"{what:<52} {seconds:>9.4f} {n:>7}")
+            print(f"{what:<{width}} {seconds:>9.4f} {n:>7}")
 
 
 def main() -> None:
