@@ -244,3 +244,55 @@ def test_resumed_engine_side_fit_equals_the_uninterrupted_one(tmp_path, keep_ali
     whole = run(3, save=True)
     resumed = run(3, ckpt_path=str(next(tmp_path.glob("*step=1.ckpt"))))
     assert all(torch.equal(whole[n][0], resumed[n][0]) and torch.equal(whole[n][1], resumed[n][1]) for n in whole)
+
+
+def _gsm8k(directory: Path) -> str:
+    """train.jsonl / test.jsonl in openai/gsm8k's columns (``question``; ``answer`` ending in ``#### <n>``)."""
+    import json
+
+    directory.mkdir()
+    for split, n in (("train", 8), ("test", 4)):
+        with open(directory / f"{split}.jsonl", "w") as f:
+            for i in range(n):
+                a, b = 3 + i, 10 + 2 * i
+                f.write(json.dumps({"question": f"Tom has {a} apples and buys {b} more. How many now?",
+                                    "answer": f"{a} + {b} = <<{a}+{b}={a + b}>>{a + b}\n#### {a + b}"}) + "\n")
+    return str(directory)
+
+
+def test_qwen_grpo_es_recipe_with_the_vllm_fragment(tmp_path, fit, qwen_like_dir):
+    """recipes/qwen2.5-1.5b-instruct/gsm8k/grpo_es.yaml + configs/generation/vllm.yaml — the GPU command of its header —
+    on a CPU with the model pointed at the Qwen-like fixture (bf16 weights, fp32 masters, Qwen's chat template) and sizes
+    shrunk: GRPO then ES, both generating through the engine, the switch re-setting the engine's ES centre."""
+    recipe = ROOT / "recipes" / "qwen2.5-1.5b-instruct" / "gsm8k" / "grpo_es.yaml"
+    cfg = yaml.safe_load(recipe.read_text())
+    for cb in cfg["trainer"]["callbacks"]:
+        args = cb.setdefault("init_args", {}) or {}
+        kind = cb["class_path"].rsplit(".", 1)[-1]
+        if kind == "PassAtKCallback":
+            args.update(num_samples=2, ks=[1, 2], max_new_tokens=8, batch_size=2, every_n_train_steps=2)
+        elif kind == "SequentialStrategy":
+            args.update(switch_step=1)
+            args["es"]["population_size"] = 2
+    shrunk = tmp_path / "grpo_es.yaml"
+    shrunk.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    module, trainer = fit(str(shrunk), "--config", str(ROOT / "configs" / "generation" / "vllm.yaml"),
+                          "--model.init_args.generation_options.max_model_len", "512",
+                          "--model.init_args.generation_options.cpu_kv_cache_gib", "0.0625",
+                          "--model.init_args.model", qwen_like_dir, "--model.init_args.max_new_tokens", "8",
+                          "--model.init_args.group_size", "2", "--model.init_args.mini_batch_size", "2",
+                          "--data.init_args.source", _gsm8k(tmp_path / "gsm8k"), "--data.init_args.val_size", "2",
+                          "--data.init_args.test_size", "2", "--data.init_args.batch_size", "2",
+                          "--data.init_args.val_batch_size", "2", "--trainer.max_steps", "2",
+                          "--trainer.logger.init_args.save_dir", str(tmp_path / "logs"))
+    assert trainer.global_step == 2 and module.algorithm.name == "es" and module.generation_backend == "vllm"
+    assert next(module.model.parameters()).dtype == torch.bfloat16
+    assert type(module.algorithm.evaluator).__name__ == "VLLMEngineEvaluator"
+    opt = trainer.optimizers[0]
+    master = module.generator.engine_worker._es_master  # the ES stage's engine centre: the trainer's fp32 masters
+    assert all(torch.equal(master[n], opt.state[p]["master"]) for n, p in module.model.named_parameters())
+    import csv
+
+    rows = list(csv.DictReader(open(next((tmp_path / "logs").rglob("metrics.csv")))))
+    assert any(r.get("val/pass@1") for r in rows)  # the recipe's Pass@K evaluation ran through the engine
+    assert [float(r["train/stage"]) for r in rows if r.get("train/reward_mean")] == [0.0, 1.0]
