@@ -296,3 +296,31 @@ def test_qwen_grpo_es_recipe_with_the_vllm_fragment(tmp_path, fit, qwen_like_dir
     rows = list(csv.DictReader(open(next((tmp_path / "logs").rglob("metrics.csv")))))
     assert any(r.get("val/pass@1") for r in rows)  # the recipe's Pass@K evaluation ran through the engine
     assert [float(r["train/stage"]) for r in rows if r.get("train/reward_mean")] == [0.0, 1.0]
+
+
+def test_ddp_two_processes_equal_one(tmp_path, fit):
+    """recipes/es.yaml on vLLM under DDP (2 CPU processes, gloo, an engine each, members split across ranks; each
+    engine applies the same update from seeds) ends with the weights of the 1-process run, bit for bit."""
+    import os
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    recipe = _recipe(tmp_path, "es.yaml")
+    args = [*ES_SMALL, *VLLM, "--model.init_args.temperature", "0", "--model.init_args.samples_per_member", "1",
+            "--model.init_args.sigma", "0.02", "--data.init_args.batch_size", "8", "--trainer.callbacks", "null"]
+    ddp = tmp_path / "ddp.yaml"
+    ddp.write_text(yaml.safe_dump({"trainer": {"accelerator": "cpu", "devices": 2, "strategy": "ddp", "callbacks": [
+        {"class_path": "es_lightning.HFExport", "init_args": {"dirpath": str(tmp_path / "export")}}]}}))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "es_lightning.cli", "fit", "--config", recipe, *args, "--config", str(ddp),
+                           "--trainer.logger", "lightning.pytorch.loggers.CSVLogger",
+                           "--trainer.logger.init_args.save_dir", str(tmp_path / "logs"),
+                           "--trainer.default_root_dir", str(tmp_path)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "MEMBER: 2/2" in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    module, _ = fit(recipe, *args)
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export").state_dict()
+    weights = _weights(module)
+    assert _moved(weights) and all(torch.equal(exported[n], weights[n]) for n in weights)
