@@ -88,7 +88,8 @@ class VLLMEngineEvaluator(PopulationEvaluator):
     at the first step of a fit or of an ES stage, after a resume, after anything pushed weights into the engine — from
     :meth:`~es_lightning.es.update.ESOptimizer.centre` (the master when there is one), so the engine's weights are
     bf16(master) exactly as the policy's. Memory in the engine: that copy and a snapshot of its own parameters
-    (restores are copies, exact whatever the dtype)."""
+    (restores are copies, exact whatever the dtype) — for Qwen2.5-1.5B in bf16 with fp32 masters 6.2 + 3.1 GB on the
+    engine's device, the price of never moving full weights (the pushed path needs neither)."""
 
     def evaluate(self, module, examples, step, members):
         s = self.settings

