@@ -197,6 +197,12 @@ class ReasoningModule(L.LightningModule):
         weights (e.g. a resumed checkpoint's) before it next generates."""
         if self.generation_backend == "hf":
             return
+        if self.sharded:
+            raise ValueError(
+                f"generation_backend={self.generation_backend!r} cannot generate from an FSDP-sharded policy (the engine "
+                "holds its own full copy of the weights, pushed by name); use generation_backend: hf with FSDP, or vLLM "
+                "with DDP (configs/trainer/ddp.yaml) when the model fits on one device"
+            )
         if self._generator is None:
             _ = self.generator  # built from, and holding, the current weights
         else:
