@@ -18,8 +18,10 @@ unsharded run of the same step (the CPU suite's tests/test_sharding_*.py do the 
 3. ``grpo_fsdp1``: one GRPO step under ``FSDPStrategy`` on a fixed batch of per-prompt-seeded rollouts equals the
    unsharded step (weights and global gradient norm).
 4. ``--vllm``: the vLLM backend on CUDA (benchmarks/gpu_check_vllm.py, in its own process): greedy parity with HF in
-   fp32, engine-side ES members/restore/update in bf16 on a Qwen2.5-0.5B-shaped model, and the HF-vs-vLLM speed table
-   of an ES member and a GRPO rollout. Needs ``pip install "es-lightning[vllm]"``.
+   fp32, engine-side ES members/restore/update in bf16 against the trainer's fp32 master on a Qwen2.5-0.5B-shaped
+   model, real ESModule (engine-side vs pushed) and GRPOModule steps with ``generation_backend: vllm``, LoRA members
+   against the HF low-rank path, and the HF-vs-vLLM speed tables (module steps; one ES member / GRPO rollout). Needs
+   ``pip install "es-lightning[vllm]"``.
 5. ``noise_on_device``: ES noise drawn by a CUDA generator (``es/noise.py``) is layout-independent on the GPU (a row
    shard's slice equals the whole tensor's), and is timed against the old host path (CPU draw + copy) on a
    ``--noise-numel`` parameter (default 64M elements, ~a 1.5B model's largest matrices together); ``gumbel_on_device``:

@@ -118,6 +118,11 @@ class Algorithm(ABC):
         algorithm cannot split. Called at fit setup, for a :class:`~es_lightning.SequentialStrategy`'s second stage too."""
         return None
 
+    def check_generation(self, backend: str, options: Mapping[str, Any]) -> None:
+        """Refuse (``ValueError`` naming the fix) settings the generation backend cannot run (ES: several full-rank
+        members per call on vLLM). Called when the module is built and before a stage switch."""
+        return None
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.settings!r})"
 

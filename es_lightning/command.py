@@ -68,7 +68,7 @@ class CommandMixin:
         return trainer
 
     def _run_subcommand(self, subcommand: str) -> None:
-        log_dir = self._log_dir = self.trainer.log_dir
+        log_dir = self.trainer.log_dir
         existed = log_dir is not None and Path(log_dir).exists()
         try:
             super()._run_subcommand(subcommand)
@@ -76,10 +76,10 @@ class CommandMixin:
             run_dirs.remove_if_empty(log_dir, existed)
             raise
         if subcommand == "fit":
-            self._summary()
+            self._summary(self.trainer.log_dir)  # log_dir is a collective under DDP: read on every rank
 
     @rank_zero_only
-    def _summary(self) -> None:
+    def _summary(self, log_dir: str | None) -> None:
         trainer = self.trainer
         start = self._record.start_step
         if start is None or trainer.global_step == start:
@@ -94,8 +94,8 @@ class CommandMixin:
             if history:
                 step, metrics = history[-1]
                 lines.append(format_table([("last evaluation", step, metrics)]))
-        if self._log_dir is not None:  # read before the fit: trainer.log_dir is a collective, and only rank 0 is here
-            root = Path(self._log_dir)
+        if log_dir is not None:
+            root = Path(log_dir)
             found = [name for name in ("config.yaml", "metrics.csv", "report.json", "report.png", "export") if (root / name).exists()]
             lines.append(f"run directory: {root}/ ({', '.join(found)})")
         checkpoint = trainer.checkpoint_callback

@@ -29,8 +29,6 @@ def test_recipe_parses(recipe):
 @pytest.mark.parametrize("fragment", FRAGMENTS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_fragment_stacks_on_a_recipe(fragment):
     if fragment.parent.name == "generation":  # model settings: stacked after the recipe that names the model class
-        if fragment.name == "vllm.yaml":
-            pytest.skip("generation_options is wired into ReasoningModule in phase 2 of issue 13")
         check_config(["fit", "--config", str(ROOT / "recipes" / "es.yaml"), "--config", str(fragment)])
         return
     check_config(["fit", "--config", str(fragment), "--config", str(BASE_RECIPE)])

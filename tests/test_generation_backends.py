@@ -17,8 +17,16 @@ def policy():
 
 def test_hf_backend(policy):
     assert isinstance(make_generator("hf", policy), HFGenerator)
-    with pytest.raises(ValueError, match="takes no engine options"):
+    with pytest.raises(ValueError, match="takes no generation_options"):
         make_generator("hf", policy, max_model_len=128)
+
+
+def test_hf_backend_refuses_engine_options_at_construction():
+    """generation_options are the vLLM engine's: with generation_backend hf they are refused when the module is built."""
+    from es_lightning import GRPOModule
+
+    with pytest.raises(ValueError, match=r"generation_backend 'hf' takes no generation_options, got \['max_model_len'\]"):
+        GRPOModule(generation_options={"max_model_len": 128})
 
 
 def test_unknown_backend(policy):

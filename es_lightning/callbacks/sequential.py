@@ -102,6 +102,9 @@ class SequentialStrategy(L.Callback):
         batch_size = pl_module.train_batch_size() if hasattr(pl_module, "train_batch_size") else None
         if batch_size is not None:  # the second stage's batch split, now rather than at the switch
             get_algorithm(self.target)(self.stage_settings).check_batch(batch_size)
+        if first.name != self.target:  # e.g. a full-rank ES stage batching members on vLLM: refused now, not at the switch
+            get_algorithm(self.target)(copy.deepcopy(self.stage_settings)).check_generation(
+                pl_module.generation_backend, pl_module.generation_options)
         k = first.steps_per_batch
         if first.name != self.target and self.switch_step % k:
             lower, upper = self.switch_step // k * k, (self.switch_step // k + 1) * k

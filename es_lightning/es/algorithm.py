@@ -30,6 +30,7 @@ from es_lightning.es.evaluators import Member, PopulationEvaluator, PopulationSc
 from es_lightning.es.lowrank import check_noise_rank
 from es_lightning.es.settings import ESSettings
 from es_lightning.es.update import ESOptimizer, normalize_rewards
+from es_lightning.es.vllm_evaluators import check_vllm_settings  # also registers the vLLM evaluators
 from es_lightning.metrics import js_succ, population_pass
 from es_lightning.metrics.training import StepMetrics
 from es_lightning.scoring import check_some_kept
@@ -80,6 +81,10 @@ class ESAlgorithm(Algorithm):
         if self.settings.noise_rank:  # its bound is the perturbed matrices' smaller side: known once the model is loaded
             check_noise_rank(self.settings.noise_rank, perturbed_parameters(module.model, self.settings.trainable))
 
+    def check_generation(self, backend: str, options) -> None:
+        if backend == "vllm":  # several full-rank members per engine call cannot be run (es_lightning/es/vllm_evaluators.py)
+            check_vllm_settings(self.settings)
+
     def on_fit_start(self, module: ReasoningModule) -> None:
         for p in module.policy.model.parameters():
             p.grad = None  # ES allocates no gradients (none survive a switch from GRPO either)
@@ -93,10 +98,12 @@ class ESAlgorithm(Algorithm):
         step = module.global_step
         if self.evaluator is None:
             self.on_fit_start(module)
-        scores = self.evaluator.evaluate(module, examples, step, self.members())
+        members = self.members()
+        scores = self.evaluator.evaluate(module, examples, step, members)
         t0 = time.perf_counter()
         weights, stats = self.member_weights(scores.rewards, step)
         update_norm = self.update(module, step, weights, scores.noise_cache)
+        self.evaluator.after_update(module, step, members, weights)  # e.g. the same update inside a vLLM engine
         success = scores.success  # [N, B]
         module.log_step(StepMetrics(
             rewards=scores.rewards,

@@ -31,6 +31,9 @@ Every evaluator fills a :class:`MemberTally` of per-member sums for what it ran;
 collective, so member-split and prompt-split layouts produce the same :class:`PopulationScores`.
 :class:`PopulationStep` holds a step's shared state and does generate → grade → tally for a block of members.
 
+vLLM's evaluators (members pushed into the engine, perturbed inside it from seeds, or low-rank members as LoRA
+adapters) are in :mod:`es_lightning.es.vllm_evaluators`.
+
 Adding an evaluator (EGGROLL low-rank members, vLLM engine-side perturbation) = one subclass of
 :class:`PopulationEvaluator` implementing :meth:`~PopulationEvaluator.evaluate` — put the members' weights in place
 (or in the engine), ``run = PopulationStep(module, settings, examples, step)``, ``run.run(members)``, return
@@ -44,7 +47,7 @@ import hashlib
 import re
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -115,6 +118,12 @@ class PopulationEvaluator(ABC):
     ) -> PopulationScores:
         """Score every member of ``members`` (the whole population, in index order) on ``examples`` — the same
         prompts on every rank — at ES step ``step``. Must leave the centre weights exactly as it found them."""
+
+    def after_update(self, module: ReasoningModule, step: int, members: Sequence[Member], weights: Tensor) -> None:
+        """Called after the ES optimizer applied step ``step``'s update with member weights ``weights`` [N] (the
+        normalised rewards; member ``n`` contributes ``weights[n]·sign_n·ε(noise_id_n)``): an evaluator that keeps a
+        copy of the weights elsewhere (a vLLM engine) brings it up to date. Nothing to do for the others."""
+        return None
 
 
 # ---------------------------------------------------------------------- shared pieces
@@ -417,10 +426,17 @@ def _slice_scores(scores: Scores, rows: slice) -> Scores:
     return Scores(answers=scores.answers[rows], correct=scores.correct[rows], rewards=scores.rewards[rows])
 
 
+#: generation backend → the function choosing its evaluator, for backends whose engine holds its own weights (filled by
+#: :mod:`es_lightning.es.vllm_evaluators` when imported — :mod:`es_lightning.es.algorithm` imports it)
+BACKEND_EVALUATORS: dict[str, Callable[[ReasoningModule, ESSettings], PopulationEvaluator]] = {}
+
+
 def select_evaluator(module: ReasoningModule, settings: ESSettings) -> PopulationEvaluator:
     """The evaluator for this module and these settings — the one place the choice is made."""
     if module.sharded:
         return ShardedEvaluator(settings)  # refuses noise_rank > 0 in its check
+    if module.generation_backend in BACKEND_EVALUATORS:  # vLLM: members pushed, perturbed engine-side, or LoRA adapters
+        return BACKEND_EVALUATORS[module.generation_backend](module, settings)
     if settings.noise_rank:
         return LowRankEvaluator(settings)
     if settings.members_per_batch > 1:

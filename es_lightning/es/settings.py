@@ -47,7 +47,8 @@ class ESSettings:
     full-rank noise. Members then run through the shared weights, adding a rank-r term each: no weight copies, so with
     members_per_batch = population_size the whole population is one batched generate at any model size (O(N·r·(m+n))
     extra per matrix, not O(N·m·n)); the update Σ z E is still full-rank (rank up to N·r), one matmul per matrix.
-    EGGROLL learns from r = 1. At most any perturbed matrix's smaller side; HF generation, unsharded (DDP) policies."""
+    EGGROLL learns from r = 1. At most any perturbed matrix's smaller side; unsharded (DDP) policies; on vLLM
+    each member is a LoRA adapter over the blocks' linear layers (set trainable to them: es_lightning/es/vllm_lora.py)."""
     trainable: str | None = None
     """Regex: only parameters whose name matches are perturbed and updated (default: all)."""
 

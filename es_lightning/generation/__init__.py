@@ -8,7 +8,8 @@ from typing import Any
 from es_lightning.generation.base import Generator, Rollout, SamplingParams
 from es_lightning.generation.hf import HFGenerator
 
-__all__ = ["BACKENDS", "Generator", "HFGenerator", "Rollout", "SamplingParams", "check_backend", "make_generator"]
+__all__ = ["BACKENDS", "Generator", "HFGenerator", "Rollout", "SamplingParams", "check_backend", "check_generation_options",
+           "make_generator"]
 
 #: the ``generation_backend`` values: transformers ``generate``, or a colocated vLLM engine (the ``vllm`` extra)
 BACKENDS = ("hf", "vllm")
@@ -25,14 +26,32 @@ def check_backend(backend: str) -> None:
         raise ImportError(INSTALL_HINT)
 
 
+def check_generation_options(backend: str, options: dict[str, Any] | None) -> None:
+    """Refuse engine options the backend does not take, naming the accepted ones: ``hf`` takes none; ``vllm`` takes
+    :class:`~es_lightning.generation.vllm.VLLMGenerator`'s arguments and ``vllm.LLM``'s engine arguments (so a misspelt
+    key is one line at construction, not a confusing failure when the engine starts)."""
+    check_backend(backend)
+    options = dict(options or {})
+    if backend == "hf":
+        if options:
+            raise ValueError(f"generation_backend 'hf' takes no generation_options, got {sorted(options)}; they are "
+                             "vLLM engine settings (configs/generation/vllm.yaml sets generation_backend: vllm with them)")
+        return
+    from es_lightning.generation.vllm import engine_option_names
+
+    own, engine = engine_option_names()
+    unknown = sorted(set(options) - set(own) - engine)
+    if unknown:
+        raise ValueError(f"unknown vLLM generation_options {unknown}; accepted: {own}, and the engine arguments of "
+                         "vllm.LLM (vllm.engine.arg_utils.EngineArgs, e.g. max_num_batched_tokens, enable_lora)")
+
+
 def make_generator(backend: str, policy: Any, **options: Any) -> Generator:
     """The generator for ``generation_backend``: ``"hf"`` (transformers ``generate``) or ``"vllm"`` (a colocated vLLM
     engine; ``options`` are :class:`~es_lightning.generation.vllm.VLLMGenerator`'s engine settings —
     ``configs/generation/vllm.yaml``). vLLM is imported only when asked for: it is an optional extra."""
-    check_backend(backend)
+    check_generation_options(backend, options)
     if backend == "hf":
-        if options:
-            raise ValueError(f"generation_backend 'hf' takes no engine options, got {sorted(options)}")
         return HFGenerator(policy)
     from es_lightning.generation.vllm import VLLMGenerator, import_vllm
 

@@ -81,6 +81,12 @@ class Generator(ABC):
     ) -> Rollout:
         """Sample ``num_samples`` completions for every prompt (already rendered, chat template applied)."""
 
+    def weights_changed(self) -> None:
+        """The policy's weights changed outside ``generate`` (an optimizer step, a restored checkpoint, a stage switch).
+        A backend that holds its own copy of the weights (vLLM) takes them before it next generates; one that reads the
+        policy's own weights (transformers) has nothing to do."""
+        return None
+
     @staticmethod
     def _check(prompts: Sequence[str], num_samples: int) -> None:
         if num_samples < 1:

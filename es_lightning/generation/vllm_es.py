@@ -8,8 +8,11 @@ there. Their public code has two faults this design removes:
   noise is es-lightning's own :func:`~es_lightning.es.noise.param_noise`, keyed by (seed, step, member, **Hugging
   Face parameter name**), the very numbers the training process draws for the same member;
 - the centre is restored by subtracting the noise again and the update is added to bf16 weights, so rounding
-  accumulates over steps — here the centre is kept (restored by a copy, bit for bit) and the update is applied to an
-  **fp32 master** held inside the engine, then cast once.
+  accumulates over steps — here the centre is kept (restored by a copy, bit for bit) and the update is applied to the
+  engine's own copy of the trainer's centre, in the trainer's precision: the ES optimizer's **fp32 master** of a bf16
+  weight (``master_dtype``), else the weight itself; the engine's weights are that copy cast once. The engine's copy
+  and the trainer's then take the same seeded update with the same arithmetic and stay bitwise equal
+  (``tests/vllm_backend``), so the engine's weights are always bf16(master) of the trainer.
 
 The noise is keyed by HF names, and vLLM's parameters are fused (q/k/v → ``qkv_proj``, gate/up → ``gate_up_proj``),
 padded (vocabulary) and possibly sharded (tensor parallelism). Rather than re-deriving those slice maps per
@@ -29,23 +32,26 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from es_lightning.es.lowrank import lowrank_delta
 from es_lightning.es.noise import param_noise
 
 
 class ESWorkerExtension:
-    """Methods vLLM adds to its worker. State: ``_es_master`` (HF name → fp32 θ), ``_es_dtype`` (the policy's dtype
-    per name: members are cast to it, as in-place perturbation does), ``_es_centre`` (the engine's own parameters at
-    θ, restored by copy)."""
+    """Methods vLLM adds to its worker. State: ``_es_master`` (HF name → θ in the trainer's precision: fp32 master or
+    the weight's dtype), ``_es_dtype`` (the policy's dtype per name: members are cast to it, as in-place perturbation
+    does), ``_es_centre`` (the engine's own parameters at θ, restored by copy)."""
 
     def _es_model(self) -> torch.nn.Module:
         return self.model_runner.model
 
     @torch.no_grad()
-    def es_set_centre(self, named: Sequence[tuple[str, Tensor]]) -> bool:
-        """Adopt θ: keep an fp32 master of these HF-named tensors, load them, snapshot the engine's parameters."""
+    def es_set_centre(self, named: Sequence[tuple[str, Tensor]], dtypes: dict[str, torch.dtype] | None = None) -> bool:
+        """Adopt θ: keep a copy of these HF-named tensors in their own precision (the trainer's centre: an fp32 master
+        or the weight), members rounded to ``dtypes[name]`` (default: that precision); load them and snapshot the
+        engine's parameters."""
         device = next(self._es_model().parameters()).device
-        self._es_master = {n: t.detach().to(device=device, dtype=torch.float32, copy=True) for n, t in named}
-        self._es_dtype = {n: t.dtype for n, t in named}
+        self._es_master = {n: t.detach().to(device=device, copy=True) for n, t in named}
+        self._es_dtype = {n: (dtypes or {}).get(n, t.dtype) for n, t in named}
         self._es_load_centre()
         return True
 
@@ -67,7 +73,7 @@ class ESWorkerExtension:
         def members():
             for name, master in self._es_master.items():
                 eps = param_noise(seed, step, noise_id, name, master.numel(), device=master.device)
-                yield name, (master + (sign * sigma) * eps.view_as(master)).to(self._es_dtype[name])
+                yield name, (master.float() + (sign * sigma) * eps.view_as(master)).to(self._es_dtype[name])
 
         self._es_model().load_weights(members())
         return True
@@ -82,10 +88,12 @@ class ESWorkerExtension:
 
     @torch.no_grad()
     def es_update(self, seed: int, step: int, noise_ids: Sequence[int], weights: Sequence[float], lr: float,
-                  sigma: float, scale: str = "alpha") -> float:
-        """θ ← θ + coef·Σ_m w_m ε_m on the fp32 master, with :class:`~es_lightning.es.update.ESOptimizer`'s
+                  sigma: float, scale: str = "alpha", noise_rank: int = 0) -> float:
+        """θ ← θ + coef·Σ_m w_m ε_m on the engine's copy of θ, with :class:`~es_lightning.es.update.ESOptimizer`'s
         coefficient (``lr/N``, or ``lr/(Nσ)`` for ``scale="textbook"``) and its order of operations (fp32 accumulator,
-        members in order, one multiply), so the engine's θ equals the trainer's bit for bit. Returns ‖Δθ‖."""
+        members in order — or, for a matrix with ``noise_rank = r > 0``, EGGROLL's one matmul
+        :func:`~es_lightning.es.lowrank.lowrank_delta` — one multiply, added in fp32 and rounded once to θ's dtype), so
+        the engine's θ equals the trainer's bit for bit. Returns ‖Δθ‖."""
         self._es_require()
         n = len(weights)
         coef = lr / n / (sigma if scale == "textbook" else 1.0)
@@ -93,11 +101,15 @@ class ESWorkerExtension:
         sq = 0.0
         if coef != 0.0 and active:
             for name, master in self._es_master.items():
-                acc = torch.zeros(master.numel(), dtype=torch.float32, device=master.device)
-                for member, w in active:
-                    acc.add_(param_noise(seed, step, member, name, master.numel(), device=master.device), alpha=w)
+                if noise_rank and master.dim() == 2:
+                    acc = lowrank_delta(seed, step, name, tuple(master.shape), [i for i, _ in active],
+                                        [w for _, w in active], noise_rank, device=master.device).reshape(-1)
+                else:
+                    acc = torch.zeros(master.numel(), dtype=torch.float32, device=master.device)
+                    for member, w in active:
+                        acc.add_(param_noise(seed, step, member, name, master.numel(), device=master.device), alpha=w)
                 acc.mul_(coef)
                 sq += float(acc.square().sum())
-                master.copy_((master.reshape(-1) + acc).view_as(master))
+                master.copy_((master.float().reshape(-1) + acc).view_as(master))
             self._es_load_centre()
         return sq**0.5

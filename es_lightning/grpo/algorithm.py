@@ -234,6 +234,7 @@ class GRPOAlgorithm(Algorithm):
                     sums[k] = sums.get(k, 0) + (v * tokens if k != "policy_loss" else v)
             grad_norms.append(self._clip_and_norm(module, opt))
             opt.step()
+            module.policy_updated()  # a vLLM engine takes the new weights before the next rollout
             opt.zero_grad(set_to_none=True)
             if scheduler is not None:
                 scheduler.step()

@@ -30,7 +30,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from es_lightning.algorithms import SAMPLING_KEYS, Algorithm, get_algorithm
-from es_lightning.generation import Generator, Rollout, SamplingParams, check_backend, make_generator
+from es_lightning.generation import Generator, Rollout, SamplingParams, check_generation_options, make_generator
 from es_lightning.metrics.training import StepMetrics, shared_metrics
 from es_lightning.modules.stage import STAGE_KEY, peek_stage_on_load
 from es_lightning.policy import Policy, load_policy
@@ -62,8 +62,12 @@ class ReasoningModule(L.LightningModule):
         max_new_tokens: completion length cap for training rollouts.
         temperature: training rollout temperature (0 = greedy; ES defaults to 0 as Ba et al., GRPO to 1).
         top_p: training rollout nucleus threshold.
-        generation_backend: ``"hf"`` (transformers ``generate``); a vLLM backend (the ``vllm`` extra, CUDA only) is
-            planned behind the same :class:`~es_lightning.generation.Generator`.
+        generation_backend: ``"hf"`` (transformers ``generate`` on the policy) or ``"vllm"`` (a vLLM engine colocated in
+            the training process, fed the policy's weights: the ``vllm`` extra; ``configs/generation/vllm.yaml``).
+            Both sample alike (seeded, common random numbers across ES members) but from different random streams.
+        generation_options: the vLLM engine's settings (:class:`~es_lightning.generation.vllm.VLLMGenerator`'s
+            arguments — ``max_model_len``, ``gpu_memory_utilization``, ``dtype``, ``engine_side_es`` … — and any
+            ``vllm.LLM`` engine argument); none for ``"hf"``. Checked at construction.
         seed: base seed of the module's sampling streams and ES noise (a pure function of it and the step, so a resumed
             run draws the same samples as an uninterrupted one).
         master_dtype: dtype of the master weights the optimizer updates when the policy's weights have less precision
@@ -96,19 +100,23 @@ class ReasoningModule(L.LightningModule):
         temperature: float = 1.0,
         top_p: float = 1.0,
         generation_backend: str = "hf",
+        generation_options: dict[str, Any] | None = None,
         seed: int = 0,
         master_dtype: str = "float32",
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["task"])
         self.automatic_optimization = False
-        check_backend(generation_backend)
+        check_generation_options(generation_backend, generation_options)
         self.model_name = model
         self.dtype_name = dtype
         self.trust_remote_code = trust_remote_code
         self._task = get_task(task) if task is not None else None
         self.sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
         self.generation_backend = generation_backend
+        self.generation_options = dict(generation_options or {})
+        #: engine settings an algorithm needs on top of ``generation_options`` (:meth:`require_generation_options`)
+        self._needed_generation_options: dict[str, Any] = {}
         self.seed = seed
         check_master_dtype(dtype, master_dtype)
         self.master_dtype = master_dtype
@@ -155,8 +163,50 @@ class ReasoningModule(L.LightningModule):
     @property
     def generator(self) -> Generator:
         if self._generator is None:
-            self._generator = make_generator(self.generation_backend, self.policy)
+            self._generator = make_generator(self.generation_backend, self.policy, **self.engine_options())
         return self._generator
+
+    def engine_options(self) -> dict[str, Any]:
+        """The options the generator is (or will be) built with: ``generation_options`` and what the algorithm
+        needs (:meth:`require_generation_options`)."""
+        return {**self.generation_options, **self._needed_generation_options}
+
+    def require_generation_options(self, **options: Any) -> None:
+        """Engine settings the algorithm needs (e.g. LoRA adapters for low-rank ES on vLLM), on top of
+        ``generation_options``. A generator already built without them is closed and built again with them (once, at
+        fit start or at a stage switch)."""
+        needed = {**self._needed_generation_options, **options}
+        if needed == self._needed_generation_options:
+            return
+        self._needed_generation_options = needed
+        if self._generator is not None:
+            close = getattr(self._generator, "close", None)
+            if close is not None:
+                close()
+            self._generator = None
+
+    def policy_updated(self) -> None:
+        """The policy's weights changed (an optimizer step, a restored checkpoint, a stage switch): a generator with
+        its own copy of them (vLLM) takes them before it next generates. HF reads the policy: nothing to do."""
+        if self._generator is not None:
+            self._generator.weights_changed()
+
+    def start_generator(self) -> None:
+        """Build a vLLM engine now, before anything trains or evaluates, so that a model it cannot load is refused
+        with vLLM's reason in one line at fit start (not at the first rollout); an existing one takes the current
+        weights (e.g. a resumed checkpoint's) before it next generates."""
+        if self.generation_backend == "hf":
+            return
+        if self.sharded:
+            raise ValueError(
+                f"generation_backend={self.generation_backend!r} cannot generate from an FSDP-sharded policy (the engine "
+                "holds its own full copy of the weights, pushed by name); use generation_backend: hf with FSDP, or vLLM "
+                "with DDP (configs/trainer/ddp.yaml) when the model fits on one device"
+            )
+        if self._generator is None:
+            _ = self.generator  # built from, and holding, the current weights
+        else:
+            self._generator.weights_changed()
 
     @property
     def task(self) -> Task:
@@ -259,8 +309,10 @@ class ReasoningModule(L.LightningModule):
             raise ValueError(f"unknown rollout setting(s) {unknown}; accepted: {list(SAMPLING_KEYS)}")
         new = dataclasses.replace(self.sampling, **(sampling or {}))  # SamplingParams validates its values
         type(algorithm).check_sampling(new)
+        algorithm.check_generation(self.generation_backend, self.generation_options)
         self.sampling = new
         self.algorithm = algorithm
+        self.policy_updated()  # a stage switch: the engine (vLLM) takes the weights as the last stage left them
         if self.model is not None:
             algorithm.configure_model(self)
 
@@ -345,15 +397,19 @@ class ReasoningModule(L.LightningModule):
         return size if isinstance(size, int) else None
 
     def on_fit_start(self) -> None:
-        """Mark a sharded policy for lockstep generation before anything generates (FSDP1 wraps only at setup)."""
+        """Mark a sharded policy for lockstep generation before anything generates (FSDP1 wraps only at setup); let
+        the algorithm choose its helpers (which may ask for engine settings); start a vLLM engine."""
         self.check_precision()
         _ = self.sharded
         if self.algorithm is not None:
             self.algorithm.on_fit_start(self)
+        self.start_generator()
 
     def on_validation_start(self) -> None:
         self.check_precision()
         _ = self.sharded
+        if self._generator is None:
+            self.start_generator()
 
     on_test_start = on_validation_start
 
@@ -363,6 +419,7 @@ class ReasoningModule(L.LightningModule):
             checkpoint[STAGE_KEY] = record
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.policy_updated()  # the checkpoint's weights are loaded next: a vLLM engine takes them before it generates
         record = checkpoint.get(STAGE_KEY)
         if record is None or self.algorithm is None or not self.restore_stage(record):
             return

@@ -79,7 +79,7 @@ def test_sampling_leaves_global_rngs_and_set_num_threads_alone(builtin_pair):
 
 
 # A fresh process: building and closing an engine touches process-wide state (RNGs, torch.distributed, environment).
-LEAKS = textwrap.dedent("""
+LEAKS = textwrap.dedent(r"""
     import json, os, random, sys
     import numpy as np, torch
     import lightning as L
@@ -90,8 +90,7 @@ LEAKS = textwrap.dedent("""
 
     def fit():
         L.seed_everything(0, verbose=False)
-        module = ESModule(population_size=2, sigma=0.05, lr=0.05, max_new_tokens=4, temperature=1.0,
-                          log_drift_every_n_steps=0)
+        module = ESModule(population_size=2, sigma=0.05, lr=0.05, max_new_tokens=4, temperature=1.0)
         data = ReasoningDataModule("countdown", train_size=4, val_size=2, test_size=2, batch_size=2)
         trainer = L.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                             enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
@@ -130,6 +129,33 @@ LEAKS = textwrap.dedent("""
         out["refusal"] = None
     except ValueError as err:
         out["refusal"] = str(err)
+    # the same model in a fit: refused when the fit starts, before any training step or evaluation
+    module = ESModule(model=path, population_size=2, max_new_tokens=4, generation_backend="vllm",
+                      generation_options=dict(max_model_len=64, cpu_kv_cache_gib=0.0625))
+    data = ReasoningDataModule("countdown", train_size=4, val_size=2, test_size=2, batch_size=2)
+    trainer = L.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0)
+    try:
+        trainer.fit(module, data)
+        out["fit_refusal"] = None
+    except ValueError as err:
+        out["fit_refusal"], out["fit_steps"] = str(err), trainer.global_step
+
+    # GRPO on vLLM, then low-rank ES: the engine built for GRPO has no LoRA; the switch rebuilds it with adapters
+    from es_lightning import CountdownTask, GRPOModule, SequentialStrategy
+    L.seed_everything(0, verbose=False)
+    module = GRPOModule(group_size=2, max_new_tokens=4, generation_backend="vllm",
+                        generation_options=dict(max_model_len=64, cpu_kv_cache_gib=0.0625))
+    blocks = r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$"
+    switch = SequentialStrategy(switch_step=1, es=dict(population_size=4, sigma=0.02, lr=0.01, noise_rank=2,
+                                                         members_per_batch=4, trainable=blocks))
+    data = ReasoningDataModule(CountdownTask(prompt_format="compact"), train_size=8, val_size=2, test_size=2,
+                               batch_size=2)
+    trainer = L.Trainer(max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, callbacks=[switch])
+    trainer.fit(module, data)
+    out["switch"] = [trainer.global_step, module.algorithm.name, type(module.algorithm.evaluator).__name__,
+                     module.generator.max_loras]
     print("RESULT " + json.dumps(out))
 """)
 
@@ -138,7 +164,8 @@ def test_engine_leaves_the_process_as_it_found_it(tmp_path):
     """Building an engine keeps the RNG states, the environment and ``torch.set_num_threads``; a Lightning fit run
     while it lives (vLLM's one-process ``torch.distributed`` group present) gives the same weights as one run before;
     ``close()`` removes the group. A model the CPU engine cannot run (head_dim 8) is refused at construction with
-    vLLM's reason in one line."""
+    vLLM's reason in one line — in a fit (``generation_backend: vllm``), when the fit starts, before any step. A GRPO →
+    low-rank ES switch rebuilds the GRPO stage's engine with LoRA adapters (one engine per process: the old one closed)."""
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-c", LEAKS, str(tmp_path / "head8")], capture_output=True, text=True,
                           env=env, timeout=600, cwd=tmp_path)
@@ -151,3 +178,5 @@ def test_engine_leaves_the_process_as_it_found_it(tmp_path):
     assert out["dist_after_close"] is False
     assert out["refusal"] is not None and out["refusal"].startswith("vLLM cannot load this model: ")
     assert "head_dim=8" in out["refusal"] and "\n" not in out["refusal"]
+    assert out["fit_refusal"] == out["refusal"] and out["fit_steps"] == 0
+    assert out["switch"] == [2, "es", "VLLMLowRankEvaluator", 4]  # the engine was rebuilt with 4 adapter slots

@@ -143,7 +143,7 @@ def test_engine_side_es_refuses_before_a_centre(builtin_pair):
         worker._es_master = saved
 
 
-def test_bf16_engine_keeps_an_fp32_master(builtin_pair):
+def test_bf16_engine_keeps_an_fp32_master(keep_alive):
     """A bf16 engine fed an fp32 policy: four engine-side updates, each below half a bf16 ulp for most weights, equal
     ESOptimizer's four fp32 updates bit for bit, and the engine's weights are that master rounded once — whereas adding
     each update to the bf16 weights (Qiu et al.'s public code) loses them."""
@@ -154,7 +154,7 @@ def test_bf16_engine_keeps_an_fp32_master(builtin_pair):
 
     policy = load_policy("builtin:countdown-tiny", dtype="float32")
     gen = VLLMGenerator(policy, dtype="bfloat16", max_model_len=128, cpu_kv_cache_gib=0.0625, max_num_seqs=16)
-    # not closed: closing an engine removes vLLM's process-wide groups, which the session's engines still use
+    keep_alive.append(gen)  # not closed: see keep_alive
     gen.es_set_centre(policy.model.named_parameters())
     reference = copy.deepcopy(policy.model)
     opt = ESOptimizer(list(reference.named_parameters()), lr=2e-4, sigma=1e-3)

@@ -1,0 +1,326 @@
+"""`es-lightning fit` of the shipped recipes with ``generation_backend: vllm`` (configs/generation/vllm.yaml stacked on
+the recipe, sizes shrunk on the command line), 2 steps each, run in this process through the CLI class the console
+script runs — and checked against the HF backend where the two must agree.
+
+- ES, greedy: HF, vLLM engine-side and vLLM pushed give the same rewards and the same weights, bit for bit; the
+  engine's copy of θ equals the policy's after the updates.
+- ES, sampled: engine-side and pushed give the same rewards and weights (the same engine, seeds and common random
+  numbers). Against HF they differ: both samplers are exact, seeded and batch-independent, but HF draws Gumbel noise
+  from a ``torch.Generator`` per call while vLLM draws from a generator per request — different random streams.
+- GRPO: for the same reason its rollouts differ from HF's at the same seeds; what must hold is that every rollout comes
+  from the weights of the current step (a push after each optimizer step), checked before every step.
+- GRPO → ES: the switch re-sets the engine's ES centre from GRPO's weights; a full-rank ES stage that batches members
+  is refused before the fit trains.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+import yaml
+
+pytest.importorskip("vllm")
+
+from es_lightning.generation import SamplingParams  # noqa: E402
+from es_lightning.generation.vllm import policy_token_stats  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+VLLM = ["--config", str(ROOT / "configs" / "generation" / "vllm.yaml"),
+        "--model.init_args.generation_options.max_model_len", "96",
+        "--model.init_args.generation_options.cpu_kv_cache_gib", "0.0625",
+        "--model.init_args.generation_options.max_num_seqs", "64"]
+SMALL = ["--trainer.max_steps", "2", "--trainer.logger", "false", "--trainer.enable_checkpointing", "false",
+         "--data.init_args.val_size", "4", "--data.init_args.val_batch_size", "4",
+         "--model.init_args.max_new_tokens", "8"]
+
+
+def _recipe(tmp_path: Path, name: str, **stage) -> str:
+    """recipes/<name> with its callbacks' evaluations shrunk and their outputs under tmp_path (list entries cannot be
+    changed from the command line); ``stage``: SequentialStrategy's ES settings to change."""
+    cfg = yaml.safe_load((ROOT / "recipes" / name).read_text())
+    for cb in cfg["trainer"].get("callbacks", []):
+        args = cb.setdefault("init_args", {})
+        kind = cb["class_path"].rsplit(".", 1)[-1]
+        if kind == "PassAtKCallback":
+            args.update(num_samples=4, ks=[1, 4])
+            args.pop("num_problems", None)
+            args.pop("batch_size", None)
+        elif kind == "SequentialStrategy":
+            args["switch_step"] = 1
+            args["es"].update(stage)
+        elif kind == "HFExport":
+            args["dirpath"] = str(tmp_path / "export")
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return str(path)
+
+
+@pytest.fixture
+def fit(keep_alive):
+    """``fit(recipe, *args)`` runs ``es-lightning fit --config <recipe> <args>`` and returns (module, trainer); the
+    module (and its engine) lives until the session ends (see ``keep_alive``)."""
+    from es_lightning.lightning_cli import ESLightningCLI
+
+    def run(recipe: str, *args: str):
+        root = str(Path(recipe).parent)  # the saved config.yaml and any checkpoint land next to the recipe's copy
+        cli = ESLightningCLI(args=["fit", "--config", recipe, *args, "--trainer.default_root_dir", root])
+        keep_alive.append(cli.model)
+        return cli.model, cli.trainer
+
+    return run
+
+
+def _weights(module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in module.model.named_parameters()}
+
+
+def _moved(weights: dict[str, torch.Tensor]) -> bool:
+    """Whether the fit changed the built-in model's weights."""
+    from es_lightning.policy import load_policy
+
+    base = dict(load_policy("builtin:countdown-tiny").model.named_parameters())
+    return any(not torch.equal(base[n].detach(), w) for n, w in weights.items())
+
+
+def _engine_matches_policy(module) -> None:
+    """The engine's next rollout comes from the policy's weights: greedy log-probs equal the policy's forward."""
+    gen = module.generator
+    prompts = module.prompts([{"nums": [3, 5, 7], "target": 22}, {"nums": [2, 9, 4], "target": 14}])
+    rollout = gen.generate(prompts, 1, SamplingParams(max_new_tokens=6, temperature=0.0), return_logprobs=True)
+    forward, _ = policy_token_stats(module.model, rollout, 1.0)
+    assert (rollout.logprobs - forward).abs().max() < 1e-5
+
+
+ES_SMALL = [*SMALL, "--model.init_args.population_size", "4", "--model.init_args.members_per_batch", "1",
+            "--data.init_args.batch_size", "4"]
+
+
+def test_es_recipe_greedy_vllm_equals_hf(tmp_path, fit):
+    """recipes/es.yaml greedy, 2 steps: the HF backend, vLLM engine-side and vLLM pushed agree bit for bit."""
+    recipe = _recipe(tmp_path, "es.yaml")
+    greedy = [*ES_SMALL, "--model.init_args.temperature", "0", "--model.init_args.samples_per_member", "1",
+              "--model.init_args.sigma", "0.02", "--data.init_args.batch_size", "8"]  # members that score differently
+    runs = {}
+    for name, extra in (("hf", []), ("engine", VLLM),
+                        ("push", [*VLLM, "--model.init_args.generation_options.engine_side_es", "false"])):
+        module, trainer = fit(recipe, *greedy, *extra)
+        assert trainer.global_step == 2
+        runs[name] = (module, module.last_rewards.clone(), _weights(module))
+    hf, engine, push = runs["hf"], runs["engine"], runs["push"]
+    assert type(engine[0].algorithm.evaluator).__name__ == "VLLMEngineEvaluator"
+    assert type(push[0].algorithm.evaluator).__name__ == "VLLMPushEvaluator"
+    assert hf[1].std() > 0  # the members scored differently: the update moved the weights
+    for run in (engine, push):
+        assert torch.equal(run[1], hf[1])
+        assert all(torch.equal(run[2][n], hf[2][n]) for n in hf[2])
+    assert _moved(hf[2])
+    master = engine[0].generator.engine_worker._es_master  # the engine's copy of θ followed both updates
+    assert all(torch.equal(master[n], engine[2][n]) for n in master)
+    for module, _, _ in (engine, push):
+        _engine_matches_policy(module)
+
+
+def test_es_recipe_sampled_engine_side_equals_pushed(tmp_path, fit):
+    """recipes/es.yaml as shipped samples (T=1, 2 completions per prompt, common random numbers): engine-side and
+    pushed members give the same rewards and weights."""
+    recipe = _recipe(tmp_path, "es.yaml")
+    a_module, _ = fit(recipe, *ES_SMALL, *VLLM)
+    b_module, _ = fit(recipe, *ES_SMALL, *VLLM, "--model.init_args.generation_options.engine_side_es", "false")
+    assert a_module.sampling.temperature == 1.0 and a_module.algorithm.settings.samples_per_member == 2
+    assert torch.equal(a_module.last_rewards, b_module.last_rewards)
+    a, b = _weights(a_module), _weights(b_module)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+class _EngineFollowsPolicy(L.Callback):
+    """Before each training step after the first: the engine generates from the policy's current weights."""
+
+    def __init__(self) -> None:
+        self.checked = 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step > 0:
+            _engine_matches_policy(pl_module)
+            self.checked += 1
+
+
+def test_grpo_recipe_pushes_after_each_optimizer_step(tmp_path, keep_alive):
+    """recipes/grpo.yaml, 3 optimizer steps on vLLM: each rollout after the first step comes from the updated weights."""
+    from es_lightning.lightning_cli import ESLightningCLI
+
+    check = _EngineFollowsPolicy()
+    args = ["--config", _recipe(tmp_path, "grpo.yaml"), *SMALL, *VLLM, "--trainer.max_steps", "3",
+            "--trainer.default_root_dir", str(tmp_path),
+            "--data.init_args.batch_size", "2", "--model.init_args.group_size", "4"]
+    cli = ESLightningCLI(args=args, run=False)  # `es-lightning fit`, with a checking callback added
+    keep_alive.append(cli.model)
+    cli.trainer.callbacks.append(check)
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    assert cli.trainer.global_step == 3 and check.checked == 2
+    assert _moved(_weights(cli.model))
+    metrics = cli.trainer.logged_metrics
+    assert torch.isfinite(metrics["train/grad_norm"]) and float(metrics["train/clip_ratio/region_mean"]) == 0.0
+
+
+def test_grpo_es_recipe_switches_on_vllm(tmp_path, fit):
+    """recipes/grpo_es.yaml (GRPO 1 step → ES 1 step) on vLLM: the ES stage takes its engine centre from GRPO's
+    weights; the report and export are written."""
+    recipe = _recipe(tmp_path, "grpo_es.yaml", population_size=4, members_per_batch=1)
+    module, trainer = fit(recipe, *SMALL, *VLLM, "--data.init_args.batch_size", "2", "--model.init_args.group_size", "4",
+                          "--trainer.logger", "lightning.pytorch.loggers.CSVLogger",
+                          "--trainer.logger.init_args.save_dir", str(tmp_path / "logs"))
+    assert trainer.global_step == 2 and module.algorithm.name == "es"
+    assert type(module.algorithm.evaluator).__name__ == "VLLMEngineEvaluator"
+    master = module.generator.engine_worker._es_master
+    assert all(torch.equal(master[n], p.detach()) for n, p in module.model.named_parameters())
+    _engine_matches_policy(module)
+    assert (tmp_path / "export" / "config.json").exists()
+
+
+def test_batched_full_rank_members_refused_before_training(tmp_path, fit):
+    """members_per_batch > 1 with full-rank noise on vLLM: refused when the module is built (ESModule) or when the fit
+    is set up (a SequentialStrategy ES stage), before anything trains."""
+    with pytest.raises(ValueError, match=r"members_per_batch=32 with full-rank noise cannot run on vLLM.*noise_rank > 0"):
+        fit(_recipe(tmp_path, "es.yaml"), *SMALL, *VLLM)
+    with pytest.raises(ValueError, match=r"members_per_batch=32 with full-rank noise cannot run on vLLM"):
+        fit(_recipe(tmp_path, "grpo_es.yaml"), *SMALL, *VLLM, "--data.init_args.batch_size", "2")
+
+
+def test_unknown_generation_option_refused_at_construction(tmp_path, fit):
+    with pytest.raises(ValueError, match=r"unknown vLLM generation_options \['max_model_length'\]; accepted: \['max_model_len'"):
+        fit(_recipe(tmp_path, "grpo.yaml"), *SMALL, *VLLM, "--model.init_args.generation_options.max_model_length", "9")
+
+
+def test_bf16_engine_side_keeps_the_trainers_master(es_fit):
+    """bf16 policy, fp32 master in the ES optimizer (master_dtype float32): after 3 updates the engine's copy of θ is
+    the trainer's fp32 master bit for bit and the engine's weights are the policy's bf16 weights (= bf16(master));
+    engine-side and pushed members give the same rewards and weights."""
+    options = dict(max_model_len=96, cpu_kv_cache_gib=0.0625, max_num_seqs=64)
+    engine, trainer = es_fit(3, dtype="bfloat16", generation_backend="vllm", generation_options=options)
+    push, _ = es_fit(3, dtype="bfloat16", generation_backend="vllm",
+                      generation_options={**options, "engine_side_es": False})
+    opt = trainer.optimizers[0]
+    named = dict(engine.model.named_parameters())
+    assert all(p.dtype == torch.bfloat16 and opt.has_master(p) for p in named.values())
+    master = engine.generator.engine_worker._es_master
+    assert all(master[n].dtype == torch.float32 and torch.equal(master[n], opt.state[p]["master"]) for n, p in named.items())
+    assert sum(int((opt.state[p]["master"].to(torch.bfloat16) != opt.state[p]["master"]).sum()) for p in named.values())
+    assert torch.equal(engine.last_rewards, push.last_rewards)
+    pushed = dict(push.model.named_parameters())
+    assert all(torch.equal(p, pushed[n]) for n, p in named.items())
+    engine_params = {n: p.detach().clone() for n, p in engine.generator.engine_model.named_parameters()}
+    engine.generator.push_weights()  # the policy's bf16 weights, pushed: the engine's weights already were these
+    assert all(torch.equal(engine_params[n], p) for n, p in engine.generator.engine_model.named_parameters())
+
+
+def test_resumed_engine_side_fit_equals_the_uninterrupted_one(tmp_path, keep_alive):
+    """bf16 + fp32 master, engine-side ES on vLLM: a fit resumed from its step-1 checkpoint ends with the same weights
+    and master as the fit that ran 3 steps in one go — the new engine's centre is taken from the checkpoint's master
+    (restored after the engine started), not from the bf16 weights."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from es_lightning import CountdownTask, ESModule, ReasoningDataModule
+
+    def run(steps, ckpt_path=None, save=False):
+        L.seed_everything(0, verbose=False)
+        module = ESModule(population_size=4, sigma=0.02, lr=0.01, max_new_tokens=8, temperature=0.0, dtype="bfloat16",
+                          generation_backend="vllm", generation_options=dict(max_model_len=96, cpu_kv_cache_gib=0.0625))
+        keep_alive.append(module)
+        callbacks = [ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)] if save else []
+        trainer = L.Trainer(max_steps=steps, logger=False, enable_checkpointing=save, callbacks=callbacks,
+                            enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                            num_sanity_val_steps=0)
+        data = ReasoningDataModule(CountdownTask(prompt_format="compact"), train_size=16, val_size=2, test_size=2,
+                                   batch_size=4)
+        trainer.fit(module, data, ckpt_path=ckpt_path)
+        opt = trainer.optimizers[0]
+        engine = module.generator.engine_worker._es_master  # the engine's θ: the trainer's master, bitwise
+        assert all(torch.equal(engine[n], opt.state[p]["master"]) for n, p in module.model.named_parameters())
+        return {n: (p.detach().clone(), opt.state[p]["master"].clone()) for n, p in module.model.named_parameters()}
+
+    whole = run(3, save=True)
+    resumed = run(3, ckpt_path=str(next(tmp_path.glob("*step=1.ckpt"))))
+    assert all(torch.equal(whole[n][0], resumed[n][0]) and torch.equal(whole[n][1], resumed[n][1]) for n in whole)
+
+
+def _gsm8k(directory: Path) -> str:
+    """train.jsonl / test.jsonl in openai/gsm8k's columns (``question``; ``answer`` ending in ``#### <n>``)."""
+    import json
+
+    directory.mkdir()
+    for split, n in (("train", 8), ("test", 4)):
+        with open(directory / f"{split}.jsonl", "w") as f:
+            for i in range(n):
+                a, b = 3 + i, 10 + 2 * i
+                f.write(json.dumps({"question": f"Tom has {a} apples and buys {b} more. How many now?",
+                                    "answer": f"{a} + {b} = <<{a}+{b}={a + b}>>{a + b}\n#### {a + b}"}) + "\n")
+    return str(directory)
+
+
+def test_qwen_grpo_es_recipe_with_the_vllm_fragment(tmp_path, fit, qwen_like_dir):
+    """recipes/qwen2.5-1.5b-instruct/gsm8k/grpo_es.yaml + configs/generation/vllm.yaml — the GPU command of its header —
+    on a CPU with the model pointed at the Qwen-like fixture (bf16 weights, fp32 masters, Qwen's chat template) and sizes
+    shrunk: GRPO then ES, both generating through the engine, the switch re-setting the engine's ES centre."""
+    recipe = ROOT / "recipes" / "qwen2.5-1.5b-instruct" / "gsm8k" / "grpo_es.yaml"
+    cfg = yaml.safe_load(recipe.read_text())
+    for cb in cfg["trainer"]["callbacks"]:
+        args = cb.setdefault("init_args", {}) or {}
+        kind = cb["class_path"].rsplit(".", 1)[-1]
+        if kind == "PassAtKCallback":
+            args.update(num_samples=2, ks=[1, 2], max_new_tokens=8, batch_size=2, every_n_train_steps=2)
+        elif kind == "SequentialStrategy":
+            args.update(switch_step=1)
+            args["es"]["population_size"] = 2
+    shrunk = tmp_path / "grpo_es.yaml"
+    shrunk.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    module, trainer = fit(str(shrunk), "--config", str(ROOT / "configs" / "generation" / "vllm.yaml"),
+                          "--model.init_args.generation_options.max_model_len", "512",
+                          "--model.init_args.generation_options.cpu_kv_cache_gib", "0.0625",
+                          "--model.init_args.model", qwen_like_dir, "--model.init_args.max_new_tokens", "8",
+                          "--model.init_args.group_size", "2", "--model.init_args.mini_batch_size", "2",
+                          "--data.init_args.source", _gsm8k(tmp_path / "gsm8k"), "--data.init_args.val_size", "2",
+                          "--data.init_args.test_size", "2", "--data.init_args.batch_size", "2",
+                          "--data.init_args.val_batch_size", "2", "--trainer.max_steps", "2",
+                          "--trainer.logger.init_args.save_dir", str(tmp_path / "logs"))
+    assert trainer.global_step == 2 and module.algorithm.name == "es" and module.generation_backend == "vllm"
+    assert next(module.model.parameters()).dtype == torch.bfloat16
+    assert type(module.algorithm.evaluator).__name__ == "VLLMEngineEvaluator"
+    opt = trainer.optimizers[0]
+    master = module.generator.engine_worker._es_master  # the ES stage's engine centre: the trainer's fp32 masters
+    assert all(torch.equal(master[n], opt.state[p]["master"]) for n, p in module.model.named_parameters())
+    import csv
+
+    rows = list(csv.DictReader(open(next((tmp_path / "logs").rglob("metrics.csv")))))
+    assert any(r.get("val/pass@1") for r in rows)  # the recipe's Pass@K evaluation ran through the engine
+    assert [float(r["train/stage"]) for r in rows if r.get("train/reward_mean")] == [0.0, 1.0]
+
+
+def test_ddp_two_processes_equal_one(tmp_path, fit):
+    """recipes/es.yaml on vLLM under DDP (2 CPU processes, gloo, an engine each, members split across ranks; each
+    engine applies the same update from seeds) ends with the weights of the 1-process run, bit for bit."""
+    import os
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    recipe = _recipe(tmp_path, "es.yaml")
+    args = [*ES_SMALL, *VLLM, "--model.init_args.temperature", "0", "--model.init_args.samples_per_member", "1",
+            "--model.init_args.sigma", "0.02", "--data.init_args.batch_size", "8", "--trainer.callbacks", "null"]
+    ddp = tmp_path / "ddp.yaml"
+    ddp.write_text(yaml.safe_dump({"trainer": {"accelerator": "cpu", "devices": 2, "strategy": "ddp", "callbacks": [
+        {"class_path": "es_lightning.HFExport", "init_args": {"dirpath": str(tmp_path / "export")}}]}}))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "es_lightning.cli", "fit", "--config", recipe, *args, "--config", str(ddp),
+                           "--trainer.logger", "lightning.pytorch.loggers.CSVLogger",
+                           "--trainer.logger.init_args.save_dir", str(tmp_path / "logs"),
+                           "--trainer.default_root_dir", str(tmp_path)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "MEMBER: 2/2" in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    module, _ = fit(recipe, *args)
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export").state_dict()
+    weights = _weights(module)
+    assert _moved(weights) and all(torch.equal(exported[n], weights[n]) for n in weights)
