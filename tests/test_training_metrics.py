@@ -42,6 +42,9 @@ class _Spy:
     def __init__(self, generator):
         self.generator, self.rollouts = generator, []
 
+    def __getattr__(self, name):  # everything else of the Generator interface (e.g. weights_changed)
+        return getattr(self.generator, name)
+
     def generate(self, *args, **kwargs):
         rollout = self.generator.generate(*args, **kwargs)
         self.rollouts.append(rollout)
