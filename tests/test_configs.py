@@ -48,3 +48,18 @@ def test_unknown_key_and_bad_type_are_refused(tmp_path, capsys):
     with pytest.raises(SystemExit):
         check_config(["validate", "--config", str(BASE_RECIPE), "--data.init_args.val_size", "many"])
     assert "val_size" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fragment", sorted((ROOT / "configs" / "trainer").glob("*.yaml")), ids=lambda p: p.name)
+def test_a_trainer_fragment_stacked_before_a_recipe_decides_the_scale(fragment):
+    """README: "a trainer fragment stacked in front of [the recipe] picks the scale" — so no training recipe may set
+    what a fragment sets (a recipe's `devices: 1` after fsdp2_cpu.yaml silently ran one process)."""
+    import yaml
+
+    wanted = yaml.safe_load(fragment.read_text())["trainer"]
+    for recipe in [r for r in RECIPES if r.parent.name != "builtin"]:
+        trainer = check_config([_subcommand(recipe), "--config", str(fragment), "--config", str(recipe)])[
+            _subcommand(recipe)].trainer
+        for key in ("accelerator", "devices", "num_nodes", "precision"):
+            if key in wanted:
+                assert trainer[key] == wanted[key], (recipe.name, key)
