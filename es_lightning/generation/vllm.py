@@ -84,6 +84,7 @@ import torch
 from torch import Tensor
 
 from es_lightning.generation.base import Generator, Rollout, SamplingParams, default_seed
+from es_lightning.generation.config import checkpoint_eos_token_ids
 from es_lightning.generation.hf import _cut_at_stop
 from es_lightning.policy import Policy, encode_prompts
 
@@ -386,10 +387,7 @@ class VLLMGenerator(Generator):
     # ------------------------------------------------------------------ generation
     @property
     def eos_token_ids(self) -> list[int]:
-        eos = getattr(self.policy.model.generation_config, "eos_token_id", None)
-        if eos is None:
-            eos = self.policy.tokenizer.eos_token_id
-        return [eos] if isinstance(eos, int) else list(eos)
+        return checkpoint_eos_token_ids(self.policy.model, self.policy.tokenizer)  # the ids HFGenerator stops at
 
     @torch.no_grad()
     def generate(
