@@ -296,3 +296,24 @@ def test_grade_parses_once_and_agrees_with_reward_and_is_correct():
             return [len(c) / 10 for c in completions]
 
     assert LengthShaped().grade(texts, [example] * len(texts))[2] == [0.5, 0.5, 0.6, 0.5, 0.0]
+
+
+def test_grade_verifies_each_distinct_completion_once_per_example():
+    """An ES population repeats completions; grade() parses and verifies each (example, completion) pair once, and the
+    answers, verdicts and rewards are those of grading every row on its own."""
+    calls = []
+
+    class Counting(CountdownTask):
+        def extract_answer(self, completion):
+            calls.append(completion)
+            return super().extract_answer(completion)
+
+    task, plain = Counting(), CountdownTask()
+    a, b = {"nums": [3, 5, 7], "target": 22}, {"nums": [3, 5, 7], "target": 15}
+    texts = ["3*5+7", "3+5+7", "3*5+7", "junk((", "3+5+7", "3*5+7"]
+    examples = [a, a, a, b, b, b]  # "3*5+7" is right for a, wrong for b: the pair is the key, not the text
+    got = task.grade(texts, examples)
+    one_by_one = [plain.grade([t], [e]) for t, e in zip(texts, examples)]
+    assert got == tuple([row[i][0] for row in one_by_one] for i in range(3))
+    assert got[1] == [True, False, True, False, True, False] and got[2] == [1.0, 0.1, 1.0, 0.0, 1.0, 0.1]
+    assert sorted(calls) == sorted(["3*5+7", "3+5+7", "junk((", "3+5+7", "3*5+7"])  # 5 distinct pairs, not 6 rows

@@ -58,12 +58,14 @@ class Task(ABC):
     def extract_answer(self, completion: str) -> str | None:
         """The final answer in ``completion`` as a canonical string, or ``None`` when the format is wrong.
 
-        Used for the format reward and, through :meth:`vote_key`, for majority voting (maj@k). Must not raise.
+        Used for the format reward and, through :meth:`vote_key`, for majority voting (maj@k). Must not raise. A pure
+        function of ``completion``: :meth:`grade` parses a completion repeated for the same example only once.
         """
 
     @abstractmethod
     def check_answer(self, answer: str, example: dict[str, Any]) -> bool:
-        """Whether an extracted answer solves ``example``. Must not raise and must never ``eval`` the answer."""
+        """Whether an extracted answer solves ``example``. Must not raise and must never ``eval`` the answer. A pure
+        function of its arguments (graded once per distinct completion and example object in a :meth:`grade` call)."""
 
     # ----------------------------------------------------------------- optional hooks
     def preprocess(self, example: dict[str, Any]) -> dict[str, Any]:
@@ -136,14 +138,26 @@ class Task(ABC):
                 "completion (repeat each example n times for n samples)"
             )
         answers, correct, rewards = [], [], []
+        # An ES population repeats itself: with small σ most members write the same completion for the same problem
+        # (every member's rows share the example objects), so each distinct (example, completion) pair is parsed and
+        # verified once per call — extract_answer/check_answer are pure functions of their arguments (the contract
+        # above). Equal but distinct example objects are simply graded again.
+        seen: dict[tuple[int, str], tuple[str | None, bool]] = {}
         for completion, example in zip(completions, examples):
-            answer = self._safe_extract(completion)
-            ok = False
-            if answer is not None:
-                try:
-                    ok = bool(self.check_answer(answer, example))
-                except Exception:  # a verifier bug or hostile input must cost a sample, not a run
-                    ok = False
+            key = (id(example), completion) if isinstance(completion, str) else None
+            hit = seen.get(key) if key is not None else None
+            if hit is None:
+                answer = self._safe_extract(completion)
+                ok = False
+                if answer is not None:
+                    try:
+                        ok = bool(self.check_answer(answer, example))
+                    except Exception:  # a verifier bug or hostile input must cost a sample, not a run
+                        ok = False
+                if key is not None:
+                    seen[key] = (answer, ok)
+            else:
+                answer, ok = hit
             answers.append(answer)
             correct.append(ok)
             rewards.append(self.correct_reward if ok else self.format_reward if answer is not None else 0.0)
