@@ -124,3 +124,28 @@ def test_rollouts_make_their_generator_on_the_models_device(tiny_model_dir, gene
     generator_requests.clear()
     gen.generate(["a:1+2="], 1, SamplingParams(max_new_tokens=4, temperature=0.0))
     assert generator_requests == []  # greedy decoding draws nothing
+
+
+def test_reused_generators_give_every_thread_its_own_stream():
+    """noise_generator reuses one generator per device and thread (every draw seeds it first): draws interleaved
+    across threads still equal each key's noise drawn alone."""
+    import threading
+
+    keys = [(seed, "w") for seed in range(8)]
+    alone = {key: param_noise(key[0], 1, 2, key[1], 5000) for key in keys}
+    got, errors = {}, []
+
+    def draw(key):
+        try:
+            for _ in range(50):
+                got.setdefault(key, []).append(param_noise(key[0], 1, 2, key[1], 5000))
+        except Exception as err:  # pragma: no cover - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=draw, args=(key,)) for key in keys]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert all(torch.equal(x, alone[key]) for key in keys for x in got[key])

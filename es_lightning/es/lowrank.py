@@ -169,6 +169,7 @@ class LowRankPopulationForward:
         self.centres = centres or {}
         self._names = {id(p): name for name, p in named}
         self._patched: list[tuple[nn.Module, object]] = []
+        self._shares: list[_SharedInput] = []
 
     # ------------------------------------------------------------------ member tensors
     def _scales(self, device) -> Tensor:  # [k] sign·σ/√r, fp32
@@ -181,11 +182,9 @@ class LowRankPopulationForward:
 
     def _vectors(self, name: str, p: Tensor) -> Tensor:
         """``[k, *p.shape]`` full-rank perturbed copies, computed as ``es_lightning.es.evaluators.perturb`` does (fp32, cast once)."""
-        out, centre = [], self._centre(name, p)
-        for i, s in self.members:
-            eps = _cached_noise(self.cache, self.seed, self.step, i, name, p)
-            out.append((centre + (s * self.sigma) * eps.view_as(p)).to(p.dtype))
-        return torch.stack(out)
+        eps = torch.stack([_cached_noise(self.cache, self.seed, self.step, i, name, p).view_as(p) for i, _ in self.members])
+        scales = torch.tensor([s * self.sigma for _, s in self.members], device=p.device).view(-1, *[1] * p.dim())
+        return (self._centre(name, p) + scales * eps).to(p.dtype)  # elementwise as perturb's centre + (sσ)·ε, fp32
 
     def _centre(self, name: str, p: Tensor) -> Tensor:  # fp32
         return self.centres.get(name, p).detach().float().view_as(p)
@@ -201,12 +200,20 @@ class LowRankPopulationForward:
 
     def _patch(self) -> None:
         fallback = []
+        shares: dict[tuple[int, int, torch.dtype], _SharedInput] = {}
+        for parent in self.model.modules():  # sibling linears that may read one input (q/k/v, gate/up) share Bᵀx
+            for child in parent.children():
+                if type(child) is nn.Linear and id(child.weight) in self._names:
+                    key = (id(parent), child.in_features, child.weight.dtype)
+                    shares.setdefault(key, _SharedInput()).candidates.append(child)
+        self._shares = [sh for sh in shares.values() if len(sh.candidates) > 1]
+        share_of = {id(m): sh for sh in self._shares for m in sh.candidates}
         for mod_name, module in self.model.named_modules():
             own = {n: p for n, p in module.named_parameters(recurse=False) if id(p) in self._names}
             if not own:
                 continue
             if type(module) is nn.Linear:
-                forward = self._linear(module, own)
+                forward = self._linear(module, own, share_of.get(id(module)))
             elif type(module) is nn.Embedding and module.max_norm is None and set(own) == {"weight"}:
                 forward = self._embedding(module)
             else:
@@ -232,6 +239,9 @@ class LowRankPopulationForward:
             )
 
     def __exit__(self, *exc) -> None:
+        for share in self._shares:
+            share.release()
+        self._shares.clear()
         for module, previous in reversed(self._patched):
             if previous is None:
                 del module.forward
@@ -240,7 +250,7 @@ class LowRankPopulationForward:
         self._patched.clear()
 
     # ------------------------------------------------------------------ batched forwards
-    def _linear(self, module: nn.Linear, own: dict[str, Tensor]):
+    def _linear(self, module: nn.Linear, own: dict[str, Tensor], share: _SharedInput | None = None):
         k = self.k
         b_t = a_out_t = None
         if "weight" in own:
@@ -248,8 +258,9 @@ class LowRankPopulationForward:
             a, b = self._factors(self._names[id(w)], w)  # [k, m, r], [k, n, r]
             b_t = b.transpose(1, 2).to(w.dtype).contiguous()  # [k, r, n]
             a_out_t = (a.transpose(1, 2) * self._scales(w.device).view(-1, 1, 1)).to(w.dtype).contiguous()  # [k, r, m]
+            if share is not None:
+                share.add(module, b_t)
         bias = self._vectors(self._names[id(own["bias"])], own["bias"]).unsqueeze(1) if "bias" in own else None  # [k,1,m]
-
         def linear(self, x: Tensor) -> Tensor:  # x [k·R, ..., n]
             xs = _split(x, k).reshape(k, -1, x.shape[-1])  # [k, R·…, n]
             out = F.linear(x, self.weight, None if bias is not None else self.bias).contiguous()  # [k·R, ..., m]
@@ -257,14 +268,12 @@ class LowRankPopulationForward:
             if bias is not None:
                 flat.add_(bias if bias.dtype == out.dtype else bias.to(out.dtype))
             if b_t is not None:
-                # (x B)ᵀ as Bᵀ xᵀ: [k, r, n]×[k, n, R·…] — the same products; CPU BLAS is ~4× faster this way round
-                # than [k, R·…, n]×[k, n, r] for r ≪ n
-                t = torch.bmm(b_t, xs.transpose(1, 2) if xs.dtype == b_t.dtype else xs.transpose(1, 2).to(b_t.dtype))
+                t = share.term(self, x, xs) if share is not None else _input_term(b_t, xs)  # (x B)ᵀ [k, r, R·…]
                 if t.dtype != out.dtype:  # only under autocast
                     t, at = t.to(out.dtype), a_out_t.to(out.dtype)
                 else:
                     at = a_out_t
-                flat.baddbmm_(t.transpose(1, 2), at)  # += (x B)(s Aᵀ): [k, R·…, r]×[k, r, m]
+                _add_term(flat, t.transpose(1, 2), at)  # += (x B)(s Aᵀ): [k, R·…, r]×[k, r, m]
             return out
 
         return linear
@@ -281,10 +290,99 @@ class LowRankPopulationForward:
             offset = (torch.arange(k, device=ids.device) * vocab).view(k, *([1] * ids.dim()))
             rows = F.embedding(_split(ids, k) + offset, a_rows)  # [k, R, T, r]
             flat = out.view(k, -1, out.shape[-1])  # [k, R·T, d]
-            flat.baddbmm_(rows.reshape(k, -1, a_rows.shape[-1]).to(out.dtype), b_out_t.to(out.dtype))
+            _add_term(flat, rows.reshape(k, -1, a_rows.shape[-1]).to(out.dtype), b_out_t.to(out.dtype))
             return out
 
         return embedding
+
+
+def _add_term(out: Tensor, left: Tensor, right: Tensor) -> None:
+    """``out += left @ right`` per block ([k, R, m] += [k, R, r]×[k, r, m]) so that each block's result does not depend
+    on how many blocks share the batch (k members batched = each member alone, bitwise). fp32 ``baddbmm_`` on a CPU
+    does not promise that: with inner size r = 1, or one row per block, MKL rounds a batch of k blocks differently from
+    a batch of one. So in fp32, r = 1 is one broadcast multiply-add (also ~15% faster than the matmul) and one row per
+    block a ``bmm`` then an add; bf16 keeps ``baddbmm_`` (batch-invariant there, and its elementwise form is slower on
+    CPUs without bf16 vector units)."""
+    if out.dtype == torch.float32 and right.shape[1] == 1:
+        out.addcmul_(left, right)  # [k, R, 1] ⊙ [k, 1, m]
+    elif out.dtype == torch.float32 and out.shape[1] == 1:
+        out.add_(torch.bmm(left, right))
+    else:
+        out.baddbmm_(left, right)
+
+
+def _input_term(b_t: Tensor, xs: Tensor) -> Tensor:
+    """``(x B)ᵀ`` of every block as ``Bᵀ xᵀ``: [k, r, n]×[k, n, R·…] → [k, r, R·…] — the same products; CPU BLAS is ~4×
+    faster this way round than [k, R·…, n]×[k, n, r] for r ≪ n."""
+    return torch.bmm(b_t, xs.transpose(1, 2) if xs.dtype == b_t.dtype else xs.transpose(1, 2).to(b_t.dtype))
+
+
+class _SharedInput:
+    """Sibling ``nn.Linear`` s of one parent with the same input width and dtype (a block's q/k/v, gate/up): when they
+    are called one after another with the same input tensor, one ``bmm`` over their stacked ``Bᵀ`` computes all their
+    ``(x B)ᵀ`` terms, reading the input once instead of once per sibling (the term is a pass over the input, most of
+    its cost on a small model).
+
+    Which siblings really read one input is learned, never assumed: a round starts when a sibling is called that has
+    no term waiting; it computes the terms of every sibling still joined and remembers its input (by identity and
+    version). A sibling with a term waiting that is called with another tensor (an ``o_proj`` beside q/k/v), or never
+    called before the next round, leaves for good and computes its own term from then on. Either way each sibling's
+    term is ``Bᵀ x`` of its own input; only how the products are batched changes, and the same calls learn the same
+    groups, so a run is deterministic and ``k`` members batched compute what one member at a time does.
+    """
+
+    def __init__(self) -> None:
+        self.candidates: list[nn.Module] = []  # module order
+        self._b_t: dict[int, Tensor] = {}  # id(module) -> Bᵀ [k, r, n]
+        self._left: set[int] = set()  # ids of siblings that left
+        self._stack: tuple[Tensor, dict[int, slice]] | None = None  # joined Bᵀ side by side [k, Σr, n], rows per id
+        self._pending: set[int] = set()  # siblings whose term of the remembered input is waiting
+        self._x: Tensor | None = None
+        self._version = -1
+        self._t: Tensor | None = None  # the round's terms [k, Σr, R·…]
+
+    def add(self, module: nn.Module, b_t: Tensor) -> None:
+        self._b_t[id(module)] = b_t
+
+    def term(self, module: nn.Module, x: Tensor, xs: Tensor) -> Tensor:
+        key = id(module)
+        if key in self._pending:
+            self._pending.discard(key)
+            if self._x is x and self._version == x._version:
+                t = self._t[:, self._stack[1][key], :]
+                if not self._pending:  # the round is over: hold neither the input nor the terms any longer
+                    self._x = self._t = None
+                return t
+            self._leave(key)  # it reads another input than the sibling that started the round
+        if key in self._left:
+            return _input_term(self._b_t[key], xs)
+        for other in list(self._pending):  # not called during the last round: not part of this group's calls
+            self._leave(other)
+        if self._stack is None:
+            joined = [m for m in self.candidates if id(m) in self._b_t and id(m) not in self._left]
+            rows, at = {}, 0
+            for m in joined:
+                r = self._b_t[id(m)].shape[1]
+                rows[id(m)], at = slice(at, at + r), at + r
+            self._stack = (torch.cat([self._b_t[id(m)] for m in joined], dim=1), rows)
+        stack, rows = self._stack
+        if len(rows) == 1:
+            self._pending = set()
+            return _input_term(self._b_t[key], xs)
+        self._t, self._x, self._version = _input_term(stack, xs), x, x._version
+        self._pending = set(rows) - {key}
+        return self._t[:, rows[key], :]
+
+    def _leave(self, key: int) -> None:
+        self._left.add(key)
+        self._pending.discard(key)
+        self._stack = None
+        if not self._pending:
+            self._x = self._t = None
+
+    def release(self) -> None:
+        self._x = self._t = None
+        self._pending = set()
 
 
 # ---------------------------------------------------------------------------------------------------- the update
@@ -320,17 +418,19 @@ def lowrank_delta(
     per_matmul = max(1, (max_elements or m * n) // (rank * (hi - lo + n)))
     for start in range(0, len(members), per_matmul):
         chunk = members[start:start + per_matmul]
-        a_stack = torch.empty(hi - lo, len(chunk) * rank, dtype=torch.float32, device=device)  # [rows, c·r]
-        b_stack = torch.empty(n, len(chunk) * rank, dtype=torch.float32, device=device)  # [n, c·r]
-        for j, (i, w) in enumerate(chunk):
+        a_parts, b_parts = [], []
+        for i, _ in chunk:
             hit = cache.get((i, name)) if cache is not None else None
             if isinstance(hit, tuple) and hit[0].shape[0] == m:
                 a, b = hit[0][lo:hi], hit[1]
             else:
                 a, b = lowrank_factors(seed, step, i, name, (m, n), rank, rows=(lo, hi), device=device)
-            a_stack[:, j * rank:(j + 1) * rank] = a.to(a_stack.device) * (w / math.sqrt(rank))
-            b_stack[:, j * rank:(j + 1) * rank] = b.to(b_stack.device)
-        out.addmm_(a_stack, b_stack.T)
+            a_parts.append(a.to(out.device))
+            b_parts.append(b.to(out.device))
+        # member j's columns of A scaled by w_j/√r (an fp32 multiply per element), then [rows, c·r] × [c·r, n]
+        scale = torch.tensor([w / math.sqrt(rank) for _, w in chunk], dtype=torch.float32, device=out.device)
+        a_stack = torch.cat(a_parts, dim=1).view(hi - lo, len(chunk), rank).mul_(scale.view(1, -1, 1))
+        out.addmm_(a_stack.view(hi - lo, len(chunk) * rank), torch.cat(b_parts, dim=1).T)
     return out
 
 

@@ -22,12 +22,15 @@ from __future__ import annotations
 
 import hashlib
 import math
+import threading
 
 import torch
 from torch import Tensor
 
 #: elements per independently seeded block (1 MiB of fp32)
 CHUNK = 1 << 18
+_CPU = torch.device("cpu")
+_GENERATORS = threading.local()  # noise_generator's per-thread generators, keyed by device
 
 
 def noise_key(seed: int, step: int, member: int, name: str, chunk: int) -> int:
@@ -51,10 +54,14 @@ def param_noise(
     Returns a 1-D fp32 tensor of length ``end - start``, drawn on ``device`` (default: the CPU) by a generator on that
     device. ``param_noise(..., numel)[a:b]`` equals ``param_noise(..., numel, start=a, end=b)`` exactly (on one device).
     """
+    device = _CPU if device is None else torch.device(device)
+    if start == 0 and (end is None or end == numel) and 0 < numel <= CHUNK:  # one whole block (most calls): no slicing
+        gen = noise_generator(device)
+        gen.manual_seed(noise_key(seed, step, member, name, 0))
+        return torch.randn(numel, generator=gen, dtype=torch.float32, device=device)
     end = numel if end is None else end
     if not 0 <= start <= end <= numel:
         raise ValueError(f"noise range [{start}, {end}) outside a parameter of {numel} elements")
-    device = torch.device("cpu") if device is None else torch.device(device)
     parts = []
     gen = noise_generator(device)
     for chunk in range(start // CHUNK, math.ceil(end / CHUNK) if end > start else start // CHUNK):
@@ -64,10 +71,15 @@ def param_noise(
         block = torch.randn(size, generator=gen, dtype=torch.float32, device=device)  # [size]
         parts.append(block[max(start - lo, 0) : min(end - lo, size)])
     if len(parts) == 1 and parts[0].numel() == size:
-        return block  # the whole of one block (most tensors of a small model, every low-rank factor): no copy
+        return block  # exactly one whole chunk of a larger tensor: no copy
     return torch.cat(parts) if parts else torch.empty(0, device=device)
 
 
 def noise_generator(device: torch.device) -> torch.Generator:
-    """The generator the chunks of ``device`` are drawn with (one place, so tests can watch where noise is drawn)."""
-    return torch.Generator(device=device)
+    """The generator the chunks of ``device`` are drawn with (one place, so tests can watch where noise is drawn): one
+    per device and thread, reused (every draw seeds it first, so reuse changes no number)."""
+    cache = _GENERATORS.__dict__
+    gen = cache.get(device)
+    if gen is None:
+        gen = cache[device] = torch.Generator(device=device)
+    return gen
