@@ -8,9 +8,9 @@ the uninterrupted one, bitwise. (DDP: tests/test_es_ddp.py; the forward and the 
 Where batched and member-by-member are bitwise, and why: a member's rows go through the same kernels with the same
 operands whichever other blocks share the batch (the base matmul is row-independent; the rank-r term is one ``bmm``
 slice per block; the factors are the same pure function of their key), and the update does not depend on the batching
-at all. That holds on CPU (this file, fp32 and bf16, rank 2 and 4) except at rank 1 in fp32, where MKL's bmm of
-a one-row Bᵀ rounds a batch of one member differently from a batch of k in the last bit
-(tests/test_lowrank.py::test_rank1_batched_members_equal_each_member_alone_to_rounding). It is *not* guaranteed where a kernel's reduction order depends on
+at all. That holds on CPU (this file, fp32 and bf16, rank 2 and 4) except at rank 1 in fp32, where MKL's bmm
+of a one-row Bᵀ rounds a batch of one member differently from a batch of k in the last bit (tests/test_lowrank.py::
+test_rank1_batched_members_equal_each_member_alone_to_rounding). It is *not* guaranteed where a kernel's reduction order depends on
 the number of rows: cuBLAS/cuDNN choose kernels (split-K, tile sizes) by shape, so on a GPU the base matmul of k·R rows
 may round differently from R rows in the last bit, and a greedy near-tie can then pick another token. The low-rank
 member is never bitwise equal to its merged weights either (x Wᵀ + (x B)(s Aᵀ) rounds twice, x (W + σE)ᵀ once after

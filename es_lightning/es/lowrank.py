@@ -183,7 +183,8 @@ class LowRankPopulationForward:
     def _vectors(self, name: str, p: Tensor) -> Tensor:
         """``[k, *p.shape]`` full-rank perturbed copies, computed as ``es_lightning.es.evaluators.perturb`` does (fp32, cast once)."""
         eps = torch.stack([_cached_noise(self.cache, self.seed, self.step, i, name, p).view_as(p) for i, _ in self.members])
-        scales = torch.tensor([s * self.sigma for _, s in self.members], device=p.device).view(-1, *[1] * p.dim())
+        scales = torch.tensor([s * self.sigma for _, s in self.members], dtype=torch.float32,
+                              device=p.device).view(-1, *[1] * p.dim())
         return (self._centre(name, p) + scales * eps).to(p.dtype)  # elementwise as perturb's centre + (sσ)·ε, fp32
 
     def _centre(self, name: str, p: Tensor) -> Tensor:  # fp32
@@ -261,6 +262,7 @@ class LowRankPopulationForward:
             if share is not None:
                 share.add(module, b_t)
         bias = self._vectors(self._names[id(own["bias"])], own["bias"]).unsqueeze(1) if "bias" in own else None  # [k,1,m]
+
         def linear(self, x: Tensor) -> Tensor:  # x [k·R, ..., n]
             xs = _split(x, k).reshape(k, -1, x.shape[-1])  # [k, R·…, n]
             out = F.linear(x, self.weight, None if bias is not None else self.bias).contiguous()  # [k·R, ..., m]
@@ -328,7 +330,7 @@ class _SharedInput:
     version). A sibling with a term waiting that is called with another tensor (an ``o_proj`` beside q/k/v), or never
     called before the next round, leaves for good and computes its own term from then on. Either way each sibling's
     term is ``Bᵀ x`` of its own input; only how the products are batched changes, and the same calls learn the same
-    groups, so a run is deterministic and ``k`` members batched compute what one member at a time does.
+    groups whatever the number of members, so a run is deterministic.
     """
 
     def __init__(self) -> None:

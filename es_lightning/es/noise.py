@@ -78,6 +78,9 @@ def param_noise(
 def noise_generator(device: torch.device) -> torch.Generator:
     """The generator the chunks of ``device`` are drawn with (one place, so tests can watch where noise is drawn): one
     per device and thread, reused (every draw seeds it first, so reuse changes no number)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())  # a bare "cuda" generator binds the current device
     cache = _GENERATORS.__dict__
     gen = cache.get(device)
     if gen is None:
