@@ -40,8 +40,9 @@ numbers, and every row of every generate runs to ``max_new_tokens`` (no EOS, no 
 exactly the tokens (d) does. Alternating rounds: beside every ES step (before it on even steps, after it on odd ones)
 one (d) is run, so each step/d ratio compares neighbours in time; the table prints medians over ``--rounds`` steps per
 mode (a warm-up step dropped). "gen/d" is the step's generate alone. Peak memory, each step and each (d) on its own:
-above what was held just before it (CPU: the resident set's high-water mark, reset per block, with
-``MALLOC_MMAP_THRESHOLD_`` so that freed tensors leave at once; CUDA: ``max_memory_allocated``). Targets: (l) step/d
+above what was held just before it (CPU: the resident set's high-water mark, reset per block, measured in a second
+run of 2 steps per mode with ``MALLOC_MMAP_THRESHOLD_`` so that freed tensors leave at once — that setting slows large
+allocations, so the timings come from a plain process; CUDA: ``max_memory_allocated``, one run). Targets: (l) step/d
 ≤ 1.10 on the built-in model, ≤ 1.25 on the Qwen-like fixture; (l) peak/d ≤ 1.2. Timings from a busy machine mean
 nothing: run it alone.
 """
@@ -302,6 +303,17 @@ def modes_child(args):
     return out
 
 
+def _modes_run(which: str, forwarded: list[str], env: dict[str, str]) -> dict:
+    """One ``modes`` child process; its JSON result."""
+    import os
+
+    cmd = [sys.executable, os.path.abspath(__file__), "--variant", "modes", *forwarded]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode:
+        raise RuntimeError(f"the {which} run failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def lowrank_main(args) -> None:
     """The --lowrank table, for the built-in model and/or the Qwen-like fixture (each in its own process)."""
     import os
@@ -310,23 +322,26 @@ def lowrank_main(args) -> None:
     from es_lightning.builtin.qwen_like import QWEN_VOCAB_SIZE, build_qwen_like
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": root, "MALLOC_MMAP_THRESHOLD_": "65536", "TOKENIZERS_PARALLELISM": "false",
-           "OMP_NUM_THREADS": str(args.threads)}
+    env = {**os.environ, "PYTHONPATH": root, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(args.threads)}
+    env.pop("MALLOC_MMAP_THRESHOLD_", None)
+    # timings from a plain process (what a user runs); peak memory from a second one whose allocator returns freed
+    # blocks at once (otherwise the resident set keeps them), which also slows every large allocation — on the CPU
+    # that changed the step/d ratios (built-in (l): 1.14-1.18 under it, 1.21-1.23 without), so it never times
+    memory_env = {**env, "MALLOC_MMAP_THRESHOLD_": "65536"} if args.accelerator == "cpu" else None
     with tempfile.TemporaryDirectory() as tmp:
         for which in args.lowrank_models.split(","):
             qwen = which == "qwen-like"
             model = build_qwen_like(os.path.join(tmp, "qwen-like")) if qwen else args.model
             dtype = args.dtype or ("bfloat16" if qwen else "float32")
             forwarded = [f"--model={model}", f"--population={args.population}", f"--batch={args.batch}",
-                         f"--max-new-tokens={args.max_new_tokens}", f"--rank={args.rank}", f"--rounds={args.rounds}",
+                         f"--max-new-tokens={args.max_new_tokens}", f"--rank={args.rank}",
                          f"--dtype={dtype}", f"--threads={args.threads}", f"--samples={args.samples}",
                          f"--temperature={args.temperature}", f"--sigma={args.sigma}", f"--modes={args.modes}",
                          f"--accelerator={args.accelerator}"] + (["--qwen-like"] if qwen else [])
-            proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--variant", "modes", *forwarded],
-                                  capture_output=True, text=True, env=env)
-            if proc.returncode:
-                raise RuntimeError(f"the {which} run failed:\n{proc.stderr[-3000:]}")
-            res = json.loads(proc.stdout.strip().splitlines()[-1])
+            res = _modes_run(which, [*forwarded, f"--rounds={args.rounds}"], env)
+            if memory_env is not None:  # the peaks of a separate run under the memory allocator setting
+                for mode, peaks in _modes_run(which, [*forwarded, f"--rounds={min(args.rounds, 2)}"], memory_env).items():
+                    res[mode].update(step_mb=peaks["step_mb"], d_mb=peaks["d_mb"])
             name = f"Qwen-like (V={QWEN_VOCAB_SIZE:,}, hidden 64, tied embeddings)" if qwen else model
             target = 1.25 if qwen else 1.10
             sampling = "greedy" if args.temperature == 0 else f"T={args.temperature}"

@@ -261,6 +261,19 @@ def test_siblings_reading_one_input_share_one_term_and_learn_who_does():
     assert not any("forward" in m.__dict__ for m in block.modules())
 
 
+def test_shared_terms_work_under_inference_mode(tiny):
+    """Inference-mode tensors keep no version counter: shared terms fall back to the input's identity alone."""
+    model = tiny.model
+    named = list(model.named_parameters())
+    ids = torch.randint(0, model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(3)).repeat(4, 1)
+    with torch.no_grad(), LowRankPopulationForward(model, named, MEMBERS, seed=SEED, step=STEP, sigma=SIGMA, rank=1):
+        expected = model(ids).logits
+    with torch.inference_mode(), LowRankPopulationForward(model, named, MEMBERS, seed=SEED, step=STEP, sigma=SIGMA,
+                                                          rank=1):
+        got = model(ids).logits
+    assert torch.equal(got, expected)
+
+
 def test_bf16_base_weights(tiny_model_dir):
     """bf16 base: the rank-r term is computed in bf16 and added to the bf16 output. Against the fp32 W + σE it is as
     accurate as bf16 inference of the member's own merged weights (rounded to bf16) — the full-rank batched path."""

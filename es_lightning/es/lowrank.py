@@ -319,6 +319,12 @@ def _input_term(b_t: Tensor, xs: Tensor) -> Tensor:
     return torch.bmm(b_t, xs.transpose(1, 2) if xs.dtype == b_t.dtype else xs.transpose(1, 2).to(b_t.dtype))
 
 
+
+def _version(x: Tensor) -> int | None:
+    """``x``'s in-place write counter; ``None`` for an inference-mode tensor, which has none (identity alone then)."""
+    return None if x.is_inference() else x._version
+
+
 class _SharedInput:
     """Sibling ``nn.Linear`` s of one parent with the same input width and dtype (a block's q/k/v, gate/up): when they
     are called one after another with the same input tensor, one ``bmm`` over their stacked ``Bᵀ`` computes all their
@@ -340,7 +346,7 @@ class _SharedInput:
         self._stack: tuple[Tensor, dict[int, slice]] | None = None  # joined Bᵀ side by side [k, Σr, n], rows per id
         self._pending: set[int] = set()  # siblings whose term of the remembered input is waiting
         self._x: Tensor | None = None
-        self._version = -1
+        self._version: int | None = -1
         self._t: Tensor | None = None  # the round's terms [k, Σr, R·…]
 
     def add(self, module: nn.Module, b_t: Tensor) -> None:
@@ -350,7 +356,7 @@ class _SharedInput:
         key = id(module)
         if key in self._pending:
             self._pending.discard(key)
-            if self._x is x and self._version == x._version:
+            if self._x is x and self._version == _version(x):
                 t = self._t[:, self._stack[1][key], :]
                 if not self._pending:  # the round is over: hold neither the input nor the terms any longer
                     self._x = self._t = None
@@ -371,7 +377,7 @@ class _SharedInput:
         if len(rows) == 1:
             self._pending = set()
             return _input_term(self._b_t[key], xs)
-        self._t, self._x, self._version = _input_term(stack, xs), x, x._version
+        self._t, self._x, self._version = _input_term(stack, xs), x, _version(x)
         self._pending = set(rows) - {key}
         return self._t[:, rows[key], :]
 
