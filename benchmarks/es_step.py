@@ -326,7 +326,7 @@ def lowrank_main(args) -> None:
     env.pop("MALLOC_MMAP_THRESHOLD_", None)
     # timings from a plain process (what a user runs); peak memory from a second one whose allocator returns freed
     # blocks at once (otherwise the resident set keeps them), which also slows every large allocation — on the CPU
-    # that changed the step/d ratios (built-in (l): 1.14-1.18 under it, 1.21-1.23 without), so it never times
+    # that changed the step/d ratios (built-in (l): 1.14-1.18 under it, 1.21-1.27 without), so it never times
     memory_env = {**env, "MALLOC_MMAP_THRESHOLD_": "65536"} if args.accelerator == "cpu" else None
     with tempfile.TemporaryDirectory() as tmp:
         for which in args.lowrank_models.split(","):
