@@ -299,12 +299,13 @@ class LowRankPopulationForward:
 
 
 def _add_term(out: Tensor, left: Tensor, right: Tensor) -> None:
-    """``out += left @ right`` per block ([k, R, m] += [k, R, r]×[k, r, m]) so that each block's result does not depend
-    on how many blocks share the batch (k members batched = each member alone, bitwise). fp32 ``baddbmm_`` on a CPU
-    does not promise that: with inner size r = 1, or one row per block, MKL rounds a batch of k blocks differently from
-    a batch of one. So in fp32, r = 1 is one broadcast multiply-add (also ~15% faster than the matmul) and one row per
-    block a ``bmm`` then an add; bf16 keeps ``baddbmm_`` (batch-invariant there, and its elementwise form is slower on
-    CPUs without bf16 vector units)."""
+    """``out += left @ right`` per block ([k, R, m] += [k, R, r]×[k, r, m]), added so that this step's result for a
+    block does not depend on how many blocks share the batch. fp32 ``baddbmm_`` on a CPU does not promise that: with
+    inner size r = 1, or one row per block, MKL rounds a batch of k blocks differently from a batch of one. So in fp32,
+    r = 1 is one broadcast multiply-add (also ~15% faster than the matmul) and one row per block a ``bmm`` then an
+    add; bf16 keeps ``baddbmm_`` (batch-invariant there, and its elementwise form is slower on CPUs without bf16
+    vector units). (At r = 1 in fp32 the input term's ``bmm`` can still round one block alone differently from k
+    blocks: tests/test_lowrank.py::test_rank1_batched_members_equal_each_member_alone_to_rounding.)"""
     if out.dtype == torch.float32 and right.shape[1] == 1:
         out.addcmul_(left, right)  # [k, R, 1] ⊙ [k, 1, m]
     elif out.dtype == torch.float32 and out.shape[1] == 1:
@@ -317,7 +318,6 @@ def _input_term(b_t: Tensor, xs: Tensor) -> Tensor:
     """``(x B)ᵀ`` of every block as ``Bᵀ xᵀ``: [k, r, n]×[k, n, R·…] → [k, r, R·…] — the same products; CPU BLAS is ~4×
     faster this way round than [k, R·…, n]×[k, n, r] for r ≪ n."""
     return torch.bmm(b_t, xs.transpose(1, 2) if xs.dtype == b_t.dtype else xs.transpose(1, 2).to(b_t.dtype))
-
 
 
 def _version(x: Tensor) -> int | None:
