@@ -167,13 +167,14 @@ def test_resume_is_bitwise(tmp_path, tiny_model_dir):
     assert any(not torch.equal(a, start[n]) for n, a in full.model.named_parameters())  # the fit moved the weights
 
 
-def test_qwen_like_bf16_whole_population_equals_member_by_member(qwen_like_small_dir):
+@pytest.mark.parametrize("rank", [1, 4])  # 1: the recipes' rank; q/k/v and gate/up share their input term
+def test_qwen_like_bf16_whole_population_equals_member_by_member(qwen_like_small_dir, rank):
     """The Qwen-like fixture in bf16 (tied embeddings: the same factors perturb the lookup and the lm_head, chat
     template, pad = EOS), sampled: one batch of 4 low-rank members equals the members one at a time, bitwise."""
 
     def fit(members_per_batch):
         module = ESModule(model=qwen_like_small_dir, dtype="bfloat16", population_size=4, sigma=2e-2, lr=1e-2,
-                          max_new_tokens=4, temperature=1.0, noise_rank=4, members_per_batch=members_per_batch,
+                          max_new_tokens=4, temperature=1.0, noise_rank=rank, members_per_batch=members_per_batch,
                           reward_normalization="centered", task=_CharSumTask())
         _trainer(1).fit(module, _dm(batch_size=2))
         return module

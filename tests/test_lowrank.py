@@ -50,6 +50,17 @@ def _load(model, values):
             p.copy_(values[n])
 
 
+def _each_member_merged(model, centre, run, sigma=SIGMA, rank=RANK, members=MEMBERS):
+    """``run(model)`` once per member with that member's explicitly merged weights loaded into the plain model (the
+    independent computation the batched forward is checked against); the centre is loaded back afterwards."""
+    out = []
+    for noise_id, sign in members:
+        _load(model, _merged(centre, SEED, STEP, sigma, rank, noise_id, sign))
+        out.append(run(model))
+    _load(model, centre)
+    return out
+
+
 @pytest.fixture
 def tiny(tiny_model_dir):
     policy = load_policy(tiny_model_dir)
@@ -139,11 +150,7 @@ def test_lowrank_forward_equals_merged_weights(tiny, rank):
     ids = torch.randint(0, model.config.vocab_size, (3, 9), generator=torch.Generator().manual_seed(1))
     k = len(MEMBERS)
     with torch.no_grad():
-        alone = []
-        for noise_id, sign in MEMBERS:  # independent computation: member's merged weights loaded into the plain model
-            _load(model, _merged(centre, SEED, STEP, SIGMA, rank, noise_id, sign))
-            alone.append(model(ids).logits)
-        _load(model, centre)
+        alone = _each_member_merged(model, centre, lambda m: m(ids).logits, rank=rank)
         with LowRankPopulationForward(model, named, MEMBERS, seed=SEED, step=STEP, sigma=SIGMA, rank=rank):
             batched = model(ids.repeat(k, 1)).logits  # member-major rows
         after = model(ids).logits
@@ -161,11 +168,7 @@ def test_lowrank_greedy_generate_equals_merged_weights(tiny):
     gen = HFGenerator(tiny)
     prompts = ["c:3 5 7>22=", "c:1 2>3=", "c:10 4 6 2>8="]
     params = SamplingParams(max_new_tokens=10, temperature=0.0)
-    alone = []
-    for noise_id, sign in MEMBERS:
-        _load(model, _merged(centre, SEED, STEP, SIGMA * 4, RANK, noise_id, sign))
-        alone.append(gen.generate(prompts, 1, params, seed=0))
-    _load(model, centre)
+    alone = _each_member_merged(model, centre, lambda m: gen.generate(prompts, 1, params, seed=0), sigma=SIGMA * 4)
     with LowRankPopulationForward(model, named, MEMBERS, seed=SEED, step=STEP, sigma=SIGMA * 4, rank=RANK):
         together = gen.generate(prompts * len(MEMBERS), 1, params, seed=0, common_random_blocks=len(MEMBERS))
     assert together.texts == [t for r in alone for t in r.texts]
@@ -234,11 +237,7 @@ def test_siblings_reading_one_input_share_one_term_and_learn_who_does():
     centre = {n: p.detach().clone() for n, p in named}
     x = torch.randn(3, 5, 24)
     with torch.no_grad():
-        alone = []
-        for noise_id, sign in MEMBERS:
-            _load(block, _merged(centre, SEED, STEP, SIGMA, RANK, noise_id, sign))
-            alone.append(block(x))
-        _load(block, centre)
+        alone = _each_member_merged(block, centre, lambda m: m(x))
         bmms = []
         real_bmm = torch.bmm
 
@@ -388,11 +387,7 @@ def test_other_modules_with_matrices_fall_back_to_merged_copies():
     centre = {n: p.detach().clone() for n, p in named}
     x = torch.randn(3, 6, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        alone = []
-        for noise_id, sign in MEMBERS:
-            _load(net, _merged(centre, SEED, STEP, SIGMA, RANK, noise_id, sign))
-            alone.append(net(x))
-        _load(net, centre)
+        alone = _each_member_merged(net, centre, lambda m: m(x))
         with pytest.warns(UserWarning, match=r"1\.weight \(Bilinear\)"):
             with LowRankPopulationForward(net, named, MEMBERS, seed=SEED, step=STEP, sigma=SIGMA, rank=RANK):
                 batched = net(x.repeat(len(MEMBERS), 1))

@@ -56,9 +56,7 @@ def param_noise(
     """
     device = _CPU if device is None else torch.device(device)
     if start == 0 and (end is None or end == numel) and 0 < numel <= CHUNK:  # one whole block (most calls): no slicing
-        gen = noise_generator(device)
-        gen.manual_seed(noise_key(seed, step, member, name, 0))
-        return torch.randn(numel, generator=gen, dtype=torch.float32, device=device)
+        return _chunk(noise_generator(device), (seed, step, member, name), 0, numel, device)
     end = numel if end is None else end
     if not 0 <= start <= end <= numel:
         raise ValueError(f"noise range [{start}, {end}) outside a parameter of {numel} elements")
@@ -67,12 +65,17 @@ def param_noise(
     for chunk in range(start // CHUNK, math.ceil(end / CHUNK) if end > start else start // CHUNK):
         lo = chunk * CHUNK
         size = min(CHUNK, numel - lo)  # fixed by the global tensor, never by the requested range
-        gen.manual_seed(noise_key(seed, step, member, name, chunk))
-        block = torch.randn(size, generator=gen, dtype=torch.float32, device=device)  # [size]
+        block = _chunk(gen, (seed, step, member, name), chunk, size, device)  # [size]
         parts.append(block[max(start - lo, 0) : min(end - lo, size)])
     if len(parts) == 1 and parts[0].numel() == size:
         return block  # exactly one whole chunk of a larger tensor: no copy
     return torch.cat(parts) if parts else torch.empty(0, device=device)
+
+
+def _chunk(gen: torch.Generator, key: tuple[int, int, int, str], chunk: int, size: int, device: torch.device) -> Tensor:
+    """Chunk ``chunk`` (``size`` elements) of the tensor keyed ``(seed, step, member, name)``: ``gen`` seeded, one draw."""
+    gen.manual_seed(noise_key(*key, chunk))
+    return torch.randn(size, generator=gen, dtype=torch.float32, device=device)
 
 
 def noise_generator(device: torch.device) -> torch.Generator:
