@@ -18,11 +18,11 @@ SCRIPT = textwrap.dedent(
             return [sum(map(ord, c)) % 97 / 97 for c in completions]
 
     model_dir, devices, out, members_per_batch = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
-    noise_rank = int(sys.argv[5])
+    noise_rank, prompt_groups = int(sys.argv[5]), int(sys.argv[6])
     torch.set_num_threads(1)
     module = ESModule(model=model_dir, population_size=4, sigma=0.5, lr=0.05, max_new_tokens=6, temperature=1.0,
                       reward_normalization="centered", task=LengthTask(), members_per_batch=members_per_batch,
-                      noise_rank=noise_rank)
+                      noise_rank=noise_rank, prompt_groups=prompt_groups)
     dm = ReasoningDataModule(task="countdown", train_size=32, val_size=4, test_size=4, batch_size=4)
     trainer = L.Trainer(max_steps=2, accelerator="cpu", devices=devices,
                         strategy="ddp" if devices > 1 else "auto", logger=False, enable_checkpointing=False,
@@ -37,12 +37,12 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def _run(tmp_path, model_dir, devices, members_per_batch=1, noise_rank=0):
+def _run(tmp_path, model_dir, devices, members_per_batch=1, noise_rank=0, prompt_groups=1):
     script = tmp_path / "es_ddp.py"
     script.write_text(SCRIPT)
     out = tmp_path / f"result{devices}"
     proc = subprocess.run([sys.executable, str(script), model_dir, str(devices), str(out), str(members_per_batch),
-                           str(noise_rank)],
+                           str(noise_rank), str(prompt_groups)],
                           capture_output=True,
                           text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -68,6 +68,18 @@ def test_ddp_lowrank_population_matches_single_process_bitwise(tmp_path, tiny_mo
     depend on where the members ran."""
     rank0, rank1 = _run(tmp_path, tiny_model_dir, 2, members_per_batch=2, noise_rank=2)
     (single,) = _run(tmp_path, tiny_model_dir, 1, noise_rank=2)
+    assert rank0["step"] == rank1["step"] == single["step"] == 2
+    assert len(set(single["rewards"])) > 1 and single["moved"] > 1e-4
+    assert rank0["rewards"] == rank1["rewards"] == single["rewards"]
+    assert rank0["weights"] == rank1["weights"] == single["weights"]
+
+
+def test_ddp_prompt_groups_match_single_process_bitwise(tmp_path, tiny_model_dir):
+    """prompt_groups=2: rank 0 runs members 0 and 2 (one of each group, so its one batched generate mixes the two
+    slices of the prompts), rank 1 members 1 and 3; the 1-process run goes member by member. Same rewards, the same
+    within-group normalisation, the same weights bit for bit (low-rank members: the bitwise path)."""
+    rank0, rank1 = _run(tmp_path, tiny_model_dir, 2, members_per_batch=2, noise_rank=2, prompt_groups=2)
+    (single,) = _run(tmp_path, tiny_model_dir, 1, noise_rank=2, prompt_groups=2)
     assert rank0["step"] == rank1["step"] == single["step"] == 2
     assert len(set(single["rewards"])) > 1 and single["moved"] > 1e-4
     assert rank0["rewards"] == rank1["rewards"] == single["rewards"]

@@ -104,11 +104,12 @@ class ESAlgorithm(Algorithm):
         weights, stats = self.member_weights(scores.rewards, step)
         update_norm = self.update(module, step, weights, scores.noise_cache)
         self.evaluator.after_update(module, step, members, weights)  # e.g. the same update inside a vLLM engine
-        success = scores.success  # [N, B]
+        blocks = self.success_blocks(scores.success)  # [N/G, B/G] per group: who saw what
+        member_accuracy = torch.cat([b.mean(-1) for b in blocks])  # [N]
         module.log_step(StepMetrics(
             rewards=scores.rewards,
             frac_reward_zero_std=stats["zero_std"],
-            accuracy=float(success.mean()),
+            accuracy=float(member_accuracy.mean()),
             mean_length=float(scores.mean_length.mean()),
             clipped_ratio=float(scores.clipped_ratio.mean()),
             entropy=_token_weighted(scores),
@@ -116,15 +117,17 @@ class ESAlgorithm(Algorithm):
             times={"generate": scores.generate_s, "score": scores.score_s, "update": time.perf_counter() - t0},
             extra={
                 "reward_max": stats["max"], "reward_min": stats["min"],
-                "member_accuracy_max": float(success.mean(-1).max()), "member_accuracy_min": float(success.mean(-1).min()),
-                "js_succ": float(js_succ(success)), "pass_pop": float(population_pass(success)),
+                "member_accuracy_max": float(member_accuracy.max()), "member_accuracy_min": float(member_accuracy.min()),
+                "js_succ": _block_mean(js_succ, blocks), "pass_pop": _block_mean(population_pass, blocks),
                 "update_norm": update_norm,
             },
         ))
 
     def member_weights(self, rewards: torch.Tensor, step: int) -> tuple[torch.Tensor, dict[str, float]]:
-        """Normalised rewards z_n. A member whose reward is NaN/inf gets weight 0 (dropped, with a warning): bad
-        rewards never reach the weights. A step with no finite reward stops the fit (:mod:`es_lightning.scoring`)."""
+        """Normalised rewards z_n, within each prompt group (``prompt_groups``; one group: the whole population).
+        A member whose reward is NaN/inf gets weight 0 (dropped, with a warning): bad rewards never reach the weights.
+        A step with no finite reward stops the fit (:mod:`es_lightning.scoring`). ``zero_std``: the share of groups
+        whose kept rewards are all equal (their members get weight 0)."""
         finite = torch.isfinite(rewards)
         kept = rewards[finite]
         check_some_kept(kept.numel(), rewards.numel(), "population member", step)
@@ -132,11 +135,23 @@ class ESAlgorithm(Algorithm):
             rank_zero_warn(f"ES step {step}: {rewards.numel() - kept.numel()} of {rewards.numel()} member rewards are "
                            "NaN/inf; those members are dropped from this update (check the task's reward function)")
         weights = torch.zeros(rewards.shape, dtype=torch.float32)
-        if kept.numel() >= 2:
-            weights[finite] = normalize_rewards(kept, self.settings.reward_normalization)
-        stats = {"zero_std": float(kept.numel() < 2 or bool((kept == kept[0]).all())),
-                 "max": float(kept.max()), "min": float(kept.min())}
+        flat = 0
+        groups = torch.arange(rewards.numel()).view(self.settings.prompt_groups, -1)
+        for group in groups:
+            ok = group[finite[group]]
+            r = rewards[ok]
+            if ok.numel() >= 2:
+                weights[ok] = normalize_rewards(r, self.settings.reward_normalization)
+            flat += int(ok.numel() < 2 or bool((r == r[0]).all()))
+        stats = {"zero_std": flat / len(groups), "max": float(kept.max()), "min": float(kept.min())}
         return weights, stats
+
+    def success_blocks(self, success: torch.Tensor) -> list[torch.Tensor]:
+        """The ``[N/G, B/G]`` blocks of a step's ``[N, B]`` success matrix that were observed: group g's members on
+        slice g of the prompts (one block, the whole matrix, when ``prompt_groups`` is 1)."""
+        g = self.settings.prompt_groups
+        n, b = success.shape[0] // g, success.shape[1] // g
+        return [success[i * n:(i + 1) * n, i * b:(i + 1) * b] for i in range(g)]
 
     def update(self, module: ReasoningModule, step: int, weights: torch.Tensor,
                noise_cache: dict[tuple[int, str], torch.Tensor] | None = None) -> float:
@@ -151,6 +166,11 @@ class ESAlgorithm(Algorithm):
         with torch.autocast(module.device.type, enabled=False):  # bf16-mixed: the update's matmuls stay fp32
             opt.step()
         return float(opt.optimizer.last_update_norm)
+
+
+def _block_mean(metric, blocks: list[torch.Tensor]) -> float:
+    """A prompt-averaged population metric over the observed blocks (equal prompts each: the mean of their means)."""
+    return float(torch.stack([metric(b) for b in blocks]).mean())
 
 
 def _token_weighted(scores: PopulationScores) -> float | None:

@@ -70,7 +70,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BatchedMembersEvaluator", "InPlaceEvaluator", "LowRankEvaluator", "Member", "MemberTally", "PopulationEvaluator",
     "PopulationScores", "PopulationStep", "ShardedEvaluator", "centre", "es_optimizer", "perturb", "perturbed_parameters",
-    "rollout_seed", "select_evaluator",
+    "group_columns", "rollout_seed", "select_evaluator",
 ]
 
 
@@ -164,6 +164,16 @@ def centre(opt: ESOptimizer | None, p: Tensor, copy: bool = True) -> Tensor:
     return p.detach().clone() if copy else p.detach()
 
 
+def group_columns(num_prompts: int, groups: int) -> list[slice]:
+    """The batch's prompts as ``groups`` equal slices of consecutive prompts (``prompt_groups``); group ``g`` of the
+    population is scored on slice ``g`` only. Raises, naming the fix, when the batch does not split evenly."""
+    if num_prompts % groups:
+        raise ValueError(f"prompt_groups={groups} splits each batch into {groups} equal slices, but a batch has "
+                         f"{num_prompts} prompts; set data.batch_size to a multiple of {groups}")
+    size = num_prompts // groups
+    return [slice(g * size, (g + 1) * size) for g in range(groups)]
+
+
 def rollout_seed(seed: int, step: int) -> int:
     """The step's sampling seed, shared by every member (common random numbers) and every rank."""
     return int.from_bytes(hashlib.blake2b(f"{seed}/{step}/rollout".encode(), digest_size=4).digest(), "little") >> 1
@@ -235,26 +245,36 @@ class PopulationStep:
         self.module, self.step, self.samples = module, step, settings.samples_per_member
         self.params = module.sampling_params()
         self.seed = rollout_seed(module.seed, step)
-        self.prompts = module.prompts(local)  # the same for every member: rendered once per step
+        self.prompts = module.prompts(local)  # rendered once per step
         self.repeated = [e for e in local for _ in range(self.samples)]  # one example per completion
         self.tally = MemberTally(settings.population_size, len(examples), self.samples, self.params.temperature > 0)
+        # prompt groups: member n sees the slice group_columns(...)[n // per_group] of the batch (one slice: all of it)
+        self.slices = group_columns(len(local), settings.prompt_groups)
+        self.per_group = settings.population_size // settings.prompt_groups
 
     def run(self, members: Sequence[Member], columns: slice = slice(None)) -> None:
         """Score ``members`` (whose weights the caller has put in place) in one ``generate`` call, member-major rows,
         all members drawing the same sampling random numbers; ``columns``: the batch's prompts these are."""
         k = len(members)
         t0 = time.perf_counter()
+        if len(self.slices) == 1:
+            prompts, repeated, spans = self.prompts * k, self.repeated * k, [columns] * k
+        else:  # each member's group's slice, member-major (equal slices: the blocks stay equal)
+            spans = [self.slices[m.index // self.per_group] for m in members]
+            n = self.samples
+            prompts = [p for c in spans for p in self.prompts[c]]
+            repeated = [e for c in spans for e in self.repeated[c.start * n:c.stop * n]]
         blocks = {"common_random_blocks": k} if k > 1 else {}  # a population-batched call (HF generator)
-        rollout = self.module.generator.generate(self.prompts * k, self.samples, self.params, seed=self.seed,
+        rollout = self.module.generator.generate(prompts, self.samples, self.params, seed=self.seed,
                                                  return_logprobs=self.tally.sampled, **blocks)
         t1 = time.perf_counter()
-        scores = self.module.score(rollout.texts, self.repeated * k, step=self.step)  # each completion graded once
+        scores = self.module.score(rollout.texts, repeated, step=self.step)  # each completion graded once
         self.tally.generate_s += t1 - t0
         self.tally.score_s += time.perf_counter() - t1
-        rows = len(self.repeated)
+        rows = len(repeated) // k
         for j, member in enumerate(members):
             block = slice(j * rows, (j + 1) * rows)
-            self.tally.add(member.index, columns, rollout, _slice_scores(scores, block), rows=block)
+            self.tally.add(member.index, spans[j], rollout, _slice_scores(scores, block), rows=block)
 
 
 # ---------------------------------------------------------------------- evaluators
@@ -378,6 +398,12 @@ class ShardedEvaluator(PopulationEvaluator):
     """
 
     def check(self, module):
+        if self.settings.prompt_groups > 1:
+            raise ValueError(
+                f"prompt_groups={self.settings.prompt_groups} is not supported on a sharded (FSDP) policy: its ranks "
+                "split each member's prompts, not the population; use prompt_groups: 1 with FSDP, or DDP "
+                "(configs/trainer/ddp.yaml) if the model fits on one device"
+            )
         if self.settings.noise_rank:
             raise ValueError(
                 f"noise_rank={self.settings.noise_rank} is not supported on a sharded (FSDP) policy yet: its members would "

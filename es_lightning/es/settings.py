@@ -49,6 +49,14 @@ class ESSettings:
     extra per matrix, not O(N·m·n)); the update Σ z E is still full-rank (rank up to N·r), one matmul per matrix.
     EGGROLL learns from r = 1. At most any perturbed matrix's smaller side; unsharded (DDP) policies; on vLLM
     each member is a LoRA adapter over the blocks' linear layers (set trainable to them: es_lightning/es/vllm_lora.py)."""
+    prompt_groups: int = 1
+    """G: split the population into G groups of consecutive members (N/G each; antithetic pairs stay together) and
+    each step's batch into G equal slices of consecutive prompts; group g is scored only on slice g, and
+    reward_normalization is applied within each group, so a member is compared only with members that saw the same
+    prompts (as GRPO's advantages are within one prompt's group). 1 (default): every member sees every prompt (Ba et al.,
+    Qiu et al.). G > 1 is how EGGROLL-style large populations (Sarkar et al. 2025) keep a step's completions at
+    N·B·n/G: more noise directions for the same generation cost, each member on fewer prompts. The batch size must be a
+    multiple of G; not on a sharded (FSDP) policy."""
     trainable: str | None = None
     """Regex: only parameters whose name matches are perturbed and updated (default: all)."""
 
@@ -69,6 +77,17 @@ class ESSettings:
             raise ValueError(f"samples_per_member must be >= 1, got {self.samples_per_member}")
         if self.members_per_batch < 1:
             raise ValueError(f"members_per_batch must be >= 1 (1 = one member at a time), got {self.members_per_batch}")
+        g = self.prompt_groups
+        if isinstance(g, bool) or not isinstance(g, int) or g < 1:
+            raise ValueError(f"prompt_groups must be an integer >= 1 (1 = every member sees every prompt), got {g!r}")
+        if self.population_size % g or self.population_size // g < 2:
+            raise ValueError(f"prompt_groups={g} needs population_size to be a multiple of it with at least 2 members "
+                             f"per group (rewards are normalised within each group), got population_size="
+                             f"{self.population_size}; use population_size: {max(2, -(-self.population_size // g)) * g}")
+        if self.antithetic and (self.population_size // g) % 2:
+            raise ValueError(f"antithetic pairs must stay in one group: population_size / prompt_groups = "
+                             f"{self.population_size // g} must be even; use population_size: "
+                             f"{self.population_size + g}")
         check_noise_rank(self.noise_rank, ())  # its bound by the matrices is checked once the model is loaded
         if self.trainable is not None:
             try:

@@ -202,6 +202,24 @@ def test_lowrank_es_fit_on_vllm_equals_hf(es_fit):
     assert (out.logprobs - policy_token_stats(vllm.model, out, 1.0)[0]).abs().max() < 1e-5
 
 
+HAS_GROUPS = any(f.name == "prompt_groups" for f in dataclasses.fields(ESSettings))
+
+
+@pytest.mark.skipif(not HAS_GROUPS, reason="ESSettings.prompt_groups is not here")
+@pytest.mark.parametrize("settings", [
+    dict(noise_rank=RANK, members_per_batch=4, trainable=BLOCKS),  # one engine call, one adapter per member
+    dict(),  # full rank: one member at a time, perturbed inside the engine
+], ids=["lowrank-lora", "engine-side"])
+def test_prompt_groups_on_vllm_equal_hf(es_fit, settings):
+    """prompt_groups=2 (members 0, 1 on prompts 0, 1; members 2, 3 on prompts 2, 3): vLLM gives the HF path's
+    rewards and weights after one step, bit for bit — each member's rows reach the engine with its own prompts."""
+    hf, _ = es_fit(1, prompt_groups=2, **settings)
+    vllm, _ = es_fit(1, prompt_groups=2, **settings, generation_backend="vllm", generation_options=ENGINE)
+    assert hf.last_rewards.std() > 0 and torch.equal(vllm.last_rewards, hf.last_rewards)
+    a, b = dict(hf.model.named_parameters()), dict(vllm.model.named_parameters())
+    assert all(torch.equal(a[n], b[n]) for n in a)
+
+
 @needs_noise_rank
 def test_lowrank_on_vllm_refuses_uncovered_parameters_before_training(es_fit):
     with pytest.raises(ValueError, match="perturbs the transformer blocks' linear layers only"):
