@@ -146,11 +146,23 @@ def _elementwise_scale_forward(module: nn.Module, weight: Tensor, k: int, cls_fo
     if expected.shape != got.shape or not torch.equal(expected, got):
         return None
 
+    one = ones["weight"]
+
     def scale(self, x: Tensor, *args, **kwargs) -> Tensor:  # x [k·R, ..., d]
-        with _unpatched(module, cls_forward):
-            g = torch.func.functional_call(module, ones, (x, *args), kwargs, strict=False)  # [k·R, ..., d]
+        # g(x): the class forward with w = 1 swapped in for the call (what functional_call does, minus its per-call
+        # overhead, which on a small model costs as much as the norm itself); hooks already ran around this forward
+        params = module._parameters
+        saved = params["weight"]
+        params["weight"] = one
+        try:
+            g = cls_forward(module, x, *args, **kwargs)  # [k·R, ..., d]
+        finally:
+            params["weight"] = saved
         gs = _split(g, k)  # [k, R, ..., d]
-        return (weight.view(k, *([1] * (gs.dim() - 2)), d) * gs).reshape(g.shape)
+        w = weight.view(k, *([1] * (gs.dim() - 2)), d)
+        if torch.is_grad_enabled() or g.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+            return (w * gs).reshape(g.shape)
+        return gs.mul_(w).view(g.shape)  # g is this call's own tensor: scale it where it is
 
     return scale
 
