@@ -147,9 +147,11 @@ def test_bad_prompt_groups_fail_with_the_fix(tiny_model_dir):
     with pytest.raises(ValueError, match=r"antithetic pairs must stay in one group.*use population_size: 8"):
         ESModule(population_size=6, prompt_groups=2, antithetic=True)
     module = ESModule(model=tiny_model_dir, population_size=4, prompt_groups=2, max_new_tokens=2)
+    trainer = _trainer(1)
     with pytest.raises(ValueError, match=r"prompt_groups=2 splits each batch into 2 equal slices, but a batch has 3 "
                                          r"prompts; set data.batch_size to a multiple of 2"):
-        _trainer(1).fit(module, _dm(batch_size=3))
+        trainer.fit(module, _dm(batch_size=3))
+    assert trainer.global_step == 0 and module.model is None  # at setup, before the model loads
     with pytest.raises(ValueError, match=r"prompt_groups=2 is not supported on a sharded \(FSDP\).*prompt_groups: 1"):
         ShardedEvaluator(ESSettings(population_size=4, prompt_groups=2)).check(module)
     assert ESSettings().prompt_groups == 1  # every member sees every prompt by default (Ba et al.)

@@ -136,6 +136,13 @@ def test_switch_step_that_num_iterations_would_overshoot_is_refused(tmp_path, ti
     assert trainer.global_step == 0  # refused before any step
 
 
+def test_an_es_stage_whose_prompt_groups_cannot_split_the_batch_is_refused_up_front(tmp_path, tiny_model_dir):
+    trainer = _trainer(tmp_path, 4, [SequentialStrategy(switch_step=2, es={**ES, "population_size": 6, "prompt_groups": 3})])
+    with pytest.raises(ValueError, match=r"prompt_groups=3 .* a batch has 4 prompts; set data.batch_size to a multiple"):
+        trainer.fit(_grpo(tiny_model_dir), _dm())
+    assert trainer.global_step == 0  # refused before the GRPO stage ran
+
+
 def test_a_module_already_in_the_second_stage_is_refused(tmp_path, tiny_model_dir):
     module = ESModule(model=tiny_model_dir, max_new_tokens=4, **ES)
     with pytest.raises(TypeError, match="already runs ES"):

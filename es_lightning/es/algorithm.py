@@ -26,7 +26,14 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from es_lightning.algorithms import Algorithm, register_algorithm
-from es_lightning.es.evaluators import Member, PopulationEvaluator, PopulationScores, perturbed_parameters, select_evaluator
+from es_lightning.es.evaluators import (
+    Member,
+    PopulationEvaluator,
+    PopulationScores,
+    group_columns,
+    perturbed_parameters,
+    select_evaluator,
+)
 from es_lightning.es.lowrank import check_noise_rank
 from es_lightning.es.settings import ESSettings
 from es_lightning.es.update import ESOptimizer, normalize_rewards
@@ -80,6 +87,10 @@ class ESAlgorithm(Algorithm):
     def configure_model(self, module: ReasoningModule) -> None:
         if self.settings.noise_rank:  # its bound is the perturbed matrices' smaller side: known once the model is loaded
             check_noise_rank(self.settings.noise_rank, perturbed_parameters(module.model, self.settings.trainable))
+
+    def check_batch(self, batch_size: int) -> None:
+        """``prompt_groups`` splits every batch into equal slices: refuse, at fit setup, a batch size it cannot split."""
+        group_columns(batch_size, self.settings.prompt_groups)
 
     def check_generation(self, backend: str, options) -> None:
         if backend == "vllm":  # several full-rank members per engine call cannot be run (es_lightning/es/vllm_evaluators.py)
