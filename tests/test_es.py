@@ -9,6 +9,7 @@ import math
 import lightning as L
 import pytest
 import torch
+from es_helpers import CharSumTask
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from es_lightning import ESModule, ReasoningDataModule
@@ -106,7 +107,7 @@ def test_fit_counts_steps_never_touches_autograd_and_logs(tiny_model_dir):
 
 def test_update_equals_independent_computation_and_centre_is_restored(tiny_model_dir):
     """One step: θ1 = θ0 + α/N Σ z_n ε_n with z computed here from the member rewards, noise from its key."""
-    module = _module(tiny_model_dir, reward_normalization="zscore", sigma=0.5, lr=0.01, task=_CharSumTask())
+    module = _module(tiny_model_dir, reward_normalization="zscore", sigma=0.5, lr=0.01, task=CharSumTask())
     module.configure_model()
     theta0 = _weights(module)
     trainer = _trainer(max_steps=1)
@@ -135,7 +136,7 @@ def test_zero_lr_keeps_weights_bitwise(tiny_model_dir, dtype):
 
 def test_bf16_update_accumulates_in_fp32(tiny_model_dir):
     """A bf16 model gets (θ.float() + Δ_fp32).to(bf16): the same as the fp32 update rounded once."""
-    kw = dict(sigma=0.5, lr=0.01, reward_normalization="zscore", task=_CharSumTask())
+    kw = dict(sigma=0.5, lr=0.01, reward_normalization="zscore", task=CharSumTask())
     m16 = _module(tiny_model_dir, dtype="bfloat16", **kw)
     m16.configure_model()
     theta0 = _weights(m16)
@@ -147,13 +148,6 @@ def test_bf16_update_accumulates_in_fp32(tiny_model_dir):
         delta = sum(z[m] * param_noise(m16.seed, 0, m, name, p.numel()) for m in range(4)).view_as(p)
         expected = (theta0[name].float() + 0.01 / 4 * delta).to(torch.bfloat16)
         assert (p.float() - expected.float()).abs().max() <= 2 ** -7 * expected.float().abs().max(), name
-
-
-class _CharSumTask(CountdownTask):
-    """A reward every member earns differently (an untrained model never solves Countdown), so updates are non-zero."""
-
-    def reward(self, completions, examples):
-        return [sum(map(ord, c)) % 97 / 97 for c in completions]
 
 
 class _ConstantTask(CountdownTask):
@@ -174,7 +168,7 @@ def test_all_equal_rewards_give_zero_update(tiny_model_dir):
 
 
 def test_exact_resume_is_bitwise(tmp_path, tiny_model_dir):
-    kw = dict(temperature=1.0, task=_CharSumTask())  # rewards that differ: the weights move
+    kw = dict(temperature=1.0, task=CharSumTask())  # rewards that differ: the weights move
     ckpt = ModelCheckpoint(dirpath=tmp_path / "a", every_n_train_steps=1, save_top_k=-1, filename="{step}")
     full = _module(tiny_model_dir, **kw)
     first = _trainer(tmp_path / "a", max_steps=4, callbacks=[ckpt])

@@ -12,6 +12,7 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
+from es_helpers import CharSumTask, RecordBatches
 
 from es_lightning import ESModule, ReasoningDataModule
 from es_lightning.es.algorithm import ESSettings
@@ -25,21 +26,6 @@ class _TargetTask(CountdownTask):
 
     def reward(self, completions, examples):
         return [e["target"] / 1000 for e in examples]
-
-
-class _CharSumTask(CountdownTask):
-    """A reward every member earns differently (an untrained model never solves Countdown), so updates are non-zero."""
-
-    def reward(self, completions, examples):
-        return [sum(map(ord, c)) % 97 / 97 for c in completions]
-
-
-class _Batches(L.Callback):
-    def __init__(self):
-        self.batches = []
-
-    def on_train_batch_start(self, trainer, module, batch, batch_idx):
-        self.batches.append(list(batch))
 
 
 def _trainer(max_steps, callbacks=()):
@@ -63,7 +49,7 @@ def test_each_group_is_scored_on_its_slice_only(request, model, layout):
     """N = 6 in G = 3 groups, B = 6 prompts: members 2g and 2g+1 earn the mean target of prompts 2g, 2g+1 and nothing
     else; within a group the rewards are equal, so every group has zero spread and the update is zero."""
     model_dir = request.getfixturevalue("tiny_model_dir" if model == "tiny" else "qwen_like_dir")
-    seen = _Batches()
+    seen = RecordBatches()
     module = ESModule(model=model_dir, population_size=6, prompt_groups=3, sigma=0.05, lr=0.05, max_new_tokens=2,
                       task=_TargetTask(), **layout)
     module.configure_model()
@@ -83,15 +69,15 @@ def test_one_step_equals_the_step_computed_by_hand(tiny_model_dir):
     """N = 4, G = 2, B = 4, greedy, z-score: member n's reward is what θ0 + σε_n earns on its group's two prompts
     (weights written, generated and graded here); z is z-scored within each group; θ1 = θ0 + α/N Σ z_n ε_n."""
     sigma, lr, n = 0.5, 0.01, 4
-    seen = _Batches()
+    seen = RecordBatches()
     module = ESModule(model=tiny_model_dir, population_size=n, prompt_groups=2, sigma=sigma, lr=lr, max_new_tokens=6,
-                      reward_normalization="zscore", task=_CharSumTask())
+                      reward_normalization="zscore", task=CharSumTask())
     module.configure_model()
     theta0 = {k: p.detach().clone() for k, p in module.model.named_parameters()}
     _trainer(1, [seen]).fit(module, _dm())
     (batch,) = seen.batches
 
-    probe = ESModule(model=tiny_model_dir, max_new_tokens=6, task=_CharSumTask())
+    probe = ESModule(model=tiny_model_dir, max_new_tokens=6, task=CharSumTask())
     probe.configure_model()
     rewards = []
     for m in range(n):

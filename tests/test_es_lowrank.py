@@ -25,6 +25,7 @@ import math
 import lightning as L
 import pytest
 import torch
+from es_helpers import CharSumTask, RecordBatches
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from es_lightning import ESModule, ReasoningDataModule
@@ -35,23 +36,6 @@ from es_lightning.es.noise import param_noise
 from es_lightning.generation import HFGenerator
 from es_lightning.policy import load_policy
 from es_lightning.tasks import CountdownTask
-
-
-class _CharSumTask(CountdownTask):
-    """A reward every member earns differently (an untrained model never solves Countdown), so updates are non-zero."""
-
-    def reward(self, completions, examples):
-        return [sum(map(ord, c)) % 97 / 97 for c in completions]
-
-
-class _Batches(L.Callback):
-    """Records each training batch (the prompts the population was scored on)."""
-
-    def __init__(self):
-        self.batches = []
-
-    def on_train_batch_start(self, trainer, module, batch, batch_idx):
-        self.batches.append(list(batch))
 
 
 def _trainer(max_steps, root=None, callbacks=()):
@@ -98,10 +82,10 @@ def test_step_equals_merged_members_and_the_explicit_update(tiny_model_dir):
     plain copy of the model (greedy), and θ1 − θ0 = α/N Σ z_n E_n with z computed here and every E_n formed here."""
     sigma, lr, rank, n = 0.5, 0.01, 2, 4
     module = ESModule(model=tiny_model_dir, population_size=n, sigma=sigma, lr=lr, noise_rank=rank, members_per_batch=n,
-                      max_new_tokens=6, temperature=0.0, reward_normalization="zscore", task=_CharSumTask())
+                      max_new_tokens=6, temperature=0.0, reward_normalization="zscore", task=CharSumTask())
     module.configure_model()
     theta0 = _weights(module)
-    batches = _Batches()
+    batches = RecordBatches()
     _trainer(1, callbacks=[batches]).fit(module, _dm())
     assert isinstance(module.algorithm.evaluator, LowRankEvaluator)
     (batch,) = batches.batches
@@ -115,7 +99,7 @@ def test_step_equals_merged_members_and_the_explicit_update(tiny_model_dir):
         return param_noise(module.seed, 0, member, name, math.prod(shape)).double().view(shape)
 
     plain = load_policy(tiny_model_dir)  # an independent copy of the model, generating on its own
-    task, prompts = _CharSumTask(), module.prompts(batch)
+    task, prompts = CharSumTask(), module.prompts(batch)
     for member in range(n):
         with torch.no_grad():
             for name, p in plain.model.named_parameters():
@@ -153,7 +137,7 @@ def test_whole_population_in_one_batch_equals_member_by_member(temperature, anti
 
 def test_resume_is_bitwise(tmp_path, tiny_model_dir):
     kw = dict(population_size=4, sigma=0.05, lr=0.05, max_new_tokens=6, temperature=1.0, noise_rank=2,
-              members_per_batch=4, reward_normalization="centered", task=_CharSumTask())
+              members_per_batch=4, reward_normalization="centered", task=CharSumTask())
     ckpt = ModelCheckpoint(dirpath=tmp_path / "a", every_n_train_steps=1, save_top_k=-1, filename="{step}")
     full = ESModule(model=tiny_model_dir, **kw)
     _trainer(4, tmp_path / "a", [ckpt]).fit(full, _dm(train_size=12))
@@ -175,7 +159,7 @@ def test_qwen_like_bf16_whole_population_equals_member_by_member(qwen_like_small
     def fit(members_per_batch):
         module = ESModule(model=qwen_like_small_dir, dtype="bfloat16", population_size=4, sigma=2e-2, lr=1e-2,
                           max_new_tokens=4, temperature=1.0, noise_rank=rank, members_per_batch=members_per_batch,
-                          reward_normalization="centered", task=_CharSumTask())
+                          reward_normalization="centered", task=CharSumTask())
         _trainer(1).fit(module, _dm(batch_size=2))
         return module
 
@@ -197,7 +181,7 @@ def test_bf16_weights_update_their_fp32_master_by_the_explicit_sum(tiny_model_di
     sigma, lr, rank, n = 0.5, 0.01, 2, 4
     module = ESModule(model=tiny_model_dir, dtype="bfloat16", population_size=n, sigma=sigma, lr=lr, noise_rank=rank,
                       members_per_batch=n, max_new_tokens=6, temperature=0.0, reward_normalization="zscore",
-                      task=_CharSumTask())
+                      task=CharSumTask())
     masters: list[dict[str, torch.Tensor]] = []
     rewards: list[torch.Tensor] = []
 
