@@ -6,7 +6,8 @@ Each algorithm fills a :class:`StepMetrics` after its update; :meth:`ReasoningMo
 =================================  ===========================================================================
 ``train/reward_mean``, ``_std``    mean / spread (population std) of the finite rewards the update used
                                    (ES: one per population member; GRPO: one per completion)
-``train/frac_reward_zero_std``     ES: 1 when every member scored the same (a zero update); GRPO: share of groups
+``train/frac_reward_zero_std``     ES: 1 when every member scored the same (a zero update), with
+                                   ``prompt_groups`` the share of member groups that did; GRPO: share of groups
                                    whose completions scored the same (zero advantage) — TRL's name
 ``train/accuracy``                 share of the step's completions the verifier accepts
 ``train/completions/mean_length``  mean completion length in tokens; ``clipped_ratio``: share that hit
