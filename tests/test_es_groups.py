@@ -43,7 +43,7 @@ def _dm(batch_size=4):
     ("tiny", {}),  # member by member, in place
     ("tiny", {"members_per_batch": 3}),  # full-rank copies, 3 members per generate (blocks straddle the groups)
     ("tiny", {"noise_rank": 1, "members_per_batch": 6}),  # low-rank, the whole population in one generate
-    ("qwen_like", {"noise_rank": 1, "members_per_batch": 6, "dtype": "bfloat16"}),  # real vocabulary, chat template
+    ("qwen_like", {"noise_rank": 1, "members_per_batch": 6, "dtype": "bfloat16"}),  # real vocabulary, chat template, bf16
 ])
 def test_each_group_is_scored_on_its_slice_only(request, model, layout):
     """N = 6 in G = 3 groups, B = 6 prompts: members 2g and 2g+1 earn the mean target of prompts 2g, 2g+1 and nothing
@@ -51,12 +51,14 @@ def test_each_group_is_scored_on_its_slice_only(request, model, layout):
     model_dir = request.getfixturevalue("tiny_model_dir" if model == "tiny" else "qwen_like_dir")
     seen = RecordBatches()
     module = ESModule(model=model_dir, population_size=6, prompt_groups=3, sigma=0.05, lr=0.05, max_new_tokens=2,
-                      task=_TargetTask(), **layout)
+                      task=_TargetTask(use_chat_template=model == "qwen_like"), **layout)
     module.configure_model()
     start = {n: p.detach().clone() for n, p in module.model.named_parameters()}
     trainer = _trainer(1, [seen])
     trainer.fit(module, _dm(batch_size=6))
     (batch,) = seen.batches
+    if model == "qwen_like":  # the prompts the members saw went through Qwen's chat template
+        assert module.prompts(batch[:1])[0].startswith("<|im_start|>")
     expected = [sum(e["target"] for e in batch[2 * (m // 2):2 * (m // 2) + 2]) / 2 / 1000 for m in range(6)]
     assert len(set(expected)) > 1  # the slices differ, so a member on the wrong slice would show
     assert torch.allclose(module.last_rewards.double(), torch.tensor(expected, dtype=torch.float64), atol=1e-6)
