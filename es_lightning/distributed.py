@@ -22,6 +22,12 @@ the modules adapt. This file holds the two things a sharded policy needs beyond 
 - :func:`consolidate_checkpoint` — a sharded checkpoint directory of ``ModelParallelStrategy`` (torch distributed
   checkpoint files plus Lightning's ``meta.pt``) as one ordinary Lightning ``.ckpt`` file, readable without a process
   group (``es-lightning eval``/``analyze``, ``torch.load``). ``python -m es_lightning.distributed DIR OUT.ckpt``.
+- :func:`destroy_process_group_at_exit` — a process whose default process group is still alive at interpreter exit can
+  abort there (SIGABRT, "terminate called without an active exception") after all its work is done: gloo's worker
+  threads still hold tensors whose release needs the GIL of an interpreter being torn down (the cause named in
+  pytorch/pytorch#179291, which proposed the same remedy for torch itself). Every distributed fit therefore registers,
+  once per process, an ``atexit`` handler that destroys the default group while the interpreter is still whole — after
+  the script is done, so a second ``fit`` in the same script still finds the group Lightning made.
 - :func:`sync_sharded_generation` — every FSDP forward all-gathers parameters, a collective all ranks must join. Ranks
   generating different prompts finish at different lengths; transformers keeps the finished ones stepping (dummy
   forwards) when ``generate(synced_gpus=True)``, which it turns on by itself for a module marked
@@ -87,6 +93,27 @@ def default_fsdp1_wrapping(strategy: Any, model: nn.Module) -> None:
         blocks = _block_types(model)
         if blocks:
             strategy.kwargs["auto_wrap_policy"] = ModuleWrapPolicy(blocks)
+
+
+_EXIT_HANDLER = []
+
+
+def destroy_process_group_at_exit() -> None:
+    """Register (once per process) an ``atexit`` handler destroying the default process group, if one is still alive
+    at exit: the clean-exit remedy of the module docstring. Safe to call when torch.distributed is unavailable."""
+    import atexit
+
+    import torch.distributed as dist
+
+    if _EXIT_HANDLER or not (dist.is_available() and dist.is_initialized()):
+        return
+
+    def destroy() -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    atexit.register(destroy)
+    _EXIT_HANDLER.append(destroy)
 
 
 def sync_sharded_generation(model: nn.Module, root: nn.Module | None = None) -> bool:

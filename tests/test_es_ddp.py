@@ -11,7 +11,7 @@ import textwrap
 SCRIPT = textwrap.dedent(
     """
     import json, sys, torch, lightning as L
-    from es_lightning import CountdownTask, ESModule, ReasoningDataModule
+    from es_lightning import CountdownTask, ESModule, ReasoningDataModule, distributed
 
     class LengthTask(CountdownTask):  # a reward every member earns differently, so the update is never zero
         def reward(self, completions, examples):
@@ -32,7 +32,8 @@ SCRIPT = textwrap.dedent(
     with open(f"{out}.{trainer.global_rank}", "w") as f:
         start = torch.cat([p.flatten() for p in ESModule(model=model_dir).policy.model.parameters()])
         json.dump({"step": trainer.global_step, "weights": flat.tolist(), "moved": float((flat - start).abs().max()),
-                   "rewards": module.last_rewards.tolist()}, f)
+                   "rewards": module.last_rewards.tolist(),
+                   "exit_handler": bool(distributed._EXIT_HANDLER)}, f)
     """
 )
 
@@ -54,6 +55,7 @@ def test_ddp_population_parallel_matches_single_process(tmp_path, tiny_model_dir
     rank0, rank1 = _run(tmp_path, tiny_model_dir, 2, members_per_batch=2)
     (single,) = _run(tmp_path, tiny_model_dir, 1)
     assert rank0["step"] == rank1["step"] == single["step"] == 2
+    assert rank0["exit_handler"] and rank1["exit_handler"] and not single["exit_handler"]  # see the test below
     assert rank0["weights"] == rank1["weights"]  # identical on every rank, bitwise
     assert len(set(single["rewards"])) > 1 and single["moved"] > 1e-4  # a real, non-zero update happened
     assert rank0["rewards"] == single["rewards"]  # each member scored once, wherever it ran
@@ -84,3 +86,31 @@ def test_ddp_prompt_groups_match_single_process_bitwise(tmp_path, tiny_model_dir
     assert len(set(single["rewards"])) > 1 and single["moved"] > 1e-4
     assert rank0["rewards"] == rank1["rewards"] == single["rewards"]
     assert rank0["weights"] == rank1["weights"] == single["weights"]
+
+
+EXIT_SCRIPT = textwrap.dedent(
+    """
+    import atexit, sys
+    import torch.distributed as dist
+    from es_lightning import distributed
+
+    atexit.register(lambda: print("initialized at exit:", dist.is_initialized(), flush=True))  # runs last (LIFO)
+    distributed.destroy_process_group_at_exit()  # no group yet: nothing to register
+    dist.init_process_group("gloo", init_method=f"file://{sys.argv[1]}", rank=0, world_size=1)
+    distributed.destroy_process_group_at_exit()
+    distributed.destroy_process_group_at_exit()
+    print("handlers:", len(distributed._EXIT_HANDLER), flush=True)
+    """
+)
+
+
+def test_the_process_group_is_destroyed_before_the_interpreter_tears_down(tmp_path):
+    """A distributed fit registers (once per process) an atexit handler that destroys the default process group, so
+    gloo's threads never release tensors during interpreter finalization (a SIGABRT after the work is done, seen once
+    in CI on the FSDP2 export test): es_lightning/distributed.py. The 2-process DDP runs above register it."""
+    script = tmp_path / "exit.py"
+    script.write_text(EXIT_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "store")], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "handlers: 1" in proc.stdout and "initialized at exit: False" in proc.stdout, proc.stdout

@@ -383,6 +383,10 @@ class ReasoningModule(L.LightningModule):
     def setup(self, stage: str) -> None:
         """Check the training batch against the algorithm (before the model loads); strategies that build optimizers
         before restoring a checkpoint (FSDP, FSDP2) learn the stage first."""
+        if self.trainer.world_size > 1:  # exit cleanly after the script is done (es_lightning/distributed.py)
+            from es_lightning.distributed import destroy_process_group_at_exit
+
+            destroy_process_group_at_exit()
         if stage == "fit" and self.algorithm is not None:
             batch_size = self.train_batch_size()
             if batch_size is not None:
