@@ -31,6 +31,7 @@ from es_lightning.es.evaluators import (
     PopulationEvaluator,
     PopulationScores,
     group_columns,
+    member_groups,
     perturbed_parameters,
     select_evaluator,
 )
@@ -147,9 +148,9 @@ class ESAlgorithm(Algorithm):
                            "NaN/inf; those members are dropped from this update (check the task's reward function)")
         weights = torch.zeros(rewards.shape, dtype=torch.float32)
         flat = 0
-        groups = torch.arange(rewards.numel()).view(self.settings.prompt_groups, -1)
+        groups = member_groups(rewards.numel(), self.settings.prompt_groups)
         for group in groups:
-            ok = group[finite[group]]
+            ok = torch.arange(group.start, group.stop)[finite[group]]  # the group's members with a finite reward
             r = rewards[ok]
             if ok.numel() >= 2:
                 weights[ok] = normalize_rewards(r, self.settings.reward_normalization)
@@ -161,8 +162,8 @@ class ESAlgorithm(Algorithm):
         """The ``[N/G, B/G]`` blocks of a step's ``[N, B]`` success matrix that were observed: group g's members on
         slice g of the prompts (one block, the whole matrix, when ``prompt_groups`` is 1)."""
         g = self.settings.prompt_groups
-        n, b = success.shape[0] // g, success.shape[1] // g
-        return [success[i * n:(i + 1) * n, i * b:(i + 1) * b] for i in range(g)]
+        rows, columns = member_groups(success.shape[0], g), group_columns(success.shape[1], g)
+        return [success[r, c] for r, c in zip(rows, columns)]
 
     def update(self, module: ReasoningModule, step: int, weights: torch.Tensor,
                noise_cache: dict[tuple[int, str], torch.Tensor] | None = None) -> float:

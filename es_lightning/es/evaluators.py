@@ -70,7 +70,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BatchedMembersEvaluator", "InPlaceEvaluator", "LowRankEvaluator", "Member", "MemberTally", "PopulationEvaluator",
     "PopulationScores", "PopulationStep", "ShardedEvaluator", "centre", "es_optimizer", "perturb", "perturbed_parameters",
-    "group_columns", "rollout_seed", "select_evaluator",
+    "group_columns", "member_groups", "rollout_seed", "select_evaluator",
 ]
 
 
@@ -174,6 +174,13 @@ def group_columns(num_prompts: int, groups: int) -> list[slice]:
     return [slice(g * size, (g + 1) * size) for g in range(groups)]
 
 
+def member_groups(population_size: int, groups: int) -> list[slice]:
+    """The population's ``prompt_groups`` as slices of consecutive member indices (``ESSettings`` checks that they
+    split evenly); group ``g`` is scored on :func:`group_columns` slice ``g``."""
+    size = population_size // groups
+    return [slice(g * size, (g + 1) * size) for g in range(groups)]
+
+
 def rollout_seed(seed: int, step: int) -> int:
     """The step's sampling seed, shared by every member (common random numbers) and every rank."""
     return int.from_bytes(hashlib.blake2b(f"{seed}/{step}/rollout".encode(), digest_size=4).digest(), "little") >> 1
@@ -248,19 +255,21 @@ class PopulationStep:
         self.prompts = module.prompts(local)  # rendered once per step
         self.repeated = [e for e in local for _ in range(self.samples)]  # one example per completion
         self.tally = MemberTally(settings.population_size, len(examples), self.samples, self.params.temperature > 0)
-        # prompt groups: member n sees the slice group_columns(...)[n // per_group] of the batch (one slice: all of it)
-        self.slices = group_columns(len(local), settings.prompt_groups)
-        self.per_group = settings.population_size // settings.prompt_groups
+        # prompt groups: the batch's slice each member is scored on, by member index (one group: all of it)
+        slices = group_columns(len(local), settings.prompt_groups)
+        groups = member_groups(settings.population_size, settings.prompt_groups)
+        self.grouped = settings.prompt_groups > 1
+        self.slice_of = [c for c, g in zip(slices, groups) for _ in range(g.start, g.stop)]
 
     def run(self, members: Sequence[Member], columns: slice = slice(None)) -> None:
         """Score ``members`` (whose weights the caller has put in place) in one ``generate`` call, member-major rows,
         all members drawing the same sampling random numbers; ``columns``: the batch's prompts these are."""
         k = len(members)
         t0 = time.perf_counter()
-        if len(self.slices) == 1:
+        if not self.grouped:
             prompts, repeated, spans = self.prompts * k, self.repeated * k, [columns] * k
         else:  # each member's group's slice, member-major (equal slices: the blocks stay equal)
-            spans = [self.slices[m.index // self.per_group] for m in members]
+            spans = [self.slice_of[m.index] for m in members]
             n = self.samples
             prompts = [p for c in spans for p in self.prompts[c]]
             repeated = [e for c in spans for e in self.repeated[c.start * n:c.stop * n]]
