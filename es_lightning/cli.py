@@ -165,6 +165,9 @@ def cli_main(args: list[str] | None = None) -> None:
         if argv and argv[0] in ("-h", "--help"):
             print(_help_preamble())
         CommandCLI(args=argv)
+    from es_lightning.distributed import end_distributed_process
+
+    end_distributed_process(0)  # a distributed fit ends here, past the interpreter's teardown; other runs return
 
 
 if __name__ == "__main__":

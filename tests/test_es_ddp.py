@@ -4,6 +4,7 @@ update; the weights end identical on both ranks and equal to a 1-process run."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -106,11 +107,75 @@ EXIT_SCRIPT = textwrap.dedent(
 
 def test_the_process_group_is_destroyed_before_the_interpreter_tears_down(tmp_path):
     """A distributed fit registers (once per process) an atexit handler that destroys the default process group, so
-    gloo's threads never release tensors during interpreter finalization (a SIGABRT after the work is done, seen once
-    in CI on the FSDP2 export test): es_lightning/distributed.py. The 2-process DDP runs above register it."""
+    gloo's threads never release tensors during interpreter finalization (a SIGABRT after the work is done):
+    es_lightning/distributed.py. The 2-process DDP runs above register it. Under FSDP2 the groups outlive it (the
+    units keep them): end_distributed_process, below, is what the command does about that."""
     script = tmp_path / "exit.py"
     script.write_text(EXIT_SCRIPT)
     proc = subprocess.run([sys.executable, str(script), str(tmp_path / "store")], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "handlers: 1" in proc.stdout and "initialized at exit: False" in proc.stdout, proc.stdout
+
+
+END_SCRIPT = textwrap.dedent(
+    """
+    import atexit, ctypes, os, sys, threading, time
+    import torch.distributed as dist
+    from es_lightning import distributed
+
+    mode, out = sys.argv[1], sys.argv[2]
+    atexit.register(lambda: open(os.path.join(out, "atexit"), "w").write(str(dist.is_initialized())))  # runs last
+
+    class Holder:  # keeps the group, as every FSDP2 unit's FSDPMeshInfo does, and dies inside the teardown
+        def __init__(self, group):
+            self.group, self.me = group, self  # a cycle: only the interpreter's teardown frees it
+        def __del__(self):
+            os.abort()  # stands in for gloo's abort when a group dies during the teardown
+
+    if mode != "plain":
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(out, 'store')}", rank=0, world_size=1)
+        distributed.destroy_process_group_at_exit()  # what every distributed fit does at setup
+        holder = Holder(dist.group.WORLD)
+        del holder
+    def late_writer():
+        time.sleep(0.3)
+        open(os.path.join(out, "thread"), "w").write("done")
+    threading.Thread(target=late_writer).start()  # a non-daemon thread: the process waits for it
+    sys.stdout.write("python, unflushed")  # no newline, no flush: in the buffer of a pipe
+    ctypes.CDLL(None).printf(b" | C, unflushed")  # C stdio, fully buffered on a pipe
+    if mode != "teardown":
+        distributed.end_distributed_process(0)
+    print(" | returned", flush=True)  # reached only where there was nothing distributed to end
+    """
+)
+
+
+def _end_run(tmp_path, mode):
+    out = tmp_path / mode
+    out.mkdir()
+    script = tmp_path / "end.py"
+    script.write_text(END_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # buffered, as a user's shell has it
+    proc = subprocess.run([sys.executable, str(script), mode, str(out)], capture_output=True, text=True, timeout=120,
+                          env=env)
+    files = {p.name: p.read_text() for p in out.iterdir() if p.name in ("atexit", "thread")}
+    return proc, files
+
+
+def test_a_distributed_process_ends_past_the_interpreter_teardown(tmp_path):
+    """The es-lightning command ends a process that ran a distributed fit with end_distributed_process: whatever would
+    abort inside the interpreter's teardown (a gloo group kept alive by FSDP2's units and freed there: the SIGABRT of
+    two CI runs on the FSDP2 export test) never runs, and nothing is lost: the non-daemon thread finished, every atexit
+    handler ran (the group was destroyed before the last one), Python's and C's buffered output reached the pipe."""
+    teardown, _ = _end_run(tmp_path, "teardown")  # the control: an ordinary exit reaches the abort
+    assert teardown.returncode == -6, (teardown.returncode, teardown.stderr[-2000:])
+
+    proc, files = _end_run(tmp_path, "end")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout == "python, unflushed | C, unflushed", proc.stdout  # both buffers flushed; nothing after
+    assert files == {"thread": "done", "atexit": "False"}  # joined; handlers ran, ours (destroy) before the first one
+
+    plain, files = _end_run(tmp_path, "plain")  # no distributed fit: it returns, the script goes on as ever
+    assert plain.returncode == 0 and " | returned\n" in plain.stdout, (plain.stdout, plain.stderr[-2000:])
+    assert files == {"thread": "done", "atexit": "False"}

@@ -132,8 +132,9 @@ def test_hf_export_under_fsdp2_writes_the_full_weights(tmp_path):
                  str(ROOT / "configs" / "trainer" / "fsdp2_cpu.yaml"), "--config", str(overrides),
                  "--model.init_args.population_size", "4", "--model.init_args.members_per_batch", "1",
                  "--data.init_args.batch_size", "4", "--data.init_args.train_size", "16"], cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]  # where it stopped, if it did
     assert "MEMBER: 2/2" in proc.stdout + proc.stderr  # two processes
+    assert "report: " in proc.stdout  # the command's last output, printed before it ends the process
     assert (tmp_path / "report" / "report.json").is_file()
     assert sorted(p.name for p in (tmp_path / "ckpt" / "last.ckpt").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     dcp_to_torch_save(tmp_path / "ckpt" / "last.ckpt", tmp_path / "full.pt")
