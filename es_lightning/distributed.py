@@ -26,16 +26,17 @@ the modules adapt. This file holds the two things a sharded policy needs beyond 
   alive when the interpreter tears down can abort there (SIGABRT, "terminate called without an active exception")
   after all its work is done: gloo's worker threads still hold tensors whose release needs the GIL of an interpreter
   being torn down (the cause named in pytorch/pytorch#179291, which proposed an ``atexit`` remedy for torch itself and
-  withdrew it as not enough). Every distributed fit therefore registers, once per process, an ``atexit`` handler that
-  destroys the default group while the interpreter is still whole — after the script is done, so a second ``fit`` in
-  the same script still finds the group Lightning made. That is not enough under FSDP2: ``destroy_process_group``
-  only forgets the groups, and a gloo group's threads stop only when its last reference goes, while every sharded
-  module's ``FSDPMeshInfo`` keeps one until the model itself is freed, which happens — or not, run to run — inside
-  the teardown (measured: both groups of a 2-process FSDP2 fit alive after the handler; 2 clean-clone CI runs in about
-  12 aborted at exit). The ``es-lightning`` command therefore ends a process that ran a distributed fit the way a launcher's worker
-  does: non-daemon threads joined, ``atexit`` handlers run (loggers flush, the group is destroyed), standard streams
-  flushed, then ``os._exit`` with the command's status — no interpreter teardown, so nothing to race. A script of
-  one's own gets the ``atexit`` handler; it can call :func:`end_distributed_process` last to get the rest.
+  was withdrawn as "much more complicated than I anticipated"). Every distributed fit therefore registers, once per
+  process, an ``atexit`` handler that destroys the default group while the interpreter is still whole — after the
+  script is done, so a second ``fit`` in the same script still finds the group Lightning made. That is not enough
+  under FSDP2: ``destroy_process_group`` only forgets the groups, and a gloo group's threads stop only when its last
+  reference goes, while every sharded module's ``FSDPMeshInfo`` keeps one until the model itself is freed, which
+  happens — or not, run to run — inside the teardown (measured: both groups of a 2-process FSDP2 fit alive after the
+  handler; 2 clean-clone CI runs in about 12 aborted at exit). The ``es-lightning`` command therefore ends a process
+  that ran a distributed fit itself: non-daemon threads joined, ``atexit`` handlers run (loggers flush, the group is
+  destroyed), standard streams flushed, then ``os._exit`` with the command's status — no interpreter teardown, so
+  nothing left to race. A script of one's own gets the ``atexit`` handler; it can call
+  :func:`end_distributed_process` last to get the rest.
 - :func:`sync_sharded_generation` — every FSDP forward all-gathers parameters, a collective all ranks must join. Ranks
   generating different prompts finish at different lengths; transformers keeps the finished ones stepping (dummy
   forwards) when ``generate(synced_gpus=True)``, which it turns on by itself for a module marked
