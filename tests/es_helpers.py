@@ -1,6 +1,9 @@
-"""Pieces the ES tests share: a reward every member earns differently, and a callback that records the batches."""
+"""Pieces the tests share: a reward every member earns differently, a callback that records the batches, and one that
+records when each update ended."""
 
 from __future__ import annotations
+
+import time
 
 import lightning as L
 
@@ -22,3 +25,17 @@ class RecordBatches(L.Callback):
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx):
         self.batches.append(list(batch))
+
+
+class StepClock(L.Callback):
+    """Seconds from the start of training to the end of each update, one list per fit in ``StepClock.runs`` (a class
+    attribute: a fit built from a config, ``--trainer.callbacks+ es_helpers.StepClock``, is still seen)."""
+
+    runs: list[list[float]] = []
+
+    def on_train_start(self, trainer, module):
+        self.start = time.monotonic()
+        StepClock.runs.append([])
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        StepClock.runs[-1].append(time.monotonic() - self.start)

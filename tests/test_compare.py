@@ -6,6 +6,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from es_helpers import StepClock
 
 from es_lightning.analysis.compare import CompareReport, compare_methods
 from es_lightning.analysis.evaluate import evaluate_policy, heldout_problems
@@ -28,7 +29,7 @@ def test_claims_against_hand_checked_numbers():
         "ES": _metrics(0.27, 0.60, 0.80, 0.25),  # Pass@1 below base; Pass@16 0.07 below; entropy 0.25 >= 0.234
         "GRPO→ES": _metrics(0.30, 0.58, 0.76, 0.2),  # Pass@1 up; Pass@16 equal to GRPO's: not above
         # half of GRPO's gain is 0.28 + 0.025 = 0.305: 0.31 holds it; Pass@16 0.84 < 0.87 - 0.02 = 0.85: not held
-        "ES low-rank": {**_metrics(0.31, 0.60, 0.84, 0.25), "fit_s": 61.2},
+        "ES low-rank": {**_metrics(0.31, 0.60, 0.84, 0.25), "updates": 120, "train_s": 61.24, "fit_s": 63.0},
     }})
     held = {c: h for c, _, h, _ in report.claims()}
     assert held == {
@@ -39,7 +40,25 @@ def test_claims_against_hand_checked_numbers():
     }
     assert "GRPO→ES" in report.table() and report.to_json()["claims"][0]["seed"] == 0
     row = next(line for line in report.table().splitlines() if line.startswith("ES low-rank"))
-    assert row.split()[-1] == "61" and next(line for line in report.table().splitlines() if line.startswith("ES ")).split()[-1] == "-"
+    assert row.split()[-2:] == ["120", "61.2"]  # updates, training seconds
+    assert next(line for line in report.table().splitlines() if line.startswith("ES ")).split()[-2:] == ["-", "-"]
+
+
+def test_time_budget_claims_check_the_aim_for_every_es_method():
+    """Under budget "time" issue 14's aim (half of GRPO's Pass@1 gain, Pass@16 >= base - 0.02) is checked for ES and
+    ES low-rank alike; half the gain here is 0.28 + 0.5 x (0.32 - 0.28) = 0.30."""
+    base = _metrics(0.28, 0.60, 0.87, 0.26)
+    report = CompareReport(base=base, settings={"budget": "time"}, results={0: {
+        "GRPO": _metrics(0.32, 0.55, 0.76, 0.12),
+        "ES": _metrics(0.301, 0.60, 0.849, 0.25),  # gain held (0.301 >= 0.30); Pass@16 0.849 < 0.85: not held
+        "ES low-rank": _metrics(0.299, 0.60, 0.85, 0.25),  # gain not held (0.299 < 0.30); Pass@16 0.85 held
+    }})
+    aim = {c: h for c, _, h, _ in report.claims() if "equal time" in c}
+    assert aim == {
+        "ES: Pass@16 >= base - 0.02 at equal time": False, "ES: Pass@1 gain >= 0.5 x GRPO's at equal time": True,
+        "ES low-rank: Pass@16 >= base - 0.02 at equal time": True,
+        "ES low-rank: Pass@1 gain >= 0.5 x GRPO's at equal time": False,
+    }
 
 
 def test_compare_fits_every_recipe_and_evaluates_all_rows_alike(tmp_path):
@@ -51,7 +70,7 @@ def test_compare_fits_every_recipe_and_evaluates_all_rows_alike(tmp_path):
     )
     rows = report.results[0]
     assert list(rows) == ["GRPO", "ES", "GRPO→ES", "ES→GRPO", "ES low-rank"]
-    assert all(r["fit_s"] > 0 for r in rows.values())  # each fit's wall-clock, beside its metrics
+    assert all(r["updates"] == 2 and 0 < r["train_s"] <= r["fit_s"] for r in rows.values())  # what each row cost
     # the base row is an ordinary evaluation of the base model on the same problems with the same seeds
     problems = heldout_problems(CountdownTask(), 3, 1234)
     again = evaluate_policy(load_policy("builtin:countdown-tiny"), CountdownTask(), problems,
@@ -61,6 +80,29 @@ def test_compare_fits_every_recipe_and_evaluates_all_rows_alike(tmp_path):
     assert len(report.claims()) == 10
     with pytest.raises(ValueError, match="unknown methods"):
         compare_methods(methods=["PPO"])
+
+
+def test_time_budget_gives_every_method_the_first_ones_training_time(tmp_path):
+    """budget "time": GRPO makes its 6 updates; ES and ES low-rank then train until their own training wall-clock
+    reaches GRPO's — stopped at the first update that ends past it, as Lightning's Timer does. Checked against a
+    separate clock (es_helpers.StepClock, the update ends seen by a callback of the fit)."""
+    StepClock.runs.clear()
+    report = compare_methods(
+        seeds=[0], steps=6, methods=["GRPO", "ES", "ES low-rank"], budget="time", recipes_dir=ROOT / "recipes",
+        settings=replace(COMPARE_EVAL, num_problems=3, num_samples=16, max_new_tokens=8), out_dir=tmp_path,
+        overrides=["--data.init_args.batch_size", "2", "--model.init_args.max_new_tokens", "8",
+                   "--trainer.callbacks+", "es_helpers.StepClock"],
+    )
+    rows = report.results[0]
+    assert rows["GRPO"]["updates"] == 6
+    pace = rows["GRPO"]["train_s"]
+    assert len(StepClock.runs) == 3 and len(StepClock.runs[0]) == 6  # GRPO's update ends
+    for method, ends in zip(["ES", "ES low-rank"], StepClock.runs[1:]):
+        assert rows[method]["updates"] == len(ends) >= 1
+        assert ends[-1] >= pace - 0.05  # the last update ended at the budget or past it ...
+        assert len(ends) == 1 or ends[-2] < pace + 0.05  # ... and the one before had not reached it
+        assert rows[method]["train_s"] >= pace - 0.05
+    assert report.settings["budget"] == "time" and len([c for c in report.claims() if "equal time" in c[0]]) == 4
 
 
 def test_compare_command_line_refuses_bad_input(tmp_path, capsys):
@@ -73,6 +115,16 @@ def test_compare_command_line_refuses_bad_input(tmp_path, capsys):
     with pytest.raises(SystemExit):
         cli_main(["analyze", "compare", "--eval.ks", "1", "16"])
     assert "must include 1, 4 and 16" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli_main(["analyze", "compare", "--budget", "time"])  # the default methods include the sequential ones
+    err = capsys.readouterr().err
+    assert "no step at which ['GRPO→ES', 'ES→GRPO'] could switch" in err and "--methods [GRPO, ES, ES low-rank]" in err
+    with pytest.raises(SystemExit):
+        cli_main(["analyze", "compare", "--budget", "hours"])
+    assert "budget must be one of ['updates', 'time'], got 'hours'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli_main(["analyze", "compare", "--budget", "time", "--methods", "[ES]"])
+    assert "name at least two methods" in capsys.readouterr().err
 
 
 def test_distinct_correct_is_bounded_by_pass_at_k():

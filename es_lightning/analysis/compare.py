@@ -20,8 +20,17 @@ base's; GRPO→ES has Pass@1 above the base's and Pass@16 above GRPO's. Each is 
 
 "ES low-rank" (``recipes/es_lowrank.yaml``, EGGROLL's low-rank noise with a larger population and more prompts per
 step at about ``es.yaml``'s cost) is checked against issue 14's aim for ES: at least half of GRPO's Pass@1 gain with
-Pass@16 at least the base's − 0.02. Each fit's wall-clock seconds (``fit_s``, the ``Trainer.fit`` call) are recorded
-beside its metrics, so the table also says what each row cost.
+Pass@16 at least the base's − 0.02. Each fit's updates and training wall-clock (``train_s``: Lightning's
+:class:`~lightning.pytorch.callbacks.Timer`, first update to last, so model loading is not counted) are recorded
+beside its metrics, so the table also says what each row cost (``fit_s``, the whole ``Trainer.fit`` call, is in
+``compare.json``).
+
+``budget="time"`` (``--budget time``) compares at equal wall-clock instead — what a user with one GPU-hour asks: the
+first method (GRPO by default) makes its ``steps`` updates, and every other method of that seed then trains for as
+long as it did — Lightning's ``Timer(duration=...)``, the mechanism of ``Trainer(max_time=...)``, checked after every
+update, so a row may pass the budget by at most one update (its ``train s`` says by how much). Issue 14's aim is then
+checked for every ES method (ES, ES low-rank). Only single-algorithm methods take part: the sequential ones switch at
+a step, and a time budget gives no step to switch at.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ import gc
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +50,10 @@ from es_lightning.analysis.settings import COMPARE_EVAL, EvalSettings
 METHODS = {"GRPO": "grpo.yaml", "ES": "es.yaml", "GRPO→ES": "grpo_es.yaml", "ES→GRPO": "es_grpo.yaml",
            "ES low-rank": "es_lowrank.yaml"}
 COLUMNS = ("pass@1", "pass@4", "pass@16", "entropy", "distinct_correct")
+BUDGETS = ("updates", "time")
+#: the methods an ES aim is checked for: all of them under a time budget, the low-rank recipe under an update budget
+ES_METHODS = ("ES", "ES low-rank")
+SEQUENTIAL = ("GRPO→ES", "ES→GRPO")
 
 
 @dataclass
@@ -55,15 +69,15 @@ class CompareReport:
         return {m: {c: sum(r[m][c] for r in self.results.values()) / len(self.results) for c in COLUMNS} for m in methods}
 
     def _rows(self) -> list[list[Any]]:
-        rows = [["base", "-", *(self.base[c] for c in COLUMNS), "-"]]
+        rows = [["base", "-", *(self.base[c] for c in COLUMNS), "-", "-"]]
         for seed, per_method in self.results.items():
-            rows += [[m, str(seed), *(r[c] for c in COLUMNS), _seconds(r)] for m, r in per_method.items()]
+            rows += [[m, str(seed), *(r[c] for c in COLUMNS), _updates(r), _seconds(r)] for m, r in per_method.items()]
         if len(self.results) > 1:
-            rows += [[m, "mean", *(r[c] for c in COLUMNS), "-"] for m, r in self.mean().items()]
+            rows += [[m, "mean", *(r[c] for c in COLUMNS), "-", "-"] for m, r in self.mean().items()]
         return rows
 
     def table(self, markdown: bool = False) -> str:
-        headers = ["method", "seed", "Pass@1", "Pass@4", "Pass@16", "entropy", "distinct correct", "fit s"]
+        headers = ["method", "seed", "Pass@1", "Pass@4", "Pass@16", "entropy", "distinct correct", "updates", "train s"]
         return (markdown_table if markdown else format_table)(headers, self._rows())
 
     def claims(self) -> list[tuple[str, int, bool, str]]:
@@ -71,7 +85,7 @@ class CompareReport:
         b = self.base
         out = []
         for seed, r in self.results.items():
-            g, e, ge, lr = r.get("GRPO"), r.get("ES"), r.get("GRPO→ES"), r.get("ES low-rank")
+            g, e, ge = r.get("GRPO"), r.get("ES"), r.get("GRPO→ES")
             if g:
                 out.append(("GRPO: entropy <= 0.5 x base", seed, g["entropy"] <= 0.5 * b["entropy"],
                             f"{g['entropy']:.3f} vs {0.5 * b['entropy']:.3f}"))
@@ -88,13 +102,18 @@ class CompareReport:
                 if g:
                     out.append(("GRPO→ES: Pass@16 > GRPO's", seed, ge["pass@16"] > g["pass@16"],
                                 f"{ge['pass@16']:.3f} vs {g['pass@16']:.3f}"))
-            if lr:
-                out.append(("ES low-rank: Pass@16 >= base - 0.02", seed, lr["pass@16"] >= b["pass@16"] - 0.02,
-                            f"{lr['pass@16']:.3f} vs {b['pass@16'] - 0.02:.3f}"))
+            timed = self.settings.get("budget") == "time"
+            for name in ES_METHODS if timed else ("ES low-rank",):  # issue 14's aim
+                m = r.get(name)
+                if not m:
+                    continue
+                at = " at equal time" if timed else ""
+                out.append((f"{name}: Pass@16 >= base - 0.02{at}", seed, m["pass@16"] >= b["pass@16"] - 0.02,
+                            f"{m['pass@16']:.3f} vs {b['pass@16'] - 0.02:.3f}"))
                 if g:
                     half = b["pass@1"] + 0.5 * (g["pass@1"] - b["pass@1"])
-                    out.append(("ES low-rank: Pass@1 gain >= 0.5 x GRPO's", seed, lr["pass@1"] >= half,
-                                f"{lr['pass@1']:.3f} vs {half:.3f}"))
+                    out.append((f"{name}: Pass@1 gain >= 0.5 x GRPO's{at}", seed, m["pass@1"] >= half,
+                                f"{m['pass@1']:.3f} vs {half:.3f}"))
         return out
 
     def to_json(self) -> dict[str, Any]:
@@ -105,21 +124,34 @@ class CompareReport:
         }
 
 
-def _fit(config: Path, seed: int, steps: int, root: Path, overrides: Sequence[str] = ()):
-    """One recipe fit for ``steps`` updates with every seed set to ``seed``; returns the trained module and its task."""
+#: a time-budgeted fit's update cap: far beyond what any budget reaches, so the clock is what stops it
+TIME_BUDGET_MAX_STEPS = 10**7
+
+
+def _fit(config: Path, seed: int, steps: int, root: Path, overrides: Sequence[str] = (), seconds: float | None = None):
+    """One recipe fit with every seed set to ``seed``: ``steps`` updates, or — ``seconds`` given — until its training
+    wall-clock reaches ``seconds`` (checked after each update). Returns the trained module, its task, its updates and
+    its training seconds (Lightning's ``Timer``: from the first update's start to the last one's end)."""
+    from lightning.pytorch.callbacks import Timer
+
     from es_lightning.analysis.runs import recipe_cli
     from es_lightning.callbacks import SequentialStrategy
 
     seeds = ["--seed_everything", str(seed), "--model.init_args.seed", str(seed), "--data.init_args.seed", str(seed)]
-    cli = recipe_cli(config, steps, root, [*seeds, *overrides], progress_bar=True)
+    cap = steps if seconds is None else TIME_BUDGET_MAX_STEPS
+    cli = recipe_cli(config, cap, root, [*seeds, *overrides], progress_bar=True)
     trainer = cli.trainer
     for cb in trainer.callbacks:
         if isinstance(cb, SequentialStrategy):
             cb.switch_step = steps // 2  # the 50/50 split of this comparison's budget
+    timer = Timer(duration=None if seconds is None else timedelta(seconds=seconds), interval="step", verbose=False)
+    trainer.callbacks.append(timer)
     trainer.fit(cli.model, datamodule=cli.datamodule)
-    if trainer.global_step != steps:
+    if seconds is None and trainer.global_step != steps:
         raise RuntimeError(f"{config.name} (seed {seed}) stopped after {trainer.global_step} of {steps} updates")
-    return cli.model, cli.datamodule.task
+    if seconds is not None and not trainer.global_step:
+        raise RuntimeError(f"{config.name} (seed {seed}) made no update in {seconds:.1f} s")
+    return cli.model, cli.datamodule.task, trainer.global_step, timer.time_elapsed("train")
 
 
 def compare_methods(
@@ -130,6 +162,7 @@ def compare_methods(
     settings: EvalSettings = COMPARE_EVAL,
     out_dir: str | Path = "compare",
     overrides: Sequence[str] = (),
+    budget: str = "updates",
 ) -> CompareReport:
     """Fit every method for every seed and evaluate everything the same way (see the module docstring)."""
     from es_lightning.analysis.evaluate import evaluate_policy, heldout_problems
@@ -138,8 +171,19 @@ def compare_methods(
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise ValueError(f"unknown methods {unknown}; choose from {list(METHODS)}")
-    if steps < 2:
-        raise ValueError(f"steps must be >= 2 (the sequential methods switch at steps // 2), got {steps}")
+    if budget not in BUDGETS:
+        raise ValueError(f"budget must be one of {list(BUDGETS)}, got {budget!r}")
+    sequential = [m for m in methods if m in SEQUENTIAL]
+    if budget == "time" and sequential:
+        kept = [m for m in methods if m not in SEQUENTIAL]
+        raise ValueError(f"budget 'time' has no step at which {sequential} could switch; leave them out: "
+                         f"--methods [{', '.join(kept)}]")
+    if budget == "time" and len(methods) < 2:
+        raise ValueError(f"budget 'time' gives the first method's training time to the others; name at least two "
+                         f"methods, got {list(methods)}")
+    if steps < (1 if budget == "time" else 2):
+        raise ValueError(f"steps must be >= 2 (the sequential methods switch at steps // 2), got {steps}"
+                         if budget == "updates" else f"steps must be >= 1, got {steps}")
     if settings.num_samples < 16:
         raise ValueError(f"eval.num_samples must be >= 16 for Pass@16, got {settings.num_samples}")
     settings = replace(settings, ks=settings.pass_at_ks(default=[1, 4, 16]))
@@ -160,28 +204,37 @@ def compare_methods(
 
     for seed in seeds:
         results[int(seed)] = {}
+        pace = None  # budget "time": the first method's training seconds on this seed
         for method, recipe in recipes.items():
             start = time.perf_counter()
-            module, fit_task = _fit(recipe, int(seed), steps, out / f"seed{seed}" / recipe.stem, overrides)
+            module, fit_task, updates, train_s = _fit(recipe, int(seed), steps, out / f"seed{seed}" / recipe.stem,
+                                                      overrides, seconds=pace)
             fit_s = time.perf_counter() - start
+            if budget == "time" and pace is None:
+                pace = train_s
             if problems is None:  # the same problems and samples for every row
                 task = fit_task
                 problems = heldout_problems(task, settings.num_problems, settings.seed, settings.source)
                 base_model = module.model_name
                 base = evaluate(load_policy(base_model))
                 print(f"base ({base_model}): " + _summary(base), flush=True)
-            results[int(seed)][method] = {**evaluate(module.policy), "fit_s": round(fit_s, 1)}
+            results[int(seed)][method] = {**evaluate(module.policy), "updates": updates, "train_s": round(train_s, 1),
+                                          "fit_s": round(fit_s, 1)}
             print(f"seed {seed} {method}: " + _summary(results[int(seed)][method])
                   + f" ({time.perf_counter() - start:.0f}s)", flush=True)
             del module
             gc.collect()
-    run_settings = dict(seeds=list(seeds), steps=steps, overrides=list(overrides), methods=list(methods),
+    run_settings = dict(seeds=list(seeds), steps=steps, budget=budget, overrides=list(overrides), methods=list(methods),
                         recipes={m: str(p) for m, p in recipes.items()}, task=task.name, eval=asdict(settings))
     return CompareReport(base=base, results=results, settings=run_settings)
 
 
+def _updates(metrics: dict[str, float]) -> str:
+    return str(metrics["updates"]) if "updates" in metrics else "-"
+
+
 def _seconds(metrics: dict[str, float]) -> str:
-    return f"{metrics['fit_s']:.0f}" if "fit_s" in metrics else "-"
+    return f"{metrics['train_s']:.1f}" if "train_s" in metrics else "-"
 
 
 def _summary(metrics: dict[str, float]) -> str:
@@ -196,23 +249,29 @@ def compare_command(
     eval: EvalSettings = COMPARE_EVAL,
     out_dir: str = "compare",
     overrides: list[str] = [],  # noqa: B006
+    budget: str = "updates",
 ) -> CompareReport:
     """Base / GRPO / ES / GRPO→ES / ES→GRPO / ES low-rank with the same update budget, evaluated the same way (Ba et al. Tables 2–3).
 
     Args:
         seeds: one fit of every method per seed (model, data order and Lightning seeds).
-        steps: updates per method; the sequential methods switch at steps // 2.
+        steps: updates per method; the sequential methods switch at steps // 2. With budget time: the first
+            method's updates, whose training time the others get.
         methods: any of GRPO, ES, GRPO→ES, ES→GRPO, ES low-rank.
         recipes_dir: where grpo.yaml, es.yaml, grpo_es.yaml, es_grpo.yaml and es_lowrank.yaml are.
         eval: the evaluation of the base model and of every fit, the same for every row (defaults: 200 problems,
             n = 32 at T = 1 — the built-in model's temperature —, 24 new tokens, seed 1234; n >= 16, ks include 1, 4, 16).
         out_dir: where compare.json and compare.md go.
         overrides: further `es-lightning fit` arguments for every fit, e.g. [--data.init_args.batch_size, "32"].
+        budget: "updates" (every method makes `steps` updates) or "time" (the first method makes `steps` updates
+            and every other one trains for as long on the same seed; only GRPO, ES and ES low-rank).
     """
     start = time.perf_counter()
     report = compare_methods(seeds=seeds, steps=steps, methods=methods, recipes_dir=recipes_dir, settings=eval,
-                             out_dir=out_dir, overrides=overrides)
-    print(f"\n{len(report.results)} seed(s), {steps} updates per method, evaluated on {eval.num_problems} held-out "
+                             out_dir=out_dir, overrides=overrides, budget=budget)
+    each = (f"{steps} updates per method" if budget == "updates"
+            else f"every method trained for {methods[0]}'s time of {steps} updates")
+    print(f"\n{len(report.results)} seed(s), {each}, evaluated on {eval.num_problems} held-out "
           f"problems x {eval.num_samples} samples at T={eval.temperature} ({time.perf_counter() - start:.0f}s)")
     print(report.table())
     print()
