@@ -251,7 +251,7 @@ def compare_command(
     overrides: list[str] = [],  # noqa: B006
     budget: str = "updates",
 ) -> CompareReport:
-    """Base / GRPO / ES / GRPO→ES / ES→GRPO / ES low-rank with the same update budget, evaluated the same way (Ba et al. Tables 2–3).
+    """Base / GRPO / ES / GRPO→ES / ES→GRPO / ES low-rank with the same budget of updates or time, evaluated alike (Ba et al. Tables 2–3).
 
     Args:
         seeds: one fit of every method per seed (model, data order and Lightning seeds).
