@@ -155,18 +155,22 @@ def cli_main(args: list[str] | None = None) -> None:
     argv = cli_errors.pop_debug_flag(sys.argv[1:] if args is None else list(args))
     cli_errors.remember(argv)
     console.quiet_libraries()
-    with cli_errors.one_line_errors():
-        console.configure_threads()
-        import es_lightning  # noqa: F401  (registers the package's classes for short class_path names)
-
-        if argv and argv[0] in ("eval", "analyze"):
-            run_analysis(argv)
-            return
-        if argv and argv[0] in ("-h", "--help"):
-            print(_help_preamble())
-        CommandCLI(args=argv)
     from es_lightning.distributed import end_distributed_process
 
+    try:
+        with cli_errors.one_line_errors():
+            console.configure_threads()
+            import es_lightning  # noqa: F401  (registers the package's classes for short class_path names)
+
+            if argv and argv[0] in ("eval", "analyze"):
+                run_analysis(argv)
+                return
+            if argv and argv[0] in ("-h", "--help"):
+                print(_help_preamble())
+            CommandCLI(args=argv)
+    except SystemExit as stop:  # a mistake's one line (status 2) ends a distributed process the same way
+        end_distributed_process(stop.code)
+        raise
     end_distributed_process(0)  # a distributed fit ends here, past the interpreter's teardown; other runs return
 
 

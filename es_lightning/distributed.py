@@ -125,10 +125,12 @@ def destroy_process_group_at_exit() -> None:
     _EXIT_HANDLER.append(destroy)
 
 
-def end_distributed_process(status: int = 0) -> None:
+def end_distributed_process(status: int | str | None = 0) -> None:
     """End a process that joined a distributed fit without the interpreter's teardown (the module docstring says why):
-    join non-daemon threads, run the ``atexit`` handlers, flush Python's and C's standard streams, ``os._exit(status)``.
-    Returns (doing nothing) in a process that ran no distributed fit, whose ordinary exit is safe."""
+    join non-daemon threads, run the ``atexit`` handlers, flush Python's and C's standard streams, ``os._exit``.
+    ``status`` means what ``sys.exit``'s does: an int is the exit status, None is 0, anything else is printed to
+    stderr and the status is 1. Returns (doing nothing) in a process that ran no distributed fit, whose ordinary exit
+    is safe."""
     import atexit
     import ctypes
     import os
@@ -137,6 +139,11 @@ def end_distributed_process(status: int = 0) -> None:
 
     if not _EXIT_HANDLER:
         return
+    if status is None:
+        status = 0
+    elif not isinstance(status, int):
+        print(status, file=sys.stderr)
+        status = 1
     for thread in threading.enumerate():  # what the interpreter's own shutdown waits for first
         if thread is not threading.current_thread() and not thread.daemon:
             thread.join()

@@ -1,9 +1,10 @@
-"""Pieces the tests share: a reward every member earns differently, a callback that records the batches, and one that
-records when each update ended."""
+"""Pieces the tests share: a reward every member earns differently, callbacks that record the batches and when each
+update ended, and a process that aborts if the interpreter's teardown runs."""
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import lightning as L
 
@@ -39,3 +40,22 @@ class StepClock(L.Callback):
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         StepClock.runs[-1].append(time.monotonic() - self.start)
+
+
+TEARDOWN_BOMB = """
+import os, sys
+class _TeardownBomb:  # freed only when the interpreter tears its modules down: then it aborts, as gloo can there
+    def __del__(self, abort=os.abort):
+        abort()
+_bomb = _TeardownBomb()
+sys.stderr.write("teardown bomb armed\\n")
+"""
+
+
+def teardown_bomb(directory: Path) -> str:
+    """A directory whose ``sitecustomize.py`` arms every Python process started with it on ``PYTHONPATH``: the
+    process dies with SIGABRT (status -6) if it exits through the interpreter's teardown, as a distributed fit's could
+    when a gloo group was freed there (es_lightning/distributed.py). Each armed process writes one line to stderr."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "sitecustomize.py").write_text(TEARDOWN_BOMB)
+    return str(directory)

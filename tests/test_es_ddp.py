@@ -8,6 +8,11 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
+
+from es_helpers import teardown_bomb
+
+ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = textwrap.dedent(
     """
@@ -129,21 +134,22 @@ END_SCRIPT = textwrap.dedent(
 
     class Holder:  # keeps the group, as every FSDP2 unit's FSDPMeshInfo does, and dies inside the teardown
         def __init__(self, group):
-            self.group, self.me = group, self  # a cycle: only the interpreter's teardown frees it
-        def __del__(self):
-            os.abort()  # stands in for gloo's abort when a group dies during the teardown
+            self.group = group
+        def __del__(self, abort=os.abort):  # bound now: the teardown may have emptied the module's globals
+            abort()  # stands in for gloo's abort when a group dies during the teardown
 
     if mode != "plain":
         dist.init_process_group("gloo", init_method=f"file://{os.path.join(out, 'store')}", rank=0, world_size=1)
         distributed.destroy_process_group_at_exit()  # what every distributed fit does at setup
-        holder = Holder(dist.group.WORLD)
-        del holder
+        holder = Holder(dist.group.WORLD)  # a global: only the interpreter's teardown frees it
     def late_writer():
         time.sleep(0.3)
         open(os.path.join(out, "thread"), "w").write("done")
     threading.Thread(target=late_writer).start()  # a non-daemon thread: the process waits for it
     sys.stdout.write("python, unflushed")  # no newline, no flush: in the buffer of a pipe
     ctypes.CDLL(None).printf(b" | C, unflushed")  # C stdio, fully buffered on a pipe
+    if mode == "message":
+        distributed.end_distributed_process("stopped: a message, as sys.exit prints it")
     if mode != "teardown":
         distributed.end_distributed_process(0)
     print(" | returned", flush=True)  # reached only where there was nothing distributed to end
@@ -176,6 +182,30 @@ def test_a_distributed_process_ends_past_the_interpreter_teardown(tmp_path):
     assert proc.stdout == "python, unflushed | C, unflushed", proc.stdout  # both buffers flushed; nothing after
     assert files == {"thread": "done", "atexit": "False"}  # joined; handlers ran, ours (destroy) before the first one
 
+    message, files = _end_run(tmp_path, "message")  # a status that is not a number: printed, then status 1
+    assert message.returncode == 1 and "stopped: a message, as sys.exit prints it" in message.stderr, message.stderr
+    assert message.stdout == "python, unflushed | C, unflushed" and files == {"thread": "done", "atexit": "False"}
+
     plain, files = _end_run(tmp_path, "plain")  # no distributed fit: it returns, the script goes on as ever
     assert plain.returncode == 0 and " | returned\n" in plain.stdout, (plain.stdout, plain.stderr[-2000:])
     assert files == {"thread": "done", "atexit": "False"}
+
+
+def test_a_mistake_in_a_distributed_command_ends_with_its_one_line_and_status_2(tmp_path):
+    """`es-lightning fit` on 2 DDP processes with a batch prompt_groups cannot split: the mistake surfaces at fit setup,
+    after the process group exists; every rank prints the one line and the command exits 2 — past the interpreter's
+    teardown, which would abort it here (es_helpers.teardown_bomb)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join([teardown_bomb(tmp_path / "bomb"), str(ROOT)])}
+    proc = subprocess.run(
+        [sys.executable, "-m", "es_lightning.cli", "fit", "--config", str(ROOT / "recipes" / "es.yaml"),
+         "--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "ddp",
+         "--trainer.max_steps", "1", "--trainer.logger", "false", "--trainer.enable_checkpointing", "false",
+         "--model.init_args.prompt_groups", "3", "--model.init_args.population_size", "6",
+         "--data.init_args.batch_size", "4"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
+    assert "MEMBER: 2/2" in proc.stdout + proc.stderr and proc.stderr.count("teardown bomb armed") == 2
+    line = ("es-lightning: error: --model.init_args.prompt_groups: prompt_groups=3 splits each batch into 3 equal "
+            "slices, but a batch has 4 prompts; set data.batch_size to a multiple of 3")
+    assert line in proc.stderr.splitlines() and "Traceback" not in proc.stderr, proc.stderr[-3000:]

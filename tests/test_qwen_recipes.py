@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from es_helpers import teardown_bomb
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,9 +32,9 @@ QWEN = ROOT / "recipes" / "qwen2.5-1.5b-instruct" / "gsm8k"
 EXE = [sys.executable, "-m", "es_lightning.cli"]
 
 
-def _run(args, cwd, timeout=900):
+def _run(args, cwd, timeout=900, pythonpath=()):
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": str(ROOT)}
+           "PYTHONPATH": os.pathsep.join([*pythonpath, str(ROOT)])}
     return subprocess.run(EXE + args, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
@@ -113,7 +114,9 @@ def test_qwen_recipe_runs_two_steps_on_the_qwen_like_fixture(name, qwen_like_dir
 
 def test_hf_export_under_fsdp2_writes_the_full_weights(tmp_path):
     """2 processes, ES on the built-in model, parameters sharded: the exported safetensors are the whole model —
-    equal to the run's sharded checkpoint consolidated by torch.distributed.checkpoint — and the step moved them."""
+    equal to the run's sharded checkpoint consolidated by torch.distributed.checkpoint — and the step moved them.
+    Both processes end past the interpreter's teardown (es_lightning/distributed.py): armed to abort there
+    (es_helpers.teardown_bomb), they still exit 0 — FSDP2's units keep their gloo groups alive until then."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     from es_lightning.policy import load_policy
@@ -134,9 +137,11 @@ def test_hf_export_under_fsdp2_writes_the_full_weights(tmp_path):
     proc = _run(["fit", "--config", str(ROOT / "recipes" / "es.yaml"), "--config",
                  str(ROOT / "configs" / "trainer" / "fsdp2_cpu.yaml"), "--config", str(overrides),
                  "--model.init_args.population_size", "4", "--model.init_args.members_per_batch", "1",
-                 "--data.init_args.batch_size", "4", "--data.init_args.train_size", "16"], cwd=tmp_path)
+                 "--data.init_args.batch_size", "4", "--data.init_args.train_size", "16"], cwd=tmp_path,
+                pythonpath=[teardown_bomb(tmp_path / "bomb")])
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]  # where it stopped, if it did
     assert "MEMBER: 2/2" in proc.stdout + proc.stderr  # two processes
+    assert proc.stderr.count("teardown bomb armed") == 2  # both ranks were armed
     assert "report: " in proc.stdout  # the command's last output, printed before it ends the process
     assert (tmp_path / "report" / "report.json").is_file()
     assert sorted(p.name for p in (tmp_path / "ckpt" / "last.ckpt").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
