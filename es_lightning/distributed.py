@@ -130,7 +130,7 @@ def end_distributed_process(status: int | str | None = 0) -> None:
     join non-daemon threads, run the ``atexit`` handlers, flush Python's and C's standard streams, ``os._exit``.
     ``status`` means what ``sys.exit``'s does: an int is the exit status, None is 0, anything else is printed to
     stderr and the status is 1. Returns (doing nothing) in a process that ran no distributed fit, whose ordinary exit
-    is safe."""
+    is safe. What the teardown would have done is skipped too: close your own files (``with open(...)``) before."""
     import atexit
     import ctypes
     import os

@@ -70,6 +70,8 @@ SCRIPT = textwrap.dedent(
             result["resumed"][step] = {{"weights": full_weights(m2), "stages": r2.stages, "step": t2.global_step}}
         if trainer.global_rank == 0:
             json.dump(result, open(out + f"/{{mode}}.json", "w"))
+        from es_lightning.distributed import end_distributed_process
+        end_distributed_process()  # FSDP2's units keep the gloo groups: exit past the teardown (distributed.py)
     """
 )
 

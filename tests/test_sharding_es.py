@@ -139,6 +139,8 @@ SCRIPT = textwrap.dedent(
                       open(out + "/result.json", "w"))
         json.dump({{"shards": shards, "sharded": module.sharded, "views": views}},
                   open(out + f"/shards{{trainer.global_rank}}.json", "w"))
+        from es_lightning.distributed import end_distributed_process
+        end_distributed_process()  # FSDP2's units keep the gloo groups: exit past the teardown (distributed.py)
     """
 )
 

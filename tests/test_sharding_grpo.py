@@ -112,6 +112,8 @@ SCRIPT = textwrap.dedent(
             json.dump({{"weights": weights, "step": trainer.global_step, "sharded": module.sharded,
                        "grad_norm": float(trainer.callback_metrics["train/grad_norm"]), "switch": switch}},
                       open({out!r} + f"/{{mode}}.json", "w"))
+        from es_lightning.distributed import end_distributed_process
+        end_distributed_process()  # FSDP2's units keep the gloo groups: exit past the teardown (distributed.py)
     """
 )
 
