@@ -62,12 +62,15 @@ def test_time_budget_claims_check_the_aim_for_every_es_method():
 
 
 def test_compare_fits_every_recipe_and_evaluates_all_rows_alike(tmp_path):
+    StepClock.runs.clear()
     report = compare_methods(
         seeds=[0], steps=2, recipes_dir=ROOT / "recipes", settings=replace(COMPARE_EVAL, num_problems=3, num_samples=16,
                                                                             max_new_tokens=8),
         out_dir=tmp_path,
         overrides=["--data.init_args.batch_size", "2", "--model.init_args.max_new_tokens", "8"],
+        method_overrides={"ES→GRPO": ["--trainer.callbacks+", "es_helpers.StepClock"]},  # that method's fit only
     )
+    assert len(StepClock.runs) == 1 and len(StepClock.runs[0]) == 2
     rows = report.results[0]
     assert list(rows) == ["GRPO", "ES", "GRPO→ES", "ES→GRPO", "ES low-rank"]
     assert all(r["updates"] == 2 and 0 < r["train_s"] <= r["fit_s"] for r in rows.values())  # what each row cost
@@ -125,6 +128,11 @@ def test_compare_command_line_refuses_bad_input(tmp_path, capsys):
     with pytest.raises(SystemExit):
         cli_main(["analyze", "compare", "--budget", "time", "--methods", "[ES]"])
     assert "name at least two methods" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli_main(["analyze", "compare", "--methods", "[GRPO, ES]", "--method_overrides",
+                  '{"ES low-rank": ["--model.init_args.noise_rank", "2"]}'])
+    assert ("method_overrides names ['ES low-rank'], which this comparison does not fit; its methods are "
+            "['GRPO', 'ES']") in capsys.readouterr().err
 
 
 def test_distinct_correct_is_bounded_by_pass_at_k():

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import gc
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
@@ -163,14 +163,21 @@ def compare_methods(
     out_dir: str | Path = "compare",
     overrides: Sequence[str] = (),
     budget: str = "updates",
+    method_overrides: Mapping[str, Sequence[str]] | None = None,
 ) -> CompareReport:
-    """Fit every method for every seed and evaluate everything the same way (see the module docstring)."""
+    """Fit every method for every seed and evaluate everything the same way (see the module docstring).
+    ``method_overrides``: further fit arguments for one method's fits, after ``overrides``."""
     from es_lightning.analysis.evaluate import evaluate_policy, heldout_problems
     from es_lightning.policy import load_policy
 
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise ValueError(f"unknown methods {unknown}; choose from {list(METHODS)}")
+    method_overrides = {m: list(args) for m, args in (method_overrides or {}).items()}
+    stray = [m for m in method_overrides if m not in methods]
+    if stray:
+        raise ValueError(f"method_overrides names {stray}, which this comparison does not fit; its methods are "
+                         f"{list(methods)}")
     if budget not in BUDGETS:
         raise ValueError(f"budget must be one of {list(BUDGETS)}, got {budget!r}")
     sequential = [m for m in methods if m in SEQUENTIAL]
@@ -208,7 +215,8 @@ def compare_methods(
         for method, recipe in recipes.items():
             start = time.perf_counter()
             module, fit_task, updates, train_s = _fit(recipe, int(seed), steps, out / f"seed{seed}" / recipe.stem,
-                                                      overrides, seconds=pace)
+                                                      [*overrides, *method_overrides.get(method, ())],
+                                                      seconds=pace)
             fit_s = time.perf_counter() - start
             if budget == "time" and pace is None:
                 pace = train_s
@@ -224,7 +232,8 @@ def compare_methods(
                   + f" ({time.perf_counter() - start:.0f}s)", flush=True)
             del module
             gc.collect()
-    run_settings = dict(seeds=list(seeds), steps=steps, budget=budget, overrides=list(overrides), methods=list(methods),
+    run_settings = dict(seeds=list(seeds), steps=steps, budget=budget, overrides=list(overrides),
+                        method_overrides=method_overrides, methods=list(methods),
                         recipes={m: str(p) for m, p in recipes.items()}, task=task.name, eval=asdict(settings))
     return CompareReport(base=base, results=results, settings=run_settings)
 
@@ -250,6 +259,7 @@ def compare_command(
     out_dir: str = "compare",
     overrides: list[str] = [],  # noqa: B006
     budget: str = "updates",
+    method_overrides: dict[str, list[str]] = {},  # noqa: B006
 ) -> CompareReport:
     """Base / GRPO / ES / GRPO→ES / ES→GRPO / ES low-rank with the same budget of updates or time, evaluated alike (Ba et al. Tables 2–3).
 
@@ -265,10 +275,12 @@ def compare_command(
         overrides: further `es-lightning fit` arguments for every fit, e.g. [--data.init_args.batch_size, "32"].
         budget: "updates" (every method makes `steps` updates) or "time" (the first method makes `steps` updates
             and every other one trains for as long on the same seed; only GRPO, ES and ES low-rank).
+        method_overrides: further `es-lightning fit` arguments for one method, after overrides, e.g.
+            '{"ES": [--model.init_args.population_size, "16"]}'.
     """
     start = time.perf_counter()
     report = compare_methods(seeds=seeds, steps=steps, methods=methods, recipes_dir=recipes_dir, settings=eval,
-                             out_dir=out_dir, overrides=overrides, budget=budget)
+                             out_dir=out_dir, overrides=overrides, budget=budget, method_overrides=method_overrides)
     each = (f"{steps} updates per method" if budget == "updates"
             else f"every method trained for {methods[0]}'s time of {steps} updates")
     print(f"\n{len(report.results)} seed(s), {each}, evaluated on {eval.num_problems} held-out "
