@@ -170,15 +170,18 @@ def group_columns(num_prompts: int, groups: int) -> list[slice]:
     if num_prompts % groups:
         raise ValueError(f"prompt_groups={groups} splits each batch into {groups} equal slices, but a batch has "
                          f"{num_prompts} prompts; set data.batch_size to a multiple of {groups}")
-    size = num_prompts // groups
-    return [slice(g * size, (g + 1) * size) for g in range(groups)]
+    return _equal_slices(num_prompts, groups)
 
 
 def member_groups(population_size: int, groups: int) -> list[slice]:
     """The population's ``prompt_groups`` as slices of consecutive member indices (``ESSettings`` checks that they
     split evenly); group ``g`` is scored on :func:`group_columns` slice ``g``."""
-    size = population_size // groups
-    return [slice(g * size, (g + 1) * size) for g in range(groups)]
+    return _equal_slices(population_size, groups)
+
+
+def _equal_slices(n: int, parts: int) -> list[slice]:
+    size = n // parts
+    return [slice(g * size, (g + 1) * size) for g in range(parts)]
 
 
 def rollout_seed(seed: int, step: int) -> int:

@@ -174,16 +174,12 @@ def test_settings_dataclass_is_not_needed():
 
     settings = ESSettings(population_size=4, members_per_batch=4)
     assert VLLMLowRankEvaluator(settings, noise_rank=2).rank == 2
-    if any(f.name == "noise_rank" for f in dataclasses.fields(ESSettings)):
-        assert VLLMLowRankEvaluator(dataclasses.replace(settings, noise_rank=3)).rank == 3
+    assert VLLMLowRankEvaluator(dataclasses.replace(settings, noise_rank=3)).rank == 3
 
 
-HAS_NOISE_RANK = any(f.name == "noise_rank" for f in dataclasses.fields(ESSettings))
-needs_noise_rank = pytest.mark.skipif(not HAS_NOISE_RANK, reason="ESSettings.noise_rank (low-rank ES) is not here")
 ENGINE = dict(max_model_len=96, cpu_kv_cache_gib=0.0625, max_num_seqs=64)
 
 
-@needs_noise_rank
 def test_lowrank_es_fit_on_vllm_equals_hf(es_fit):
     """ESModule(noise_rank=2, members_per_batch=4) on vLLM — the whole population in one engine call, one adapter per
     member — gives the HF low-rank path's rewards and weights after 2 steps, bit for bit (the update is ESOptimizer's
@@ -202,10 +198,6 @@ def test_lowrank_es_fit_on_vllm_equals_hf(es_fit):
     assert (out.logprobs - policy_token_stats(vllm.model, out, 1.0)[0]).abs().max() < 1e-5
 
 
-HAS_GROUPS = any(f.name == "prompt_groups" for f in dataclasses.fields(ESSettings))
-
-
-@pytest.mark.skipif(not HAS_GROUPS, reason="ESSettings.prompt_groups is not here")
 @pytest.mark.parametrize("settings", [
     dict(noise_rank=RANK, members_per_batch=4, trainable=BLOCKS),  # one engine call, one adapter per member
     dict(),  # full rank: one member at a time, perturbed inside the engine
@@ -220,7 +212,39 @@ def test_prompt_groups_on_vllm_equal_hf(es_fit, settings):
     assert all(torch.equal(a[n], b[n]) for n in a)
 
 
-@needs_noise_rank
 def test_lowrank_on_vllm_refuses_uncovered_parameters_before_training(es_fit):
     with pytest.raises(ValueError, match="perturbs the transformer blocks' linear layers only"):
         es_fit(1, noise_rank=RANK, members_per_batch=4, generation_backend="vllm", generation_options=ENGINE)
+
+
+def test_prompt_groups_on_vllm_route_each_member_to_its_slice_on_the_qwen_like_fixture(qwen_like_dir, keep_alive):
+    """prompt_groups=2 on vLLM with the Qwen-like fixture (real vocabulary, bf16 weights with fp32 masters, prompts
+    through Qwen's chat template), members perturbed inside the engine one at a time: a reward that is each prompt's
+    own target shows which prompts every member's rows carried — members 2g and 2g+1 earn the mean target of prompts
+    2g and 2g+1, whatever the engine generated."""
+    import lightning as L
+    from es_helpers import RecordBatches
+
+    from es_lightning import CountdownTask, ESModule, ReasoningDataModule
+
+    class TargetTask(CountdownTask):
+        def reward(self, completions, examples):
+            return [e["target"] / 1000 for e in examples]
+
+    seen = RecordBatches()
+    module = ESModule(model=qwen_like_dir, dtype="bfloat16", population_size=4, prompt_groups=2, sigma=0.05, lr=0.05,
+                      max_new_tokens=2, temperature=0.0, task=TargetTask(use_chat_template=True),
+                      generation_backend="vllm", generation_options={**ENGINE, "max_model_len": 192})
+    keep_alive.append(module)
+    data = ReasoningDataModule(CountdownTask(), train_size=16, val_size=2, test_size=2, batch_size=4, seed=0)
+    trainer = L.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, callbacks=[seen])
+    trainer.fit(module, data)
+    (batch,) = seen.batches
+    assert type(module.algorithm.evaluator).__name__ == "VLLMEngineEvaluator"
+    assert next(module.model.parameters()).dtype == torch.bfloat16
+    assert module.prompts(batch[:1])[0].startswith("<|im_start|>")
+    expected = [sum(e["target"] for e in batch[2 * (m // 2):2 * (m // 2) + 2]) / 2 / 1000 for m in range(4)]
+    assert len(set(expected)) > 1  # the slices differ, so a member on the wrong slice would show
+    assert torch.allclose(module.last_rewards.double(), torch.tensor(expected, dtype=torch.float64), atol=1e-6)
+    assert float(trainer.logged_metrics["train/frac_reward_zero_std"]) == 1.0  # equal rewards within each group
