@@ -171,6 +171,9 @@ def cli_main(args: list[str] | None = None) -> None:
     except SystemExit as stop:  # a mistake's one line (status 2) ends a distributed process the same way
         end_distributed_process(stop.code)
         raise
+    except BaseException as error:  # a bug: its traceback and status 1, as an uncaught exception ends any process
+        end_distributed_process(1, error=error)
+        raise
     end_distributed_process(0)  # a distributed fit ends here, past the interpreter's teardown; other runs return
 
 

@@ -125,20 +125,25 @@ def destroy_process_group_at_exit() -> None:
     _EXIT_HANDLER.append(destroy)
 
 
-def end_distributed_process(status: int | str | None = 0) -> None:
+def end_distributed_process(status: int | str | None = 0, error: BaseException | None = None) -> None:
     """End a process that joined a distributed fit without the interpreter's teardown (the module docstring says why):
     join non-daemon threads, run the ``atexit`` handlers, flush Python's and C's standard streams, ``os._exit``.
     ``status`` means what ``sys.exit``'s does: an int is the exit status, None is 0, anything else is printed to
-    stderr and the status is 1. Returns (doing nothing) in a process that ran no distributed fit, whose ordinary exit
-    is safe. What the teardown would have done is skipped too: close your own files (``with open(...)``) before."""
+    stderr and the status is 1. ``error``: an exception that would have ended the process uncaught — its traceback is
+    printed first, as the interpreter would have (call it from the ``except`` block, then re-raise for the ordinary
+    case). Returns (doing nothing) in a process that ran no distributed fit, whose ordinary exit is safe. What the
+    teardown would have done is skipped too: close your own files (``with open(...)``) before."""
     import atexit
     import ctypes
     import os
     import sys
     import threading
+    import traceback
 
     if not _EXIT_HANDLER:
         return
+    if error is not None:
+        traceback.print_exception(error)
     if status is None:
         status = 0
     elif not isinstance(status, int):

@@ -1,5 +1,5 @@
 """Pieces the tests share: a reward every member earns differently, callbacks that record the batches and when each
-update ended, and a process that aborts if the interpreter's teardown runs."""
+update ended, a callback with a bug, and a process that aborts if the interpreter's teardown runs."""
 
 from __future__ import annotations
 
@@ -40,6 +40,13 @@ class StepClock(L.Callback):
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         StepClock.runs[-1].append(time.monotonic() - self.start)
+
+
+class FailingCallback(L.Callback):
+    """A bug, not a user's mistake: raises once training has started (after a distributed fit's process group exists)."""
+
+    def on_train_start(self, trainer, module):
+        raise RuntimeError("a bug in a callback")
 
 
 TEARDOWN_BOMB = """

@@ -191,21 +191,35 @@ def test_a_distributed_process_ends_past_the_interpreter_teardown(tmp_path):
     assert files == {"thread": "done", "atexit": "False"}
 
 
+def _distributed_fit(tmp_path, *extra):
+    """`es-lightning fit` of es.yaml for 1 step on 2 DDP processes, every process armed with the teardown bomb."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join([teardown_bomb(tmp_path / "bomb"), str(ROOT), str(ROOT / "tests")])}
+    return subprocess.run(
+        [sys.executable, "-m", "es_lightning.cli", "fit", "--config", str(ROOT / "recipes" / "es.yaml"),
+         "--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "ddp",
+         "--trainer.max_steps", "1", "--trainer.logger", "false", "--trainer.enable_checkpointing", "false", *extra],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+
+
 def test_a_mistake_in_a_distributed_command_ends_with_its_one_line_and_status_2(tmp_path):
     """`es-lightning fit` on 2 DDP processes with a batch prompt_groups cannot split: the mistake surfaces at fit setup,
     after the process group exists; every rank prints the one line and the command exits 2 — past the interpreter's
     teardown, which would abort it here (es_helpers.teardown_bomb)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": os.pathsep.join([teardown_bomb(tmp_path / "bomb"), str(ROOT)])}
-    proc = subprocess.run(
-        [sys.executable, "-m", "es_lightning.cli", "fit", "--config", str(ROOT / "recipes" / "es.yaml"),
-         "--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "ddp",
-         "--trainer.max_steps", "1", "--trainer.logger", "false", "--trainer.enable_checkpointing", "false",
-         "--model.init_args.prompt_groups", "3", "--model.init_args.population_size", "6",
-         "--data.init_args.batch_size", "4"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    proc = _distributed_fit(tmp_path, "--model.init_args.prompt_groups", "3", "--model.init_args.population_size", "6",
+                            "--data.init_args.batch_size", "4")
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
     assert "MEMBER: 2/2" in proc.stdout + proc.stderr and proc.stderr.count("teardown bomb armed") == 2
     line = ("es-lightning: error: --model.init_args.prompt_groups: prompt_groups=3 splits each batch into 3 equal "
             "slices, but a batch has 4 prompts; set data.batch_size to a multiple of 3")
     assert line in proc.stderr.splitlines() and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_a_bug_in_a_distributed_command_keeps_its_traceback_and_status_1(tmp_path):
+    """An unexpected error (a callback's bug) once the DDP fit runs: each rank prints the traceback an uncaught
+    exception would, and the command exits 1 — not through the teardown, which would abort (status -6) here."""
+    proc = _distributed_fit(tmp_path, "--trainer.callbacks+=es_helpers.FailingCallback")
+    assert proc.returncode == 1, (proc.returncode, proc.stderr[-3000:])
+    assert proc.stderr.count("teardown bomb armed") == 2, proc.stderr[-3000:]
+    assert proc.stderr.count("Traceback (most recent call last)") >= 1, proc.stderr[-3000:]
+    assert "RuntimeError: a bug in a callback" in proc.stderr.splitlines(), proc.stderr[-3000:]
