@@ -110,7 +110,7 @@ def test_members_per_batch_is_validated():
 
 
 class _OnePlusNorm(torch.nn.Module):
-    """Gemma-style norm, (1 + w) ⊙ x/rms(x): not of the form w ⊙ g(x), so it must take the generic (vmap) path."""
+    """Gemma-style norm, (1 + w) ⊙ x/rms(x): not of the form w ⊙ g(x); it broadcasts a per-block weight, though."""
 
     def __init__(self, d):
         super().__init__()
@@ -120,23 +120,42 @@ class _OnePlusNorm(torch.nn.Module):
         return (1 + self.weight) * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
 
 
+class _OnePlusLayerNorm(_OnePlusNorm):
+    """(1 + w) through ``F.layer_norm``, which takes a weight of shape [d] only: neither fast form, the generic path."""
+
+    def forward(self, x):
+        return torch.nn.functional.layer_norm(x, self.weight.shape, 1 + self.weight)
+
+
 def test_norm_fast_path_is_checked_not_assumed(tiny_model_dir):
     model = load_policy(tiny_model_dir).model.eval()
     name = "model.norm.weight"
     stacked = {name: torch.stack([p.detach() * s for s in (0.5, 2.0) for p in [dict(model.named_parameters())[name]]])}
-    with PopulationForward(model, stacked):
-        assert model.model.norm.forward.__func__.__name__ == "scale"  # Qwen2RMSNorm is w ⊙ g(x)
+    with PopulationForward(model, stacked):  # Qwen2RMSNorm is w ⊙ g(x) on the last dim, and broadcasts its weight
+        assert model.model.norm.forward.__func__.__name__ == "broadcast_forward"
 
-    net = torch.nn.Sequential(torch.nn.Linear(4, 4), _OnePlusNorm(4))
-    w = torch.stack([torch.full((4,), 0.5), torch.full((4,), -0.25)])
-    x = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(0))
+    # LayerNorm without bias is w ⊙ g(x) too, but F.layer_norm refuses a [k, 1, 1, d] weight: the scale form
+    ln = torch.nn.LayerNorm(4, bias=False)
+    x = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(1))
+    w = torch.stack([torch.linspace(0.5, 1.5, 4), torch.linspace(-1.0, 2.0, 4)])
     with torch.no_grad():
-        alone = []
-        for j in range(2):
-            net[1].weight.copy_(w[j])
-            alone.append(net(x))
-        net[1].weight.zero_()
-        with PopulationForward(net, {"1.weight": w}):
-            assert net[1].forward.__func__.__name__ == "generic"
-            batched = net(x.repeat(2, 1, 1))
-    torch.testing.assert_close(batched, torch.cat(alone), rtol=0, atol=1e-6)
+        alone = [torch.func.functional_call(ln, {"weight": w[j]}, (x,)) for j in range(2)]
+        with PopulationForward(ln, {"weight": w}):
+            assert ln.forward.__func__.__name__ == "scale"
+            batched = ln(x.repeat(2, 1, 1))
+    assert torch.equal(batched, torch.cat(alone))
+
+    for norm, path in ((_OnePlusNorm, "broadcast_forward"), (_OnePlusLayerNorm, "generic")):
+        net = torch.nn.Sequential(torch.nn.Linear(4, 4), norm(4))
+        w = torch.stack([torch.full((4,), 0.5), torch.full((4,), -0.25)])
+        x = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            alone = []
+            for j in range(2):
+                net[1].weight.copy_(w[j])
+                alone.append(net(x))
+            net[1].weight.zero_()
+            with PopulationForward(net, {"1.weight": w}):
+                assert net[1].forward.__func__.__name__ == path
+                batched = net(x.repeat(2, 1, 1))
+        torch.testing.assert_close(batched, torch.cat(alone), rtol=0, atol=1e-6)

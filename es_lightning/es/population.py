@@ -9,7 +9,9 @@ that member's weights:
 - ``nn.Linear``: one ``torch.baddbmm`` over the stacked weights ``[k, out, in]`` — the same arithmetic as ``k``
   separate matmuls, one kernel call;
 - ``nn.Embedding``: one lookup in the stacked tables ``[k·V, d]`` with member offsets added to the token ids;
-- anything else with parameters (RMSNorm, LayerNorm, …): ``torch.func.vmap`` of ``functional_call`` over the members.
+- norms of the form ``w ⊙ g(x)`` (RMSNorm, LayerNorm without bias; checked, never assumed): the members' weights
+  broadcast over their blocks in the module's own forward, or ``g(x)`` once and one multiply (``_elementwise_scale_forward``);
+- anything else with parameters: ``torch.func.vmap`` of ``functional_call`` over the members.
 
 Modules without parameters (attention, rotary embeddings, activations) act row by row and need nothing. This is the
 population-batched evaluation that EvoX/"ES at scale" implementations use on accelerators; it trades memory — the
@@ -127,20 +129,47 @@ def _batched_forward(module: nn.Module, members: dict[str, Tensor], k: int):
 
 
 def _elementwise_scale_forward(module: nn.Module, weight: Tensor, k: int, cls_forward):
-    """Fast path for norms of the form ``f(x; w) = w ⊙ g(x)`` (RMSNorm, LayerNorm without bias): ``g(x)`` once for
-    the whole batch (the module run with ``w = 1``), then one broadcast multiply by each member's ``w``.
+    """Fast path for norms of the form ``f(x; w) = w ⊙ g(x)`` (RMSNorm, LayerNorm without bias). Returns ``None`` if
+    the module does not have that form; which form it has is not assumed from its class but checked on a probe input
+    against the module's own per-member forward (Gemma's ``(1 + w) ⊙ g(x)`` fails and takes the generic path):
 
-    Whether a module has that form is not assumed from its class: it is checked on a probe input against the module's
-    own forward (Gemma's ``(1 + w) ⊙ g(x)`` fails the check and takes the generic path). Returns ``None`` if it fails.
+    - **broadcast**: the class forward run once on the batch viewed as ``[k, R, ..., d]`` with the members' weights
+      ``[k, 1, …, 1, d]`` swapped in — ``w_j ⊙ g(x)`` broadcast per block, the multiply the module does anyway, so a
+      population costs what one model's norm does. Needs a forward that acts on the last dimension whatever the
+      leading ones and broadcasts ``weight`` (HF's RMSNorms; ``F.layer_norm`` refuses a weight of another shape);
+    - **scale**: ``g(x)`` once for the whole batch (the module run with ``w = 1``), then one broadcast multiply by each
+      member's ``w`` (one more pass over the activations than the broadcast form, same numbers: ``1 ⊙ h = h``).
     """
-    ones = {"weight": torch.ones_like(weight[0])}
     d = weight.shape[-1]
-    probe = torch.linspace(-2.0, 3.0, 2 * d, device=weight.device, dtype=weight.dtype).view(2, d)
+    probe_k = min(k, 2)
+    probe = torch.linspace(-2.0, 3.0, probe_k * 2 * 3 * d, device=weight.device, dtype=weight.dtype)
+    probe = probe.view(probe_k, 2, 3, d)  # [members, rows, tokens, d]: the layout of a generate step
+    members = weight[:probe_k]
+    try:
+        with torch.no_grad():
+            expected = torch.stack([torch.func.functional_call(module, {"weight": members[j]}, (probe[j],), strict=False)
+                                    for j in range(probe_k)])
+            broadcast = _call_with_weight(module, cls_forward, members.view(probe_k, 1, 1, d), probe)
+    except Exception:
+        broadcast = None
+    if broadcast is not None and broadcast.shape == expected.shape and torch.equal(broadcast, expected):
+        stacked_weights: dict[int, Tensor] = {}  # input rank -> the weights viewed [k, 1, …, 1, d]
+
+        def broadcast_forward(self, x: Tensor, *args, **kwargs) -> Tensor:  # x [k·R, ..., d]
+            w = stacked_weights.get(x.dim())
+            if w is None:
+                w = stacked_weights[x.dim()] = weight.view(k, *([1] * (x.dim() - 1)), d)
+            out = _call_with_weight(module, cls_forward, w, _split(x, k), *args, **kwargs)  # [k, R, ..., d]
+            return out.reshape(x.shape[0], *out.shape[2:])
+
+        return broadcast_forward
+
+    ones = {"weight": torch.ones_like(weight[0])}
     member = weight[min(1, k - 1)]
     try:
         with torch.no_grad():
-            expected = torch.func.functional_call(module, {"weight": member}, (probe,), strict=False)
-            got = member * torch.func.functional_call(module, ones, (probe,), strict=False)
+            expected = torch.func.functional_call(module, {"weight": member}, (probe[0, 0],), strict=False)
+            got = member * torch.func.functional_call(module, ones, (probe[0, 0],), strict=False)
     except Exception:
         return None
     if expected.shape != got.shape or not torch.equal(expected, got):
@@ -149,15 +178,7 @@ def _elementwise_scale_forward(module: nn.Module, weight: Tensor, k: int, cls_fo
     one = ones["weight"]
 
     def scale(self, x: Tensor, *args, **kwargs) -> Tensor:  # x [k·R, ..., d]
-        # g(x): the class forward with w = 1 swapped in for the call (what functional_call does, minus its per-call
-        # overhead, which on a small model costs as much as the norm itself); hooks already ran around this forward
-        params = module._parameters
-        saved = params["weight"]
-        params["weight"] = one
-        try:
-            g = cls_forward(module, x, *args, **kwargs)  # [k·R, ..., d]
-        finally:
-            params["weight"] = saved
+        g = _call_with_weight(module, cls_forward, one, x, *args, **kwargs)  # [k·R, ..., d]
         gs = _split(g, k)  # [k, R, ..., d]
         w = weight.view(k, *([1] * (gs.dim() - 2)), d)
         if torch.is_grad_enabled() or g.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
@@ -165,6 +186,18 @@ def _elementwise_scale_forward(module: nn.Module, weight: Tensor, k: int, cls_fo
         return gs.mul_(w).view(g.shape)  # g is this call's own tensor: scale it where it is
 
     return scale
+
+
+def _call_with_weight(module: nn.Module, cls_forward, weight: Tensor, x: Tensor, *args, **kwargs) -> Tensor:
+    """The class forward with ``weight`` swapped in for the call (what ``functional_call`` does, minus its per-call
+    overhead, which on a small model costs as much as the norm itself); hooks already ran around this forward."""
+    params = module._parameters
+    saved = params["weight"]
+    params["weight"] = weight
+    try:
+        return cls_forward(module, x, *args, **kwargs)
+    finally:
+        params["weight"] = saved
 
 
 class _unpatched:
