@@ -9,8 +9,9 @@ that member's weights:
 - ``nn.Linear``: one ``torch.baddbmm`` over the stacked weights ``[k, out, in]`` — the same arithmetic as ``k``
   separate matmuls, one kernel call;
 - ``nn.Embedding``: one lookup in the stacked tables ``[k·V, d]`` with member offsets added to the token ids;
-- norms of the form ``w ⊙ g(x)`` (RMSNorm, LayerNorm without bias; checked, never assumed): the members' weights
-  broadcast over their blocks in the module's own forward, or ``g(x)`` once and one multiply (``_elementwise_scale_forward``);
+- norms, whose only per-member parameter is a weight vector (checked on a probe, never assumed): the members'
+  weights broadcast over their blocks in the module's own forward, or ``g(x)`` once and one multiply for the form
+  ``w ⊙ g(x)`` (``_elementwise_scale_forward``);
 - anything else with parameters: ``torch.func.vmap`` of ``functional_call`` over the members.
 
 Modules without parameters (attention, rotary embeddings, activations) act row by row and need nothing. This is the
@@ -129,16 +130,18 @@ def _batched_forward(module: nn.Module, members: dict[str, Tensor], k: int):
 
 
 def _elementwise_scale_forward(module: nn.Module, weight: Tensor, k: int, cls_forward):
-    """Fast path for norms of the form ``f(x; w) = w ⊙ g(x)`` (RMSNorm, LayerNorm without bias). Returns ``None`` if
-    the module does not have that form; which form it has is not assumed from its class but checked on a probe input
-    against the module's own per-member forward (Gemma's ``(1 + w) ⊙ g(x)`` fails and takes the generic path):
+    """Fast paths for a module whose only per-member parameter is a weight vector (a norm); ``None`` when neither
+    applies (the generic ``vmap`` path then). Which one a module takes is never assumed from its class: each is checked
+    on a probe input, laid out as a generate step's ``[members, rows, tokens, d]``, against the module's own forward
+    of each member alone (bitwise):
 
     - **broadcast**: the class forward run once on the batch viewed as ``[k, R, ..., d]`` with the members' weights
-      ``[k, 1, …, 1, d]`` swapped in — ``w_j ⊙ g(x)`` broadcast per block, the multiply the module does anyway, so a
-      population costs what one model's norm does. Needs a forward that acts on the last dimension whatever the
-      leading ones and broadcasts ``weight`` (HF's RMSNorms; ``F.layer_norm`` refuses a weight of another shape);
-    - **scale**: ``g(x)`` once for the whole batch (the module run with ``w = 1``), then one broadcast multiply by each
-      member's ``w`` (one more pass over the activations than the broadcast form, same numbers: ``1 ⊙ h = h``).
+      ``[k, 1, …, 1, d]`` swapped in — the weight's own multiply, per block, so a population costs what one model's
+      norm does. Any forward that acts on the last dimension whatever the leading ones and broadcasts ``weight``
+      passes: HF's RMSNorms, and Gemma's ``(1 + w) ⊙ g(x)`` too; ``F.layer_norm`` refuses a weight of another shape;
+    - **scale**, for ``f(x; w) = w ⊙ g(x)`` (LayerNorm without bias): ``g(x)`` once for the whole batch (the module
+      run with ``w = 1``), then one broadcast multiply by each member's ``w`` — one more pass over the activations than
+      the broadcast form, the same numbers (``1 ⊙ h = h``).
     """
     d = weight.shape[-1]
     probe_k = min(k, 2)
