@@ -131,8 +131,13 @@ def test_norm_fast_path_is_checked_not_assumed(tiny_model_dir):
     model = load_policy(tiny_model_dir).model.eval()
     name = "model.norm.weight"
     stacked = {name: torch.stack([p.detach() * s for s in (0.5, 2.0) for p in [dict(model.named_parameters())[name]]])}
-    with PopulationForward(model, stacked):  # Qwen2RMSNorm is w ⊙ g(x) on the last dim, and broadcasts its weight
-        assert model.model.norm.forward.__func__.__name__ == "broadcast_forward"
+    norm, h = model.model.norm, torch.randn(2, 5, 3, stacked[name].shape[-1], generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        alone = [torch.func.functional_call(norm, {"weight": stacked[name][j]}, (h[j],)) for j in range(2)]
+        with PopulationForward(model, stacked):  # Qwen2RMSNorm is w ⊙ g(x) on the last dim, and broadcasts its weight
+            assert norm.forward.__func__.__name__ == "broadcast_forward"
+            batched = norm(h.reshape(10, 3, -1))
+    assert torch.equal(batched, torch.cat(alone))  # each member's block: bitwise its own norm
 
     # LayerNorm without bias is w ⊙ g(x) too, but F.layer_norm refuses a [k, 1, 1, d] weight: the scale form
     ln = torch.nn.LayerNorm(4, bias=False)
