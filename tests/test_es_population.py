@@ -127,17 +127,22 @@ class _OnePlusLayerNorm(_OnePlusNorm):
         return torch.nn.functional.layer_norm(x, self.weight.shape, 1 + self.weight)
 
 
-def test_norm_fast_path_is_checked_not_assumed(tiny_model_dir):
-    model = load_policy(tiny_model_dir).model.eval()
-    name = "model.norm.weight"
-    stacked = {name: torch.stack([p.detach() * s for s in (0.5, 2.0) for p in [dict(model.named_parameters())[name]]])}
-    norm, h = model.model.norm, torch.randn(2, 5, 3, stacked[name].shape[-1], generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        alone = [torch.func.functional_call(norm, {"weight": stacked[name][j]}, (h[j],)) for j in range(2)]
-        with PopulationForward(model, stacked):  # Qwen2RMSNorm is w ⊙ g(x) on the last dim, and broadcasts its weight
-            assert norm.forward.__func__.__name__ == "broadcast_forward"
-            batched = norm(h.reshape(10, 3, -1))
-    assert torch.equal(batched, torch.cat(alone))  # each member's block: bitwise its own norm
+def test_norm_fast_path_is_checked_not_assumed(tiny_model_dir, qwen_like_small_dir):
+    # Qwen2RMSNorm is w ⊙ g(x) on the last dim and broadcasts its weight: the built-in model (fp32) and the Qwen-like
+    # fixture in bf16 (its input cast to fp32 inside the norm and back) both take the broadcast path, bitwise per block
+    for path, dtype in ((tiny_model_dir, "float32"), (qwen_like_small_dir, "bfloat16")):
+        model = load_policy(path, dtype=dtype).model.eval()
+        name = "model.norm.weight"
+        weight = dict(model.named_parameters())[name].detach()
+        stacked = {name: torch.stack([weight * 0.5, weight * 2.0])}
+        norm = model.model.norm
+        h = torch.randn(2, 5, 3, weight.shape[-1], generator=torch.Generator().manual_seed(2)).to(weight.dtype)
+        with torch.no_grad():
+            alone = [torch.func.functional_call(norm, {"weight": stacked[name][j]}, (h[j],)) for j in range(2)]
+            with PopulationForward(model, stacked):
+                assert norm.forward.__func__.__name__ == "broadcast_forward"
+                batched = norm(h.reshape(10, 3, -1))
+        assert batched.dtype == weight.dtype and torch.equal(batched, torch.cat(alone)), dtype  # bitwise per block
 
     # LayerNorm without bias is w ⊙ g(x) too, but F.layer_norm refuses a [k, 1, 1, d] weight: the scale form
     ln = torch.nn.LayerNorm(4, bias=False)

@@ -156,12 +156,8 @@ def _elementwise_scale_forward(module: nn.Module, weight: Tensor, k: int, cls_fo
     except Exception:
         broadcast = None
     if broadcast is not None and broadcast.shape == expected.shape and torch.equal(broadcast, expected):
-        stacked_weights: dict[int, Tensor] = {}  # input rank -> the weights viewed [k, 1, …, 1, d]
-
         def broadcast_forward(self, x: Tensor, *args, **kwargs) -> Tensor:  # x [k·R, ..., d]
-            w = stacked_weights.get(x.dim())
-            if w is None:
-                w = stacked_weights[x.dim()] = weight.view(k, *([1] * (x.dim() - 1)), d)
+            w = weight.view(k, *([1] * (x.dim() - 1)), d)  # [k, 1, …, 1, d] against the blocks [k, R, ..., d]
             out = _call_with_weight(module, cls_forward, w, _split(x, k), *args, **kwargs)  # [k, R, ..., d]
             return out.reshape(x.shape[0], *out.shape[2:])
 
