@@ -317,3 +317,23 @@ def test_grade_verifies_each_distinct_completion_once_per_example():
     assert got == tuple([row[i][0] for row in one_by_one] for i in range(3))
     assert got[1] == [True, False, True, False, True, False] and got[2] == [1.0, 0.1, 1.0, 0.0, 1.0, 0.1]
     assert sorted(calls) == sorted(["3*5+7", "3+5+7", "junk((", "3+5+7", "3*5+7"])  # 5 distinct pairs, not 6 rows
+
+
+def test_parse_cache_returns_what_a_fresh_parse_does_and_stays_bounded():
+    """parse_expression remembers the parses of recent texts (an ES population and the check of a normal form parse the
+    same texts again): a hit returns exactly what a fresh parse gives, and the cache never holds more than its size."""
+    from es_lightning.tasks import expressions
+
+    texts = ["3*5+7", "(3+5)*7", "7/(5-5)", "3+", "  12 - 4/2 ", "((1))", "1_0+2", "2**3"]
+    expressions._parse_checked.cache_clear()
+    first = [parse_expression(t) for t in texts]
+    info = expressions._parse_checked.cache_info()
+    expressions._parse_checked.cache_clear()
+    again = [parse_expression(t) for t in texts] + [parse_expression(t) for t in texts]
+    assert again == first + first  # the cached answers are the fresh ones
+    assert expressions._parse_checked.cache_info().hits >= info.misses  # the second pass hit the cache
+    assert first[0].value == 22 and first[1].value == 56 and first[2].value is None
+    assert first[3] is None and first[4].value == 10 and first[5].value == 1 and first[6] is None and first[7] is None
+    for i in range(expressions.PARSE_CACHE_SIZE + 10):
+        parse_expression(f"{i}+1")
+    assert expressions._parse_checked.cache_info().currsize == expressions.PARSE_CACHE_SIZE

@@ -20,6 +20,7 @@ expression has a positive part (there is no unary minus), so the text never star
 from __future__ import annotations
 
 import ast
+import functools
 from fractions import Fraction
 from typing import NamedTuple
 
@@ -128,6 +129,20 @@ def parse_expression(text: object, max_chars: int = MAX_EXPRESSION_CHARS) -> Par
                 return None
     if depth:
         return None
+    return _parse_checked(text)
+
+
+#: distinct texts whose parses are remembered: an ES population writes the same few completions for a problem again
+#: and again (most members agree at small σ), and grading parses each answer twice (extraction, then the check of its
+#: normal form); a hit costs a dict lookup instead of ``ast.parse`` and the conversion (~50 µs). At most
+#: ``PARSE_CACHE_SIZE`` × ``MAX_EXPRESSION_CHARS`` characters of keys, so the cache stays bounded.
+PARSE_CACHE_SIZE = 4096
+
+
+@functools.lru_cache(maxsize=PARSE_CACHE_SIZE)
+def _parse_checked(text: str) -> ParsedExpression | None:
+    """The parse of a text that passed :func:`parse_expression`'s checks. Cached: the result is immutable (named tuples
+    of ints, strings and ``Fraction`` s) and a pure function of ``text``."""
     try:
         tree = ast.parse(text, mode="eval")
         literals: list[int] = []
