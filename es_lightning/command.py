@@ -19,6 +19,7 @@ from pathlib import Path
 
 import lightning as L
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning.pytorch.utilities import rank_zero_only
 
 from es_lightning import cli_errors, console, run_dirs
@@ -27,13 +28,50 @@ from es_lightning.callbacks.report import format_table
 
 
 class _FitRecord(L.Callback):
-    """The global step a fit started training from (``None``: the loop never started)."""
+    """The global step a fit started training from (``None``: the loop never started).
+
+    Under a launcher that trains in processes of its own (``ddp_spawn``, ``ddp_notebook``: Lightning's
+    ``_MultiProcessingLauncher``), the command's process never runs the loop and gets back neither the step nor the
+    last checkpoint; rank 0 of the workers, which has both, prints the fit's summary instead, at ``on_fit_end``."""
 
     def __init__(self) -> None:
         self.start_step: int | None = None
 
     def on_train_start(self, trainer, pl_module) -> None:
         self.start_step = trainer.global_step
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        if _trains_in_workers(trainer):
+            fit_summary(trainer, self.start_step, trainer.log_dir)  # log_dir is a collective under DDP: every rank
+
+
+def _trains_in_workers(trainer: L.Trainer) -> bool:
+    return isinstance(trainer.strategy.launcher, _MultiProcessingLauncher)
+
+
+@rank_zero_only
+def fit_summary(trainer: L.Trainer, start: int | None, log_dir: str | None) -> None:
+    """After a fit: where everything went, or that nothing was trained (and why)."""
+    if start is None or trainer.global_step == start:
+        at = trainer.global_step
+        why = (f"trainer.max_steps is {trainer.max_steps}" if trainer.max_steps == 0 else
+               f"the run was already at step {at}, trainer.max_steps = {trainer.max_steps}; raise it to continue")
+        print(f"nothing was trained: {why}")
+        return
+    lines = []
+    if not any(isinstance(cb, TrainingReport) for cb in trainer.callbacks):  # it prints its own table
+        history = next((cb.history for cb in trainer.callbacks if isinstance(cb, PassAtKCallback) and cb.history), [])
+        if history:
+            step, metrics = history[-1]
+            lines.append(format_table([("last evaluation", step, metrics)]))
+    if log_dir is not None:
+        root = Path(log_dir)
+        found = [name for name in ("config.yaml", "metrics.csv", "report.json", "report.png", "export") if (root / name).exists()]
+        lines.append(f"run directory: {root}/ ({', '.join(found)})")
+    checkpoint = trainer.checkpoint_callback
+    if checkpoint is not None and getattr(checkpoint, "last_model_path", ""):
+        lines.append(f"last checkpoint: {checkpoint.last_model_path} (resume: add --ckpt_path last to the same command)")
+    print("\n".join(lines))
 
 
 class CommandMixin:
@@ -75,30 +113,5 @@ class CommandMixin:
         except BaseException:
             run_dirs.remove_if_empty(log_dir, existed)
             raise
-        if subcommand == "fit":
-            self._summary(self.trainer.log_dir)  # log_dir is a collective under DDP: read on every rank
-
-    @rank_zero_only
-    def _summary(self, log_dir: str | None) -> None:
-        trainer = self.trainer
-        start = self._record.start_step
-        if start is None or trainer.global_step == start:
-            at = trainer.global_step
-            why = (f"trainer.max_steps is {trainer.max_steps}" if trainer.max_steps == 0 else
-                   f"the run was already at step {at}, trainer.max_steps = {trainer.max_steps}; raise it to continue")
-            print(f"nothing was trained: {why}")
-            return
-        lines = []
-        if not any(isinstance(cb, TrainingReport) for cb in trainer.callbacks):  # it prints its own table
-            history = next((cb.history for cb in trainer.callbacks if isinstance(cb, PassAtKCallback) and cb.history), [])
-            if history:
-                step, metrics = history[-1]
-                lines.append(format_table([("last evaluation", step, metrics)]))
-        if log_dir is not None:
-            root = Path(log_dir)
-            found = [name for name in ("config.yaml", "metrics.csv", "report.json", "report.png", "export") if (root / name).exists()]
-            lines.append(f"run directory: {root}/ ({', '.join(found)})")
-        checkpoint = trainer.checkpoint_callback
-        if checkpoint is not None and getattr(checkpoint, "last_model_path", ""):
-            lines.append(f"last checkpoint: {checkpoint.last_model_path} (resume: add --ckpt_path last to the same command)")
-        print("\n".join(lines))
+        if subcommand == "fit" and not _trains_in_workers(self.trainer):  # else the workers' rank 0 said it
+            fit_summary(self.trainer, self._record.start_step, self.trainer.log_dir)  # log_dir: a collective (DDP)

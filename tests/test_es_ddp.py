@@ -223,3 +223,22 @@ def test_a_bug_in_a_distributed_command_keeps_its_traceback_and_status_1(tmp_pat
     assert proc.stderr.count("teardown bomb armed") == 2, proc.stderr[-3000:]
     assert proc.stderr.count("Traceback (most recent call last)") >= 1, proc.stderr[-3000:]
     assert "RuntimeError: a bug in a callback" in proc.stderr.splitlines(), proc.stderr[-3000:]
+
+
+def test_ddp_spawn_fit_says_where_everything_went(tmp_path):
+    """Under ``ddp_spawn`` the fit runs in worker processes and the command's own process gets back neither the step nor
+    the last checkpoint: rank 0 of the workers prints the summary, once — not the main process's "nothing was
+    trained"."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "es_lightning.cli", "fit", "--config", str(ROOT / "recipes" / "es.yaml"),
+         "--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "ddp_spawn",
+         "--trainer.max_steps", "1", "--trainer.limit_val_batches", "0", "--model.init_args.population_size", "4",
+         "--data.init_args.batch_size", "2"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "nothing was trained" not in proc.stdout, proc.stdout[-3000:]
+    run = "lightning_logs/es/version_0"
+    assert proc.stdout.count(f"run directory: {run}/ (config.yaml, metrics.csv") == 1, proc.stdout[-3000:]
+    assert proc.stdout.count(f"last checkpoint: {run}/checkpoints/last.ckpt") == 1, proc.stdout[-3000:]
+    assert (tmp_path / run / "checkpoints" / "last.ckpt").is_file()
