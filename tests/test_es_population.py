@@ -169,3 +169,26 @@ def test_norm_fast_path_is_checked_not_assumed(tiny_model_dir, qwen_like_small_d
                 assert net[1].forward.__func__.__name__ == path
                 batched = net(x.repeat(2, 1, 1))
         torch.testing.assert_close(batched, torch.cat(alone), rtol=0, atol=1e-6)
+
+
+def test_norm_path_is_probed_once_per_module(tiny_model_dir, monkeypatch):
+    """The probe that picks a norm's batched form runs the first time a module is batched, not at every block of every
+    step; another dtype or member count is probed anew."""
+    from es_lightning.es import population
+
+    calls = []
+    probe = population._probe_norm
+    monkeypatch.setattr(population, "_probe_norm", lambda module, *a: calls.append(module) or probe(module, *a))
+    model = load_policy(tiny_model_dir).model.eval()
+    norms = [m for m in model.modules() if type(m).__name__ == "Qwen2RMSNorm"]
+    stacked = {n: torch.stack([p.detach() * 0.5, p.detach() * 2.0]) for n, p in model.named_parameters()
+               if n.endswith("norm.weight")}
+    ids = torch.tensor([[3, 4, 5]] * 4)
+    with torch.no_grad():
+        for _ in range(3):  # three steps' blocks
+            with PopulationForward(model, stacked):
+                model(ids)
+        assert sorted(map(id, calls)) == sorted(map(id, norms))  # each norm once
+        with PopulationForward(model, {n: w[:1] for n, w in stacked.items()}):  # one member: probed again
+            model(ids[:2])
+    assert len(calls) == 2 * len(norms)

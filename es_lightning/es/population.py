@@ -11,7 +11,7 @@ that member's weights:
 - ``nn.Embedding``: one lookup in the stacked tables ``[k·V, d]`` with member offsets added to the token ids;
 - norms, whose only per-member parameter is a weight vector (checked on a probe, never assumed): the members'
   weights broadcast over their blocks in the module's own forward, or ``g(x)`` once and one multiply for the form
-  ``w ⊙ g(x)`` (``_elementwise_scale_forward``);
+  ``w ⊙ g(x)`` (``_norm_forward``);
 - anything else with parameters: ``torch.func.vmap`` of ``functional_call`` over the members.
 
 Modules without parameters (attention, rotary embeddings, activations) act row by row and need nothing. This is the
@@ -26,6 +26,7 @@ trivially in batched mode.
 from __future__ import annotations
 
 import types
+import weakref
 from collections.abc import Mapping
 
 import torch
@@ -114,7 +115,7 @@ def _batched_forward(module: nn.Module, members: dict[str, Tensor], k: int):
 
     cls_forward = type(module).forward
     if set(members) == {"weight"} and members["weight"].dim() == 2:
-        scale = _elementwise_scale_forward(module, members["weight"], k, cls_forward)
+        scale = _norm_forward(module, members["weight"], k, cls_forward)
         if scale is not None:
             return scale
 
@@ -129,11 +130,17 @@ def _batched_forward(module: nn.Module, members: dict[str, Tensor], k: int):
     return generic
 
 
-def _elementwise_scale_forward(module: nn.Module, weight: Tensor, k: int, cls_forward):
+#: per module, the verdict of :func:`_norm_forward`'s probe — ``"broadcast"``, ``"scale"`` or ``None`` (generic) — keyed
+#: by what it depends on (the class forward, the weight's dtype, device and width, 1 or 2 probe members), so the check
+#: runs once per module and not at every block of every step
+_NORM_PATHS: weakref.WeakKeyDictionary[nn.Module, dict[tuple, str | None]] = weakref.WeakKeyDictionary()
+
+
+def _norm_forward(module: nn.Module, weight: Tensor, k: int, cls_forward):
     """Fast paths for a module whose only per-member parameter is a weight vector (a norm); ``None`` when neither
     applies (the generic ``vmap`` path then). Which one a module takes is never assumed from its class: each is checked
     on a probe input, laid out as a generate step's ``[members, rows, tokens, d]``, against the module's own forward
-    of each member alone (bitwise):
+    of each member alone (bitwise), once per module (``_NORM_PATHS``):
 
     - **broadcast**: the class forward run once on the batch viewed as ``[k, R, ..., d]`` with the members' weights
       ``[k, 1, …, 1, d]`` swapped in — the weight's own multiply, per block, so a population costs what one model's
@@ -143,6 +150,37 @@ def _elementwise_scale_forward(module: nn.Module, weight: Tensor, k: int, cls_fo
       run with ``w = 1``), then one broadcast multiply by each member's ``w`` — one more pass over the activations than
       the broadcast form, the same numbers (``1 ⊙ h = h``).
     """
+    d = weight.shape[-1]
+    key = (cls_forward, weight.dtype, weight.device, d, min(k, 2))
+    verdicts = _NORM_PATHS.setdefault(module, {})
+    if key not in verdicts:
+        verdicts[key] = _probe_norm(module, weight, k, cls_forward)
+    path = verdicts[key]
+    if path == "broadcast":
+        def broadcast_forward(self, x: Tensor, *args, **kwargs) -> Tensor:  # x [k·R, ..., d]
+            w = weight.view(k, *([1] * (x.dim() - 1)), d)  # [k, 1, …, 1, d] against the blocks [k, R, ..., d]
+            out = _call_with_weight(module, cls_forward, w, _split(x, k), *args, **kwargs)  # [k, R, ..., d]
+            return out.reshape(x.shape[0], *out.shape[2:])
+
+        return broadcast_forward
+    if path is None:
+        return None
+
+    one = torch.ones_like(weight[0])
+
+    def scale(self, x: Tensor, *args, **kwargs) -> Tensor:  # x [k·R, ..., d]
+        g = _call_with_weight(module, cls_forward, one, x, *args, **kwargs)  # [k·R, ..., d]
+        gs = _split(g, k)  # [k, R, ..., d]
+        w = weight.view(k, *([1] * (gs.dim() - 2)), d)
+        if torch.is_grad_enabled() or g.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+            return (w * gs).reshape(g.shape)
+        return gs.mul_(w).view(g.shape)  # g is this call's own tensor: scale it where it is
+
+    return scale
+
+
+def _probe_norm(module: nn.Module, weight: Tensor, k: int, cls_forward) -> str | None:
+    """Which of :func:`_norm_forward`'s paths gives, on a probe, each member's own forward bit for bit."""
     d = weight.shape[-1]
     probe_k = min(k, 2)
     probe = torch.linspace(-2.0, 3.0, probe_k * 2 * 3 * d, device=weight.device, dtype=weight.dtype)
@@ -156,13 +194,7 @@ def _elementwise_scale_forward(module: nn.Module, weight: Tensor, k: int, cls_fo
     except Exception:
         broadcast = None
     if broadcast is not None and broadcast.shape == expected.shape and torch.equal(broadcast, expected):
-        def broadcast_forward(self, x: Tensor, *args, **kwargs) -> Tensor:  # x [k·R, ..., d]
-            w = weight.view(k, *([1] * (x.dim() - 1)), d)  # [k, 1, …, 1, d] against the blocks [k, R, ..., d]
-            out = _call_with_weight(module, cls_forward, w, _split(x, k), *args, **kwargs)  # [k, R, ..., d]
-            return out.reshape(x.shape[0], *out.shape[2:])
-
-        return broadcast_forward
-
+        return "broadcast"
     ones = {"weight": torch.ones_like(weight[0])}
     member = weight[min(1, k - 1)]
     try:
@@ -173,18 +205,7 @@ def _elementwise_scale_forward(module: nn.Module, weight: Tensor, k: int, cls_fo
         return None
     if expected.shape != got.shape or not torch.equal(expected, got):
         return None
-
-    one = ones["weight"]
-
-    def scale(self, x: Tensor, *args, **kwargs) -> Tensor:  # x [k·R, ..., d]
-        g = _call_with_weight(module, cls_forward, one, x, *args, **kwargs)  # [k·R, ..., d]
-        gs = _split(g, k)  # [k, R, ..., d]
-        w = weight.view(k, *([1] * (gs.dim() - 2)), d)
-        if torch.is_grad_enabled() or g.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
-            return (w * gs).reshape(g.shape)
-        return gs.mul_(w).view(g.shape)  # g is this call's own tensor: scale it where it is
-
-    return scale
+    return "scale"
 
 
 def _call_with_weight(module: nn.Module, cls_forward, weight: Tensor, x: Tensor, *args, **kwargs) -> Tensor:
