@@ -77,10 +77,10 @@ def _metrics(logs: Path) -> list[dict[str, str]]:
     return list(csv.DictReader(open(next(logs.rglob("metrics.csv")))))
 
 
-@pytest.mark.parametrize("name", ["es", "grpo", "grpo_es"])
+@pytest.mark.parametrize("name", ["es", "es_lowrank", "grpo", "grpo_es"])
 def test_qwen_recipe_runs_two_steps_on_the_qwen_like_fixture(name, qwen_like_dir, tmp_path):
     recipe = QWEN / f"{name}.yaml"
-    sizes = (["--model.init_args.population_size", "2"] if name == "es" else
+    sizes = (["--model.init_args.population_size", "2"] if name.startswith("es") else
              ["--model.init_args.group_size", "2", "--model.init_args.mini_batch_size", "2"])
     proc = _run(["fit", "--config", str(recipe), "--config", str(_shrunk_callbacks(recipe, tmp_path)),
                  "--model.init_args.model", qwen_like_dir, "--model.init_args.max_new_tokens", "8", *sizes,
@@ -157,10 +157,11 @@ def test_hf_export_under_fsdp2_writes_the_full_weights(tmp_path):
 
 
 def test_compare_at_equal_time_runs_the_qwen_recipes(qwen_like_dir, tmp_path):
-    """``analyze compare --budget time --methods [GRPO, ES] --recipes_dir recipes/qwen2.5-1.5b-instruct/gsm8k`` with
-    the model and data pointed at the fixture and local GSM8K (the overrides every fit shares): GRPO makes its update,
-    ES — the recipe's own 32 members, bf16 weights with fp32 masters — trains for as long, and the base model and both
-    results are evaluated on the same test problems through Qwen's chat template."""
+    """``analyze compare --budget time --methods [GRPO, ES, ES low-rank] --recipes_dir
+    recipes/qwen2.5-1.5b-instruct/gsm8k`` with the model and data pointed at the fixture and local GSM8K (the overrides
+    every fit shares): GRPO makes its update, ES and ES low-rank — the recipes' own 32 members, bf16 weights with fp32
+    masters — train for as long, and the base model and the results are evaluated on the same test problems through
+    Qwen's chat template."""
     from dataclasses import replace
 
     from es_lightning.analysis.compare import compare_methods
@@ -168,14 +169,16 @@ def test_compare_at_equal_time_runs_the_qwen_recipes(qwen_like_dir, tmp_path):
 
     gsm8k = str(_gsm8k(tmp_path / "gsm8k"))
     report = compare_methods(
-        seeds=[0], steps=1, methods=["GRPO", "ES"], budget="time", recipes_dir=QWEN, out_dir=tmp_path / "compare",
+        seeds=[0], steps=1, methods=["GRPO", "ES", "ES low-rank"], budget="time", recipes_dir=QWEN, out_dir=tmp_path / "compare",
         settings=replace(COMPARE_EVAL, num_problems=2, num_samples=16, max_new_tokens=8, source=gsm8k),
         overrides=["--model.init_args.model", qwen_like_dir, "--model.init_args.max_new_tokens", "8",
                    "--data.init_args.source", gsm8k, "--data.init_args.batch_size", "2"],
     )
     rows = report.results[0]
-    assert rows["GRPO"]["updates"] == 1 and rows["ES"]["updates"] >= 1
-    assert rows["ES"]["train_s"] >= rows["GRPO"]["train_s"] - 0.05  # trained until GRPO's time was reached
+    assert rows["GRPO"]["updates"] == 1
+    for es in ("ES", "ES low-rank"):
+        assert rows[es]["updates"] >= 1
+        assert rows[es]["train_s"] >= rows["GRPO"]["train_s"] - 0.05  # trained until GRPO's time was reached
     assert report.settings["task"] == "gsm8k"
     assert all(0 <= r["pass@1"] <= r["pass@16"] <= 1 for r in [report.base, *rows.values()])
     assert {c for c, *_ in report.claims()} >= {"ES: Pass@1 gain >= 0.5 x GRPO's at equal time"}

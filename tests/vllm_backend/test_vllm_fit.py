@@ -260,11 +260,11 @@ def _gsm8k(directory: Path) -> str:
     return str(directory)
 
 
-def test_qwen_grpo_es_recipe_with_the_vllm_fragment(tmp_path, fit, qwen_like_dir):
-    """recipes/qwen2.5-1.5b-instruct/gsm8k/grpo_es.yaml + configs/generation/vllm.yaml — the GPU command of its header —
-    on a CPU with the model pointed at the Qwen-like fixture (bf16 weights, fp32 masters, Qwen's chat template) and sizes
-    shrunk: GRPO then ES, both generating through the engine, the switch re-setting the engine's ES centre."""
-    recipe = ROOT / "recipes" / "qwen2.5-1.5b-instruct" / "gsm8k" / "grpo_es.yaml"
+def _qwen_recipe(name: str, tmp_path: Path, qwen_like_dir: str, *extra: str) -> list[str]:
+    """``fit`` arguments for recipes/qwen2.5-1.5b-instruct/gsm8k/<name> + configs/generation/vllm.yaml — the GPU command
+    of its header — on a CPU: the model pointed at the Qwen-like fixture (bf16 weights, fp32 masters, Qwen's chat
+    template), local GSM8K, the recipe's callbacks and sizes shrunk."""
+    recipe = ROOT / "recipes" / "qwen2.5-1.5b-instruct" / "gsm8k" / name
     cfg = yaml.safe_load(recipe.read_text())
     for cb in cfg["trainer"]["callbacks"]:
         args = cb.setdefault("init_args", {}) or {}
@@ -274,17 +274,23 @@ def test_qwen_grpo_es_recipe_with_the_vllm_fragment(tmp_path, fit, qwen_like_dir
         elif kind == "SequentialStrategy":
             args.update(switch_step=1)
             args["es"]["population_size"] = 2
-    shrunk = tmp_path / "grpo_es.yaml"
+    shrunk = tmp_path / name
     shrunk.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    module, trainer = fit(str(shrunk), "--config", str(ROOT / "configs" / "generation" / "vllm.yaml"),
-                          "--model.init_args.generation_options.max_model_len", "512",
-                          "--model.init_args.generation_options.cpu_kv_cache_gib", "0.0625",
-                          "--model.init_args.model", qwen_like_dir, "--model.init_args.max_new_tokens", "8",
-                          "--model.init_args.group_size", "2", "--model.init_args.mini_batch_size", "2",
-                          "--data.init_args.source", _gsm8k(tmp_path / "gsm8k"), "--data.init_args.val_size", "2",
-                          "--data.init_args.test_size", "2", "--data.init_args.batch_size", "2",
-                          "--data.init_args.val_batch_size", "2", "--trainer.max_steps", "2",
-                          "--trainer.logger.init_args.save_dir", str(tmp_path / "logs"))
+    return [str(shrunk), "--config", str(ROOT / "configs" / "generation" / "vllm.yaml"),
+            "--model.init_args.generation_options.max_model_len", "512",
+            "--model.init_args.generation_options.cpu_kv_cache_gib", "0.0625",
+            "--model.init_args.model", qwen_like_dir, "--model.init_args.max_new_tokens", "8", *extra,
+            "--data.init_args.source", _gsm8k(tmp_path / "gsm8k"), "--data.init_args.val_size", "2",
+            "--data.init_args.test_size", "2", "--data.init_args.batch_size", "2",
+            "--data.init_args.val_batch_size", "2", "--trainer.max_steps", "2",
+            "--trainer.logger.init_args.save_dir", str(tmp_path / "logs")]
+
+
+def test_qwen_grpo_es_recipe_with_the_vllm_fragment(tmp_path, fit, qwen_like_dir):
+    """recipes/qwen2.5-1.5b-instruct/gsm8k/grpo_es.yaml with the vLLM fragment on the Qwen-like fixture: GRPO then ES,
+    both generating through the engine, the switch re-setting the engine's ES centre."""
+    module, trainer = fit(*_qwen_recipe("grpo_es.yaml", tmp_path, qwen_like_dir, "--model.init_args.group_size", "2",
+                                        "--model.init_args.mini_batch_size", "2"))
     assert trainer.global_step == 2 and module.algorithm.name == "es" and module.generation_backend == "vllm"
     assert next(module.model.parameters()).dtype == torch.bfloat16
     assert type(module.algorithm.evaluator).__name__ == "VLLMEngineEvaluator"
@@ -324,3 +330,22 @@ def test_ddp_two_processes_equal_one(tmp_path, fit):
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export").state_dict()
     weights = _weights(module)
     assert _moved(weights) and all(torch.equal(exported[n], weights[n]) for n in weights)
+
+
+def test_qwen_lowrank_recipe_with_the_vllm_command_of_its_header(tmp_path, fit, qwen_like_dir):
+    """recipes/qwen2.5-1.5b-instruct/gsm8k/es_lowrank.yaml with its header's vLLM options (the whole population per
+    engine call, the blocks' linear layers perturbed) on the Qwen-like fixture: two steps of low-rank members as LoRA
+    adapters through the engine, and the recipe's Pass@K evaluation."""
+    import csv
+
+    pattern = r"\.(down_proj|gate_proj|k_proj|o_proj|q_proj|up_proj|v_proj)\.weight$"
+    header = (ROOT / "recipes" / "qwen2.5-1.5b-instruct" / "gsm8k" / "es_lowrank.yaml").read_text()
+    assert f"--model.init_args.trainable '{pattern}'" in header and "--model.init_args.members_per_batch 32" in header
+    module, trainer = fit(*_qwen_recipe("es_lowrank.yaml", tmp_path, qwen_like_dir, "--model.init_args.population_size",
+                                        "2", "--model.init_args.members_per_batch", "32",
+                                        "--model.init_args.trainable", pattern))
+    assert trainer.global_step == 2 and module.generation_backend == "vllm" and module.algorithm.settings.noise_rank == 1
+    assert type(module.algorithm.evaluator).__name__ == "VLLMLowRankEvaluator"
+    assert next(module.model.parameters()).dtype == torch.bfloat16
+    rows = list(csv.DictReader(open(next((tmp_path / "logs").rglob("metrics.csv")))))
+    assert len([r for r in rows if r.get("train/reward_mean")]) == 2 and any(r.get("val/pass@1") for r in rows)
