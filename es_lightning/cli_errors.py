@@ -15,6 +15,9 @@ origin, a user's mistake rather than a bug:
   (``vllm``, ``tensorboard``, ``wandb``, ``math-verify``: with the install command), an output directory that cannot be
   written.
 
+A mistake raised in ``ddp_spawn`` workers reaches the command as torch's ``ProcessRaisedException`` holding only the
+traceback's text; the same rule is applied to that text (the last frame's ``raise`` and the exception's type).
+
 Anything else is a bug and keeps its traceback. ``--debug`` (anywhere on the command line) or ``ES_LIGHTNING_DEBUG=1``
 shows the full traceback for everything.
 """
@@ -150,6 +153,8 @@ def explain(exc: BaseException) -> str | None:
             return describe_parse_error(str(e), _CONTEXT["argv"])
         if isinstance(e, UserError):
             return str(e)
+        if _is_worker_error(e):
+            return _worker_mistake(e.msg)
     for e in chain:
         if isinstance(e, _DELIBERATE) and _raised_on_purpose_here(e):
             return _install_hint(_with_location(e))
@@ -160,6 +165,45 @@ def explain(exc: BaseException) -> str | None:
         building = any(getattr(x, "raised_while_building", False) for x in chain)
         if type(e).__name__ == "MisconfigurationException" or (building and isinstance(e, ValueError)):
             return _squash(str(e))
+    return None
+
+
+def _is_worker_error(exc: BaseException) -> bool:
+    """An exception a worker process raised under a launcher that trains in processes of its own (``ddp_spawn``):
+    torch re-raises it in the command's process as ``ProcessRaisedException``, carrying only the traceback's text."""
+    from torch.multiprocessing import ProcessRaisedException
+
+    return isinstance(exc, ProcessRaisedException) and isinstance(getattr(exc, "msg", None), str)
+
+
+_FRAME = re.compile(r'^  File "(?P<file>[^"\n]+)", line \d+, in [^\n]*\n(?:    (?P<source>[^\n]*)\n)?', re.M)
+
+
+def _worker_mistake(text: str) -> str | None:
+    """The one line for a worker's mistake, read from its traceback text by the rule :func:`explain` applies to an
+    exception object: a ``raise`` statement in es-lightning's code of a bad-input type (``_DELIBERATE``), or a
+    :class:`UserError`. ``None`` (keep the traceback) for anything else. Every rank raises the same mistake at the same
+    place, so the first failing worker's one line stands for all."""
+    block = text.rsplit("Traceback (most recent call last):\n", 1)
+    if len(block) != 2:
+        return None
+    frames = list(_FRAME.finditer(block[1]))
+    if not frames:
+        return None
+    last = frames[-1]
+    rest = [line for line in block[1][last.end():].splitlines() if line.strip() and set(line.strip()) - set("^~")]
+    head = re.match(r"^(?P<type>[A-Za-z_][\w.]*)(?:: (?P<message>.*))?$", rest[0]) if rest else None
+    if head is None:
+        return None
+    kind = head.group("type").rsplit(".", 1)[-1]
+    message = _squash("\n".join([head.group("message") or "", *rest[1:]]))
+    if kind == UserError.__name__:
+        return message
+    path = Path(last.group("file")).resolve()
+    on_purpose = (_PACKAGE_DIR in path.parents and path.name not in ("cli.py", "cli_errors.py")
+                  and (last.group("source") or "").lstrip().startswith("raise"))
+    if on_purpose and kind in {t.__name__ for t in _DELIBERATE} and message:
+        return message
     return None
 
 

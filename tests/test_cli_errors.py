@@ -204,3 +204,44 @@ def test_tensorboard_fragment_without_the_package_says_how_to_install(tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     line = [ln for ln in proc.stderr.splitlines() if ln.startswith("es-lightning: error:")][0]
     assert "tensorboard" in line and "pip install" in line, line
+
+
+def _worker_failure(call) -> BaseException:
+    """What the command's process gets when a ``ddp_spawn`` worker raises: torch's ``ProcessRaisedException`` with the
+    worker's formatted traceback as its only content (torch.multiprocessing.spawn)."""
+    import traceback
+
+    from torch.multiprocessing import ProcessRaisedException
+
+    try:
+        call()
+    except Exception:
+        text = traceback.format_exc()
+    return ProcessRaisedException(f"\n\n-- Process 1 terminated with the following error:\n{text}", 1, 4242)
+
+
+def test_a_mistake_raised_in_a_spawned_worker_is_one_line():
+    """A ``raise`` of a bad-input type in es-lightning's code, read back from a worker's traceback text, is the one
+    line; a bug (an error raised by Python itself, or in code outside the package) keeps its traceback."""
+    from es_lightning.cli_errors import UserError, explain
+    from es_lightning.es.evaluators import group_columns
+    from es_lightning.es.settings import ESSettings
+
+    line = ("prompt_groups=3 splits each batch into 3 equal slices, but a batch has 4 prompts; set data.batch_size to "
+            "a multiple of 3")
+    assert explain(_worker_failure(lambda: group_columns(4, 3))) == line
+    # raised from inside a dataclass's __post_init__ (a deeper frame of the package), a message on several lines
+    multi = explain(_worker_failure(lambda: ESSettings(population_size=1)))
+    assert multi is not None and multi.startswith("population_size must be >= 2") and "\n" not in multi
+
+    def user_error():
+        raise UserError("model.init_args.model: no such directory /x; point it at a local model")
+
+    assert explain(_worker_failure(user_error)) == "model.init_args.model: no such directory /x; point it at a local model"
+    assert explain(_worker_failure(lambda: group_columns(None, 3))) is None  # TypeError from Python itself: a bug
+
+    def outside():
+        raise ValueError("raised by a user's own callback")
+
+    assert explain(_worker_failure(outside)) is None  # not es-lightning's code: keeps its traceback
+    assert explain(_worker_failure(lambda: [][1])) is None

@@ -225,20 +225,35 @@ def test_a_bug_in_a_distributed_command_keeps_its_traceback_and_status_1(tmp_pat
     assert "RuntimeError: a bug in a callback" in proc.stderr.splitlines(), proc.stderr[-3000:]
 
 
+def _spawn_fit(tmp_path, *extra):
+    """`es-lightning fit` of es.yaml for 1 step on 2 ``ddp_spawn`` workers (the command's process launches them)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.run(
+        [sys.executable, "-m", "es_lightning.cli", "fit", "--config", str(ROOT / "recipes" / "es.yaml"),
+         "--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "ddp_spawn",
+         "--trainer.max_steps", "1", "--trainer.limit_val_batches", "0", *extra],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+
+
 def test_ddp_spawn_fit_says_where_everything_went(tmp_path):
     """Under ``ddp_spawn`` the fit runs in worker processes and the command's own process gets back neither the step nor
     the last checkpoint: rank 0 of the workers prints the summary, once — not the main process's "nothing was
     trained"."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "es_lightning.cli", "fit", "--config", str(ROOT / "recipes" / "es.yaml"),
-         "--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "ddp_spawn",
-         "--trainer.max_steps", "1", "--trainer.limit_val_batches", "0", "--model.init_args.population_size", "4",
-         "--data.init_args.batch_size", "2"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    proc = _spawn_fit(tmp_path, "--model.init_args.population_size", "4", "--data.init_args.batch_size", "2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "nothing was trained" not in proc.stdout, proc.stdout[-3000:]
     run = "lightning_logs/es/version_0"
     assert proc.stdout.count(f"run directory: {run}/ (config.yaml, metrics.csv") == 1, proc.stdout[-3000:]
     assert proc.stdout.count(f"last checkpoint: {run}/checkpoints/last.ckpt") == 1, proc.stdout[-3000:]
     assert (tmp_path / run / "checkpoints" / "last.ckpt").is_file()
+
+
+def test_a_mistake_in_a_ddp_spawn_worker_is_one_line_and_status_2(tmp_path):
+    """A mistake found in the ``ddp_spawn`` workers (at fit setup) reaches the command's process as torch's
+    ProcessRaisedException, with the workers' traceback as text: the command prints the one line, once, and exits 2."""
+    proc = _spawn_fit(tmp_path, "--model.init_args.prompt_groups", "3", "--model.init_args.population_size", "6",
+                      "--data.init_args.batch_size", "4")
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
+    line = ("es-lightning: error: prompt_groups=3 splits each batch into 3 equal slices, but a batch has 4 prompts; set "
+            "data.batch_size to a multiple of 3")
+    assert proc.stderr.splitlines().count(line) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
