@@ -135,7 +135,8 @@ def parse_expression(text: object, max_chars: int = MAX_EXPRESSION_CHARS) -> Par
 #: distinct texts whose parses are remembered: an ES population writes the same few completions for a problem again
 #: and again (most members agree at small σ), and grading parses each answer twice (extraction, then the check of its
 #: normal form); a hit costs a dict lookup instead of ``ast.parse`` and the conversion (~50 µs). At most
-#: ``PARSE_CACHE_SIZE`` × ``MAX_EXPRESSION_CHARS`` characters of keys, so the cache stays bounded.
+#: ``PARSE_CACHE_SIZE`` keys of at most ``max_chars`` characters each (``MAX_EXPRESSION_CHARS`` unless a caller passes
+#: more), so the cache stays bounded.
 PARSE_CACHE_SIZE = 4096
 
 
