@@ -173,7 +173,7 @@ def test_norm_fast_path_is_checked_not_assumed(tiny_model_dir, qwen_like_small_d
 
 def test_norm_path_is_probed_once_per_module(tiny_model_dir, monkeypatch):
     """The probe that picks a norm's batched form runs the first time a module is batched, not at every block of every
-    step; another dtype or member count is probed anew."""
+    step; a block of another member count (1 against 2) is probed anew."""
     from es_lightning.es import population
 
     calls = []
