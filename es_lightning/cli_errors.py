@@ -138,11 +138,15 @@ def _raised_on_purpose_here(exc: BaseException) -> bool:
     frames = traceback.extract_tb(exc.__traceback__)
     if not frames:
         return False
-    last = frames[-1]
-    path = Path(last.filename).resolve()
+    return _deliberate_frame(frames[-1].filename, frames[-1].line)
+
+
+def _deliberate_frame(filename: str, source: str | None) -> bool:
+    """Whether an exception's last frame is a ``raise`` statement in es-lightning's own code (not the CLI's)."""
+    path = Path(filename).resolve()
     if _PACKAGE_DIR not in path.parents or path.name in ("cli.py", "cli_errors.py"):
         return False
-    return (last.line or "").lstrip().startswith("raise")
+    return (source or "").lstrip().startswith("raise")
 
 
 def explain(exc: BaseException) -> str | None:
@@ -199,10 +203,8 @@ def _worker_mistake(text: str) -> str | None:
     message = _squash("\n".join([head.group("message") or "", *rest[1:]]))
     if kind == UserError.__name__:
         return message
-    path = Path(last.group("file")).resolve()
-    on_purpose = (_PACKAGE_DIR in path.parents and path.name not in ("cli.py", "cli_errors.py")
-                  and (last.group("source") or "").lstrip().startswith("raise"))
-    if on_purpose and kind in {t.__name__ for t in _DELIBERATE} and message:
+    if _deliberate_frame(last.group("file"), last.group("source")) and kind in {t.__name__ for t in _DELIBERATE} \
+            and message:
         return message
     return None
 

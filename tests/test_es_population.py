@@ -171,15 +171,17 @@ def test_norm_fast_path_is_checked_not_assumed(tiny_model_dir, qwen_like_small_d
         torch.testing.assert_close(batched, torch.cat(alone), rtol=0, atol=1e-6)
 
 
-def test_norm_path_is_probed_once_per_module(tiny_model_dir, monkeypatch):
+@pytest.mark.parametrize("fixture, dtype", [("tiny_model_dir", "float32"), ("qwen_like_small_dir", "bfloat16")])
+def test_norm_path_is_probed_once_per_module(fixture, dtype, request, monkeypatch):
     """The probe that picks a norm's batched form runs the first time a module is batched, not at every block of every
-    step; a block of another member count (1 against 2) is probed anew."""
+    step; a block of another member count (1 against 2) is probed anew. The built-in model in fp32 and the Qwen-like
+    fixture in bf16."""
     from es_lightning.es import population
 
     calls = []
     probe = population._probe_norm
     monkeypatch.setattr(population, "_probe_norm", lambda module, *a: calls.append(module) or probe(module, *a))
-    model = load_policy(tiny_model_dir).model.eval()
+    model = load_policy(request.getfixturevalue(fixture), dtype=dtype).model.eval()
     norms = [m for m in model.modules() if type(m).__name__ == "Qwen2RMSNorm"]
     stacked = {n: torch.stack([p.detach() * 0.5, p.detach() * 2.0]) for n, p in model.named_parameters()
                if n.endswith("norm.weight")}

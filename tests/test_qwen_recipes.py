@@ -169,7 +169,8 @@ def test_compare_at_equal_time_runs_the_qwen_recipes(qwen_like_dir, tmp_path):
 
     gsm8k = str(_gsm8k(tmp_path / "gsm8k"))
     report = compare_methods(
-        seeds=[0], steps=1, methods=["GRPO", "ES", "ES low-rank"], budget="time", recipes_dir=QWEN, out_dir=tmp_path / "compare",
+        seeds=[0], steps=1, methods=["GRPO", "ES", "ES low-rank"], budget="time", recipes_dir=QWEN,
+        out_dir=tmp_path / "compare",
         settings=replace(COMPARE_EVAL, num_problems=2, num_samples=16, max_new_tokens=8, source=gsm8k),
         overrides=["--model.init_args.model", qwen_like_dir, "--model.init_args.max_new_tokens", "8",
                    "--data.init_args.source", gsm8k, "--data.init_args.batch_size", "2"],
