@@ -145,6 +145,21 @@ def perturb(centre: Tensor, eps: Tensor, sign: float, sigma: float) -> Tensor:
     return (centre.float() + (sign * sigma) * eps.view_as(centre)).to(centre.dtype)
 
 
+def _perturbed(theta: Tensor, eps: Tensor, sign: float, sigma: float, scaled: dict[int, Tensor], noise_id: int,
+               out: Tensor) -> None:
+    """Write :func:`perturb`'s θ + sign·σ·ε (``theta`` fp32, cast once to ``out``'s dtype) into ``out``, a member's slot
+    of the stacked batch, bit for bit — with σ·ε computed once per noise id: for sign ±1, (±σ)·ε rounds to ±(σ·ε)
+    exactly (round-to-nearest is symmetric) and θ + (−x) is θ − x, so an antithetic pair costs one multiply and two
+    adds, written straight into the batch (no per-member tensor, no stacking copy)."""
+    if sign not in (1.0, -1.0):
+        out.copy_(perturb(theta, eps, sign, sigma))
+        return
+    x = scaled.get(noise_id)
+    if x is None:
+        x = scaled[noise_id] = sigma * eps.view_as(theta)
+    (torch.add if sign > 0 else torch.sub)(theta, x, out=out)
+
+
 def es_optimizer(module: ReasoningModule) -> ESOptimizer | None:
     """The fit's ES optimizer — it holds the fp32 centre θ of bf16/fp16 weights (``master_dtype``) — or ``None``
     outside a fit (the weights are then the centre)."""
@@ -334,15 +349,16 @@ class BatchedMembersEvaluator(PopulationEvaluator):
             chunk = mine[start:start + k]
             stacked = {}  # {name: [k, *shape]}
             for name, p in named:
-                values = []
-                for m in chunk:
+                stacked[name] = out = torch.empty((len(chunk), *p.shape), dtype=p.dtype, device=p.device)
+                theta = centre(opt, p, copy=False).float()
+                scaled: dict[int, Tensor] = {}  # noise id -> σ·ε, fp32: an antithetic pair computes it once
+                for j, m in enumerate(chunk):
                     eps = cache.get((m.noise_id, name))
                     if eps is None:
                         eps = param_noise(module.seed, step, m.noise_id, name, p.numel(), device=p.device)
                         if keep_noise:
                             cache[(m.noise_id, name)] = eps
-                    values.append(perturb(centre(opt, p, copy=False), eps, m.sign, s.sigma).to(p.dtype))
-                stacked[name] = torch.stack(values)
+                    _perturbed(theta, eps, m.sign, s.sigma, scaled, m.noise_id, out[j])
             with PopulationForward(module.policy.model, stacked):
                 run.run(chunk)
             del stacked
