@@ -230,19 +230,23 @@ class MasterAdamW(MasterState, torch.optim.AdamW):
 
     Args: as :class:`torch.optim.AdamW`, plus ``master_dtype`` — the resolved dtype
     (:func:`resolve_master_dtype`), ``None`` for plain AdamW. Works on plain tensors and on FSDP2 DTensors (the
-    master and moments share the parameter's placements; each rank updates its shard).
+    master and moments share the parameter's placements; each rank updates its shard). ``fused=True`` runs PyTorch's
+    fused AdamW kernel (CPU and CUDA) on the masters and on the parameters without one.
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, amsgrad: bool = False, *, master_dtype: torch.dtype | None = torch.float32,
-                 maximize: bool = False, foreach: bool | None = None) -> None:
+                 maximize: bool = False, foreach: bool | None = None, fused: bool | None = None) -> None:
         self.master_dtype = master_dtype
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                         maximize=maximize, foreach=foreach)
+                         maximize=maximize, foreach=foreach, fused=fused)
 
-    def _init_state(self, state: dict, like: Tensor, amsgrad: bool) -> None:
-        """AdamW's lazy state (as ``torch.optim.Adam._init_group`` makes it), its moments shaped and typed like ``like``."""
-        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+    def _init_state(self, state: dict, like: Tensor, group: dict) -> None:
+        """AdamW's lazy state as ``torch.optim.Adam._init_group`` makes it — the step count on the CPU, or on the
+        parameter's device for the fused kernel — its moments shaped and typed like ``like``."""
+        on_device = group["fused"] or group["capturable"]
+        state["step"] = torch.zeros((), dtype=torch.float32, device=like.device if on_device else "cpu")
+        amsgrad = group["amsgrad"]
         state["exp_avg"] = torch.zeros_like(like, memory_format=torch.preserve_format)
         state["exp_avg_sq"] = torch.zeros_like(like, memory_format=torch.preserve_format)
         if amsgrad:
@@ -266,7 +270,7 @@ class MasterAdamW(MasterState, torch.optim.AdamW):
                 state = self.state[p]
                 master = self.master(p)
                 if "step" not in state:
-                    self._init_state(state, p if master is None else master, amsgrad)
+                    self._init_state(state, p if master is None else master, group)
                 if master is None:  # already in the master dtype: exactly torch's AdamW, batched per group
                     for out, t in zip(plain, (p, p.grad, state["exp_avg"], state["exp_avg_sq"],
                                               state.get("max_exp_avg_sq"), state["step"])):

@@ -258,10 +258,11 @@ def _adamw_by_hand(theta, grads, lr, betas, eps, weight_decay):
     return theta
 
 
+@pytest.mark.parametrize("fused", [None, True], ids=["unfused", "fused"])
 @pytest.mark.parametrize("amsgrad", [False, True])
-def test_master_adamw_on_fp32_parameters_is_torch_adamw_bitwise(tiny_model_dir, amsgrad):
+def test_master_adamw_on_fp32_parameters_is_torch_adamw_bitwise(tiny_model_dir, amsgrad, fused):
     ours, theirs = load_policy(tiny_model_dir).model, load_policy(tiny_model_dir).model
-    kw = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, amsgrad=amsgrad)
+    kw = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, amsgrad=amsgrad, fused=fused)
     opt_ours, opt_theirs = MasterAdamW(ours.parameters(), **kw), torch.optim.AdamW(theirs.parameters(), **kw)
     for step in range(3):
         for model, opt in ((ours, opt_ours), (theirs, opt_theirs)):
@@ -274,11 +275,12 @@ def test_master_adamw_on_fp32_parameters_is_torch_adamw_bitwise(tiny_model_dir, 
         assert all(torch.equal(opt_ours.state[p][k], opt_theirs.state[q][k]) for k in opt_theirs.state[q])
 
 
-def test_master_adamw_at_lr_1e_6_moves_the_fp32_master_by_the_intended_amount(tiny_model_dir):
+@pytest.mark.parametrize("fused", [None, True], ids=["unfused", "fused"])
+def test_master_adamw_at_lr_1e_6_moves_the_fp32_master_by_the_intended_amount(tiny_model_dir, fused):
     lr, betas, eps, wd = 1e-6, (0.9, 0.999), 1e-8, 0.01
     model = _bf16_model(tiny_model_dir)
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
-    opt = MasterAdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=wd)
+    opt = MasterAdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=wd, fused=fused)
     _lm_loss(model, 0).backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     assert all(g.dtype == torch.bfloat16 for g in grads.values())

@@ -70,6 +70,9 @@ def test_every_algorithm_trains_under_bf16_precisions(kind, precision, model_dir
     opt = trainer.optimizers[0]
     assert isinstance(opt, ESOptimizer if kind != "grpo" else MasterAdamW)
     assert opt.master_dtype == (torch.float32 if true else None)
+    if kind == "grpo":  # the fused AdamW kernel, except under a mixed precision (Lightning would refuse the clipping)
+        assert opt.defaults["fused"] is (True if true else None)
+        assert all(s["step"].device == p.device for p, s in opt.state.items()) and opt.state
     for p in params.values():
         has = p in opt.state and "master" in opt.state[p]
         assert has == true

@@ -121,11 +121,18 @@ class GRPOAlgorithm(Algorithm):
     def configure_optimizers(self, module: ReasoningModule):
         """AdamW over the policy's trainable parameters — on fp32 masters of bf16/fp16 ones (:class:`MasterAdamW`,
         ``module.master_dtype``; see the module docstring) — with a linear warmup to a constant LR (stepped per
-        optimizer step by :meth:`training_step`)."""
+        optimizer step by :meth:`training_step`). PyTorch's fused AdamW kernel where the parameters live on a CPU or a
+        CUDA device, as TRL's ``GRPOTrainer`` steps by default (transformers' ``optim="adamw_torch_fused"``); on the
+        built-in model's CPU step it takes ~1 ms instead of ~3.5. Not under Lightning's mixed precisions
+        (``16-mixed``, ``bf16-mixed``): there a fused optimizer would unscale the gradients itself, and Lightning
+        then refuses the gradient clipping ``max_grad_norm`` asks for."""
         s = self.settings
         params = [p for p in module.model.parameters() if p.requires_grad]
+        trainer = getattr(module, "_trainer", None)
+        mixed = trainer is not None and "mixed" in str(trainer.precision)
+        fused = bool(params) and not mixed and all(p.device.type in ("cpu", "cuda") for p in params)
         optimizer = MasterAdamW(params, lr=s.lr, betas=s.betas, weight_decay=s.weight_decay,
-                                master_dtype=module.master_dtype_for(params))
+                                master_dtype=module.master_dtype_for(params), fused=fused or None)
         warmup = s.warmup_steps
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (warmup + 1)))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
