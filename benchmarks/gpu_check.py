@@ -5,6 +5,7 @@ To run on a machine with 1 or more NVIDIA GPUs (about 3–5 minutes; nothing is 
     python benchmarks/gpu_check.py              # prints PASS/FAIL per check, exits 1 on any failure
     python benchmarks/gpu_check.py --devices 2  # shard over 2 GPUs (default: min(2, GPUs available))
     python benchmarks/gpu_check.py --vllm       # and the vLLM checks and speed table (see 4.)
+    python benchmarks/gpu_check.py --lowrank-speed  # and issue 14's low-rank step-cost table on the GPU (see 6.)
 
 Every check is a real ``Trainer.fit`` in a fresh process group, compared with an independent computation — a one-GPU
 unsharded run of the same step (the CPU suite's tests/test_sharding_*.py do the same with gloo and FSDP2):
@@ -26,6 +27,11 @@ unsharded run of the same step (the CPU suite's tests/test_sharding_*.py do the 
    shard's slice equals the whole tensor's), and is timed against the old host path (CPU draw + copy) on a
    ``--noise-numel`` parameter (default 64M elements, ~a 1.5B model's largest matrices together); ``gumbel_on_device``:
    a rollout's sampler makes its generator on the GPU and its draws land there.
+6. ``--lowrank-speed``: issue 14's step-cost table on the GPU — ``benchmarks/es_step.py --lowrank --accelerator gpu``
+   (low-rank, full-rank batched and member-by-member ES steps ÷ one batched generate of the same N×B completions,
+   and their peak-memory ratios, on the built-in model and the Qwen-like fixture; a few minutes). A measurement: it
+   fails only if the benchmark does not run; the table says whether the targets (step/d ≤ 1.10 built-in, ≤ 1.25
+   Qwen-like; peak/d ≤ 1.20) hold.
 
 With one GPU the strategies run with one rank: FSDP1 then falls back to NO_SHARD (it warns), so the checks cover the
 wiring (names, views, generation inside/outside the step, checkpoints) but not cross-rank sharding; with 2+ GPUs they
@@ -218,6 +224,9 @@ def main() -> None:
     parser.add_argument("--accelerator", default="gpu", help=argparse.SUPPRESS)
     parser.add_argument("--noise-numel", type=int, default=64 * 2**20, help="elements of the noise timing check")
     parser.add_argument("--vllm", action="store_true", help="also run benchmarks/gpu_check_vllm.py (CUDA vLLM)")
+    parser.add_argument("--lowrank-speed", action="store_true",
+                        help="also run benchmarks/es_step.py --lowrank on the GPU (issue 14's step-cost table)")
+    parser.add_argument("--lowrank-rounds", type=int, default=5, help="--lowrank-speed: timed steps per mode")
     parser.add_argument("--cpu-rehearsal", action="store_true",
                         help="run this script's plumbing on 2 CPU processes, FSDP2 standing in for FSDP1 (no GPU)")
     args = parser.parse_args()
@@ -286,6 +295,16 @@ def main() -> None:
         script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_check_vllm.py")
         proc = subprocess.run([sys.executable, script], env={**os.environ, "PYTHONPATH": ROOT}, timeout=3600)
         check("vllm (gpu_check_vllm.py)", proc.returncode == 0, f"exit code {proc.returncode}; its lines are above")
+    if args.lowrank_speed:
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "es_step.py")
+        accelerator = "cpu" if args.cpu_rehearsal else "gpu"
+        cmd = [sys.executable, script, "--lowrank", f"--accelerator={accelerator}", f"--rounds={args.lowrank_rounds}",
+               f"--threads={1 if args.cpu_rehearsal else min(8, os.cpu_count() or 1)}"]
+        if args.cpu_rehearsal:  # the plumbing only: the built-in model, the low-rank mode, small
+            cmd += ["--lowrank-models=builtin", "--modes=l", "--population=4", "--batch=4", "--max-new-tokens=4"]
+        proc = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": ROOT}, timeout=1800)
+        check(f"lowrank speed (es_step.py --lowrank --accelerator {accelerator})", proc.returncode == 0,
+              f"exit code {proc.returncode}; its table is above")
     print("all checks passed" if failures == 0 else f"{failures} check(s) failed")
     sys.exit(1 if failures else 0)
 
