@@ -302,9 +302,12 @@ def main() -> None:
                f"--threads={1 if args.cpu_rehearsal else min(8, os.cpu_count() or 1)}"]
         if args.cpu_rehearsal:  # the plumbing only: the built-in model, the low-rank mode, small
             cmd += ["--lowrank-models=builtin", "--modes=l", "--population=4", "--batch=4", "--max-new-tokens=4"]
-        proc = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": ROOT}, timeout=1800)
-        check(f"lowrank speed (es_step.py --lowrank --accelerator {accelerator})", proc.returncode == 0,
-              f"exit code {proc.returncode}; its table is above")
+        name = f"lowrank speed (es_step.py --lowrank --accelerator {accelerator})"
+        try:
+            proc = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": ROOT}, timeout=1800)
+            check(name, proc.returncode == 0, f"exit code {proc.returncode}; its table is above")
+        except subprocess.TimeoutExpired:
+            check(name, False, "did not finish in 30 minutes")
     print("all checks passed" if failures == 0 else f"{failures} check(s) failed")
     sys.exit(1 if failures else 0)
 
