@@ -165,16 +165,21 @@ def test_es_steps_update_the_fp32_master_as_intended(model_dir, members_per_batc
     assert torch.equal(weights[NORM].detach().double(), start[NORM])  # frozen
 
 
-@pytest.mark.parametrize("members_per_batch", [1, N], ids=["in_place", "batched"])
-def test_es_members_are_perturbed_from_the_master_and_the_weights_restored(tiny_model_dir, monkeypatch,
-                                                                           members_per_batch):
+@pytest.mark.parametrize("members_per_batch, antithetic, fixture", [
+    (1, False, "tiny_model_dir"), (N, False, "tiny_model_dir"),
+    (N, True, "qwen_like_small_dir"),  # the batched pair path (θ + σε, θ − σε) on the real-vocabulary fixture
+], ids=["in_place", "batched", "batched_antithetic_qwen_like"])
+def test_es_members_are_perturbed_from_the_master_and_the_weights_restored(request, monkeypatch, members_per_batch,
+                                                                           antithetic, fixture):
     """Step 1 (after a step, the masters hold bits the bf16 weights do not): each member the evaluator scores is
     θ + σε computed from the fp32 master and rounded once — read from the policy while it generates (in place) or
-    from the stacked member weights (batched) — and after the population the weights are back bit for bit."""
+    from the stacked member weights (batched) — and after the population the weights are back bit for bit.
+    Antithetic members 2i and 2i+1 share noise i with signs + and −."""
     from es_lightning.es import evaluators
 
     seen: list[dict[str, torch.Tensor]] = []
-    module, record = _es(tiny_model_dir, members_per_batch=members_per_batch), _Record()
+    module = _es(request.getfixturevalue(fixture), members_per_batch=members_per_batch, antithetic=antithetic)
+    record = _Record()
 
     class _ForwardSpy(evaluators.PopulationForward):  # the real batched forward, keeping its member weights
         def __init__(self, model, stacked):
@@ -207,9 +212,16 @@ def test_es_members_are_perturbed_from_the_master_and_the_weights_restored(tiny_
     differs = 0  # elements where a member perturbed from the rounded weights would have differed
     for member, weights in enumerate(members):
         for name in (LINEAR, NORM):
-            eps = param_noise(module.seed, 1, member, name, weights[name].numel()).view_as(weights[name])
-            expected = (masters[name].double() + 0.05 * eps.double()).float().to(torch.bfloat16)
+            noise_id, sign = (member // 2, (-1.0) ** member) if antithetic else (member, 1.0)
+            eps = sign * param_noise(module.seed, 1, noise_id, name, weights[name].numel()).view_as(weights[name])
+            # the contract (evaluators.perturb): θ + σε in fp32 from the master, rounded once to bf16 ...
+            expected = (masters[name] + 0.05 * eps).to(torch.bfloat16)
             assert weights[name].dtype == torch.bfloat16 and torch.equal(weights[name], expected), (member, name)
+            # ... which is the exact sum rounded to bf16 but where fp32's own rounding of σε and of the sum lands on a
+            # bf16 tie (one element of one antithetic pair on the Qwen-like fixture): never more than one bf16 ulp off
+            exact = (masters[name].double() + 0.05 * eps.double()).float().to(torch.bfloat16)
+            ulp = torch.finfo(torch.bfloat16).eps * exact.float().abs().clamp_min(torch.finfo(torch.bfloat16).tiny)
+            assert bool(((weights[name].float() - exact.float()).abs() <= ulp).all()), (member, name)
             from_weights = (masters[name].to(torch.bfloat16).float() + 0.05 * eps).to(torch.bfloat16)
             differs += int((from_weights != expected).sum())
     assert differs > 0

@@ -154,7 +154,7 @@ def _perturbed(theta: Tensor, eps: Tensor, sign: float, sigma: float, scaled: di
     if sign not in (1.0, -1.0):
         out.copy_(perturb(theta, eps, sign, sigma))
         return
-    x = scaled.get(noise_id)
+    x = scaled.pop(noise_id, None)  # the pair's first member left it: used once more, then let go
     if x is None:
         x = scaled[noise_id] = sigma * eps.view_as(theta)
     (torch.add if sign > 0 else torch.sub)(theta, x, out=out)
@@ -351,7 +351,7 @@ class BatchedMembersEvaluator(PopulationEvaluator):
             for name, p in named:
                 stacked[name] = out = torch.empty((len(chunk), *p.shape), dtype=p.dtype, device=p.device)
                 theta = centre(opt, p, copy=False).float()
-                scaled: dict[int, Tensor] = {}  # noise id -> σ·ε, fp32: an antithetic pair computes it once
+                scaled: dict[int, Tensor] = {}  # noise id -> σ·ε (fp32) until the pair's second member takes it
                 for j, m in enumerate(chunk):
                     eps = cache.get((m.noise_id, name))
                     if eps is None:
