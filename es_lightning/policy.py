@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, AutoTokenizer, BatchEncoding, PreTrainedModel, PreTrainedTokenizerBase
 
 from es_lightning.hub import hub_errors
 
@@ -111,11 +111,24 @@ def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: list[str]) -> di
     base model wants the tokenizer's BOS. Deciding per prompt from the text itself gives both — one BOS, never two —
     without the generator having to know whether a template was applied (the vLLM backend gets the same ids). Qwen's
     tokenizer adds nothing, so for Qwen this is plain tokenization.
+
+    Each distinct prompt is tokenized once and its padded row repeated: ES evaluates N members on the same B prompts
+    and GRPO repeats each prompt per sample, and tokenizing N×B chat-templated prompts costs ~0.1 s of CPU a step at
+    N×B = 512 on Qwen's tokenizer. The rows are the same either way: left padding to the longest prompt of the batch,
+    which the distinct prompts share with the whole list.
     """
-    plain = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
-    full = tokenizer(list(prompts), add_special_tokens=True)["input_ids"]
+    prompts = list(prompts)
+    first: dict[str, int] = {}  # distinct prompt -> its row among the distinct ones, in order of first appearance
+    rows = [first.setdefault(p, len(first)) for p in prompts]
+    distinct = list(first)
+    plain = tokenizer(distinct, add_special_tokens=False)["input_ids"]
+    full = tokenizer(distinct, add_special_tokens=True)["input_ids"]
     ids = [_without_repeated_prefix(p, f) for p, f in zip(plain, full)]
-    return tokenizer.pad({"input_ids": ids}, padding=True, return_tensors="pt", padding_side="left")
+    enc = tokenizer.pad({"input_ids": ids}, padding=True, return_tensors="pt", padding_side="left")
+    if len(distinct) == len(prompts):
+        return enc
+    index = torch.tensor(rows)
+    return BatchEncoding({key: value[index] for key, value in enc.items()})
 
 
 def _without_repeated_prefix(plain: list[int], full: list[int]) -> list[int]:

@@ -116,6 +116,28 @@ def test_bos_variant_gets_one_bos_with_or_without_a_template(tmp_path):
     assert enc["attention_mask"][0, 0] == 0  # left padding
 
 
+@pytest.mark.parametrize("model", ["qwen-like", "qwen-like-bos", "builtin"])
+def test_repeated_prompts_encode_as_each_prompt_alone_left_padded(model, qwen_like_dir, tmp_path):
+    """ES lays out N members × B prompts and GRPO B prompts × G samples: encode_prompts tokenizes each distinct prompt
+    once. Checked against each prompt encoded on its own, left-padded by hand to the batch's longest."""
+    if model == "builtin":
+        policy = load_policy("builtin:countdown-tiny")
+        texts = [CountdownTask().prompt({"nums": [3, 25, 7], "target": t}) for t in (46, 1, 123)]
+    else:
+        path = qwen_like_dir if model == "qwen-like" else build_qwen_like(tmp_path / "bos", vocab_size=1024,
+                                                                           add_bos_token=True)
+        policy = load_policy(path)
+        texts = policy.render_prompts(task_prompts()[:3], use_chat_template=True) + task_prompts()[3:]
+    prompts = [texts[i] for i in (2, 0, 1, 0, 2, 2, 1, 0)] + texts * 2  # repeats, in no order
+    enc = encode_prompts(policy.tokenizer, prompts)
+    alone = [encode_prompts(policy.tokenizer, [p])["input_ids"][0].tolist() for p in prompts]
+    width = max(map(len, alone))
+    pad = policy.tokenizer.pad_token_id
+    assert enc["input_ids"].tolist() == [[pad] * (width - len(ids)) + ids for ids in alone]
+    assert enc["attention_mask"].tolist() == [[0] * (width - len(ids)) + [1] * len(ids) for ids in alone]
+    assert len(set(map(len, alone))) > 1  # the padding is exercised
+
+
 @pytest.mark.parametrize("vocab_size, hidden, heads", [(200, 64, 2), (1024, 64, 4)])
 def test_bad_sizes_are_refused(tmp_path, vocab_size, hidden, heads):
     with pytest.raises(ValueError, match="vocab_size|head_dim"):
