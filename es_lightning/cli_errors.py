@@ -18,6 +18,11 @@ origin, a user's mistake rather than a bug:
 A mistake raised in ``ddp_spawn`` workers reaches the command as torch's ``ProcessRaisedException`` holding only the
 traceback's text; the same rule is applied to that text (the last frame's ``raise`` and the exception's type).
 
+A mistake in a multi-process fit (DDP's launcher, ``torchrun``) is usually met by every rank at once, the same line in
+each. Rank 0 posts its line in the process group's store and prints it; another rank whose line is the same prints
+nothing, so the command says it once. A rank whose line differs, or that hears nothing from rank 0 within a few
+seconds (rank 0 may be waiting for it in a collective), prints its own.
+
 Anything else is a bug and keeps its traceback. ``--debug`` (anywhere on the command line) or ``ES_LIGHTNING_DEBUG=1``
 shows the full traceback for everything.
 """
@@ -118,9 +123,68 @@ def one_line_errors(prog: str = "es-lightning") -> Iterator[None]:
         line = explain(exc)
         if line is None:
             raise
-        sys.stderr.write(f"{prog}: error: {line}\n")
-        sys.stderr.flush()
+        store, rank, world = _rank_store()
+        if store is not None and rank == 0:
+            _post(store, line)
+        if store is None or rank == 0 or not _said_by_rank_zero(store, line):
+            sys.stderr.write(f"{prog}: error: {line}\n")
+            sys.stderr.flush()
+        if store is not None and rank == 0:
+            _wait_for_readers(store, world)
         raise SystemExit(2) from None
+
+
+# ---------------------------------------------------------------------- one line per command, not per rank
+_MISTAKE_KEY, _READ_KEY = "es-lightning/mistake", "es-lightning/mistake-read"
+_RANK_WAIT_S = 3.0  # how long a rank waits for rank 0's line, and rank 0 for the others to read it
+
+
+def _rank_store() -> tuple[Any, int, int]:
+    """``(store, rank, world size)`` of a live multi-process group (the store it rendezvoused through, hosted by rank
+    0's launcher or ``torchrun``); ``(None, 0, 1)`` otherwise."""
+    try:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+            return None, 0, 1
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store(), dist.get_rank(), dist.get_world_size()
+    except Exception:  # no usable store: every rank prints, as any process would
+        return None, 0, 1
+
+
+def _post(store: Any, line: str) -> None:
+    with contextlib.suppress(Exception):
+        store.set(_MISTAKE_KEY, line)
+
+
+def _said_by_rank_zero(store: Any, line: str) -> bool:
+    """Whether rank 0 posted this very line (waiting for it at most ``_RANK_WAIT_S``); the read is acknowledged."""
+    import time
+
+    deadline = time.monotonic() + _RANK_WAIT_S
+    try:
+        while not store.check([_MISTAKE_KEY]):  # polled: a store wait that times out logs c10d socket warnings
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+        same = store.get(_MISTAKE_KEY).decode() == line
+        store.add(_READ_KEY, 1)
+        return same
+    except Exception:  # rank 0 said nothing in time, or its store is gone (it has exited): say it here
+        return False
+
+
+def _wait_for_readers(store: Any, world: int) -> None:
+    """Rank 0 hosts the store: it stays until the other ranks have read its line (at most ``_RANK_WAIT_S``; ranks
+    that met no mistake never read it)."""
+    import time
+
+    deadline = time.monotonic() + _RANK_WAIT_S
+    with contextlib.suppress(Exception):
+        while store.add(_READ_KEY, 0) < world - 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
 
 
 # ---------------------------------------------------------------------- classification

@@ -131,7 +131,8 @@ def end_distributed_process(status: int | str | None = 0, error: BaseException |
     ``status`` means what ``sys.exit``'s does: an int is the exit status, None is 0, anything else is printed to
     stderr and the status is 1. ``error``: an exception that would have ended the process uncaught — its traceback is
     printed first, as the interpreter would have (call it from the ``except`` block, then re-raise for the ordinary
-    case). Returns (doing nothing) in a process that ran no distributed fit, whose ordinary exit is safe. What the
+    case). Returns (doing nothing) in a process that never had a process group (none registered here or by a
+    distributed fit's setup), whose ordinary exit is safe. What the
     teardown would have done is skipped too: close your own files (``with open(...)``) before."""
     import atexit
     import ctypes
@@ -141,7 +142,9 @@ def end_distributed_process(status: int | str | None = 0, error: BaseException |
     import traceback
 
     if not _EXIT_HANDLER:
-        return
+        destroy_process_group_at_exit()  # a group made before the module's setup registered it (a callback failed)
+        if not _EXIT_HANDLER:
+            return
     if error is not None:
         traceback.print_exception(error)
     if status is None:

@@ -49,6 +49,16 @@ class FailingCallback(L.Callback):
         raise RuntimeError("a bug in a callback")
 
 
+class RankOneMistake(L.Callback):
+    """A mistake only rank 1 meets, at fit setup (the process group is up); rank 0 goes on into the fit."""
+
+    def setup(self, trainer, module, stage):
+        if trainer.global_rank == 1:
+            from es_lightning.cli_errors import UserError
+
+            raise UserError("only rank 1 meets this mistake; fix it there")
+
+
 TEARDOWN_BOMB = """
 import os, sys
 class _TeardownBomb:  # freed only when the interpreter tears its modules down: then it aborts, as gloo can there

@@ -204,15 +204,28 @@ def _distributed_fit(tmp_path, *extra):
 
 def test_a_mistake_in_a_distributed_command_ends_with_its_one_line_and_status_2(tmp_path):
     """`es-lightning fit` on 2 DDP processes with a batch prompt_groups cannot split: the mistake surfaces at fit setup,
-    after the process group exists; every rank prints the one line and the command exits 2 — past the interpreter's
-    teardown, which would abort it here (es_helpers.teardown_bomb)."""
+    after the process group exists, on both ranks; the command prints the one line once (rank 0's; rank 1 sees its own
+    line is the same) and exits 2 — past the interpreter's teardown, which would abort it here
+    (es_helpers.teardown_bomb)."""
     proc = _distributed_fit(tmp_path, "--model.init_args.prompt_groups", "3", "--model.init_args.population_size", "6",
                             "--data.init_args.batch_size", "4")
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
     assert "MEMBER: 2/2" in proc.stdout + proc.stderr and proc.stderr.count("teardown bomb armed") == 2
     line = ("es-lightning: error: --model.init_args.prompt_groups: prompt_groups=3 splits each batch into 3 equal "
             "slices, but a batch has 4 prompts; set data.batch_size to a multiple of 3")
-    assert line in proc.stderr.splitlines() and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.splitlines().count(line) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_a_mistake_only_one_rank_meets_is_still_said(tmp_path):
+    """Rank 1 alone meets a mistake, in a callback's setup (rank 0 goes on and waits for it in a broadcast): rank 1
+    hears nothing from rank 0 and prints its own line, once. Rank 0's broadcast then fails (its peer is gone): that
+    keeps its traceback, and rank 0 — the command — exits 1, not through the interpreter's teardown (which would abort
+    here) although the module's setup, which registers the clean exit, never ran."""
+    proc = _distributed_fit(tmp_path, "--trainer.callbacks+=es_helpers.RankOneMistake")
+    assert proc.returncode == 1, (proc.returncode, proc.stderr[-3000:])
+    line = "es-lightning: error: only rank 1 meets this mistake; fix it there"
+    assert proc.stderr.splitlines().count(line) == 1, proc.stderr[-3000:]
+    assert "Connection closed by peer" in proc.stderr and "[c10d]" not in proc.stderr, proc.stderr[-3000:]
 
 
 def test_a_bug_in_a_distributed_command_keeps_its_traceback_and_status_1(tmp_path):
