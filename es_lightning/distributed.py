@@ -131,9 +131,9 @@ def end_distributed_process(status: int | str | None = 0, error: BaseException |
     ``status`` means what ``sys.exit``'s does: an int is the exit status, None is 0, anything else is printed to
     stderr and the status is 1. ``error``: an exception that would have ended the process uncaught — its traceback is
     printed first, as the interpreter would have (call it from the ``except`` block, then re-raise for the ordinary
-    case). Returns (doing nothing) in a process that never had a process group (none registered here or by a
-    distributed fit's setup), whose ordinary exit is safe. What the
-    teardown would have done is skipped too: close your own files (``with open(...)``) before."""
+    case). Returns (doing nothing) in a process without a process group, whose ordinary exit is safe; a group alive
+    that no fit's setup registered (a callback failed first) gets the ``atexit`` handler here. What the teardown would
+    have done is skipped too: close your own files (``with open(...)``) before."""
     import atexit
     import ctypes
     import os

@@ -112,9 +112,9 @@ def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: list[str]) -> di
     without the generator having to know whether a template was applied (the vLLM backend gets the same ids). Qwen's
     tokenizer adds nothing, so for Qwen this is plain tokenization.
 
-    Each distinct prompt is tokenized once and its padded row repeated: ES evaluates N members on the same B prompts
-    and GRPO repeats each prompt per sample, and tokenizing N×B chat-templated prompts costs ~0.1 s of CPU a step at
-    N×B = 512 on Qwen's tokenizer. The rows are the same either way: left padding to the longest prompt of the batch,
+    Each distinct prompt is tokenized once and its padded row repeated: a population-batched ES step passes its B
+    prompts once per member (N×B rows; samples per prompt are repeated after encoding, as GRPO's are), and
+    tokenizing 512 chat-templated prompts costs ~0.15 s of CPU on Qwen's tokenizer. The rows are the same either way: left padding to the longest prompt of the batch,
     which the distinct prompts share with the whole list.
     """
     prompts = list(prompts)

@@ -118,7 +118,7 @@ def test_bos_variant_gets_one_bos_with_or_without_a_template(tmp_path):
 
 @pytest.mark.parametrize("model", ["qwen-like", "qwen-like-bos", "builtin"])
 def test_repeated_prompts_encode_as_each_prompt_alone_left_padded(model, qwen_like_dir, tmp_path):
-    """ES lays out N members × B prompts and GRPO B prompts × G samples: encode_prompts tokenizes each distinct prompt
+    """A population-batched ES step passes its B prompts once per member: encode_prompts tokenizes each distinct prompt
     once. Checked against each prompt encoded on its own, left-padded by hand to the batch's longest."""
     if model == "builtin":
         policy = load_policy("builtin:countdown-tiny")
