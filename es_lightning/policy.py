@@ -114,8 +114,8 @@ def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: list[str]) -> di
 
     Each distinct prompt is tokenized once and its padded row repeated: a population-batched ES step passes its B
     prompts once per member (N×B rows; samples per prompt are repeated after encoding, as GRPO's are), and
-    tokenizing 512 chat-templated prompts costs ~0.15 s of CPU on Qwen's tokenizer. The rows are the same either way: left padding to the longest prompt of the batch,
-    which the distinct prompts share with the whole list.
+    tokenizing 512 chat-templated prompts costs ~0.15 s of CPU on Qwen's tokenizer. The rows are the same either
+    way: left padding to the longest prompt of the batch, which the distinct prompts share with the whole list.
     """
     prompts = list(prompts)
     first: dict[str, int] = {}  # distinct prompt -> its row among the distinct ones, in order of first appearance
