@@ -16,7 +16,9 @@ origin, a user's mistake rather than a bug:
   written.
 
 A mistake raised in ``ddp_spawn`` workers reaches the command as torch's ``ProcessRaisedException`` holding only the
-traceback's text; the same rule is applied to that text (the last frame's ``raise`` and the exception's type).
+traceback's text; the same rule is applied to that text (the last frame's ``raise`` and the exception's type), and the
+option is named as for a mistake in the command's own process, the raising object being the configured class one of
+whose methods is on the traceback.
 
 A mistake in a multi-process fit (DDP's launcher, ``torchrun``) is usually met by every rank at once, the same line in
 each. Rank 0 posts its line in the process group's store and prints it; another rank whose line is the same prints
@@ -244,7 +246,7 @@ def _is_worker_error(exc: BaseException) -> bool:
     return isinstance(exc, ProcessRaisedException) and isinstance(getattr(exc, "msg", None), str)
 
 
-_FRAME = re.compile(r'^  File "(?P<file>[^"\n]+)", line \d+, in [^\n]*\n(?:    (?P<source>[^\n]*)\n)?', re.M)
+_FRAME = re.compile(r'^  File "(?P<file>[^"\n]+)", line \d+, in (?P<func>[^\n]*)\n(?:    (?P<source>[^\n]*)\n)?', re.M)
 
 
 def _worker_mistake(text: str) -> str | None:
@@ -269,8 +271,34 @@ def _worker_mistake(text: str) -> str | None:
         return message
     if _deliberate_frame(last.group("file"), last.group("source")) and kind in {t.__name__ for t in _DELIBERATE} \
             and message:
-        return message
+        return _located_from_text(frames, message)
     return None
+
+
+def _located_from_text(frames: list[re.Match], message: str) -> str:
+    """:func:`_with_location` for a traceback's text, which has no ``self``: the raising object is taken to be an
+    instance of the configured class (model, data, task, callback) one of whose es-lightning methods is the innermost
+    such frame — ``ReasoningModule.setup`` on the traceback makes the model's section the place to name."""
+    sections = [(section, class_path, cls) for section, class_path in _config_sections(_CONTEXT["config"])
+                if (cls := _import(class_path)) is not None]
+    for frame in reversed(frames):
+        path, func = Path(frame.group("file")).resolve(), frame.group("func")
+        if _PACKAGE_DIR not in path.parents:
+            continue
+        for section, class_path, cls in sections:
+            if any(_method_in(k, func, path) for k in cls.__mro__ if k.__module__.startswith("es_lightning")):
+                return _at(section, class_path, cls, message, _CONTEXT["argv"])
+    return message
+
+
+def _method_in(cls: type, name: str, path: Path) -> bool:
+    """Whether ``cls`` itself has a method ``name`` whose code is in ``path`` (a generated ``__init__`` counts where
+    its code is)."""
+    obj = vars(cls).get(name)
+    if isinstance(obj, (staticmethod, classmethod)):
+        obj = obj.__func__
+    code = getattr(inspect.unwrap(obj), "__code__", None) if callable(obj) else None
+    return code is not None and Path(code.co_filename).resolve() == path
 
 
 def _squash(text: str) -> str:

@@ -245,3 +245,21 @@ def test_a_mistake_raised_in_a_spawned_worker_is_one_line():
 
     assert explain(_worker_failure(outside)) is None  # not es-lightning's code: keeps its traceback
     assert explain(_worker_failure(lambda: [][1])) is None
+
+
+def test_a_spawned_workers_mistake_is_located_like_the_ddp_one(monkeypatch):
+    """From a worker's traceback text (no ``self`` to look at) the option is named when a frame is a method of a
+    configured class — ESModule's constructor here — and not when the mistake comes from code no section owns."""
+    from jsonargparse import Namespace
+
+    from es_lightning import ESModule, cli_errors
+    from es_lightning.cli_errors import explain
+    from es_lightning.es.settings import ESSettings
+
+    monkeypatch.setitem(cli_errors._CONTEXT, "argv", ["fit", "--model.init_args.population_size", "1"])
+    monkeypatch.setitem(cli_errors._CONTEXT, "config", Namespace(
+        model=Namespace(class_path="es_lightning.ESModule", init_args=Namespace(population_size=1))))
+    located = explain(_worker_failure(lambda: ESModule(model="builtin:countdown-tiny", population_size=1)))
+    assert located is not None and located.startswith("--model.init_args.population_size: population_size must be >= 2")
+    alone = explain(_worker_failure(lambda: ESSettings(population_size=1)))  # no configured class's method raised it
+    assert alone is not None and alone.startswith("population_size must be >= 2")

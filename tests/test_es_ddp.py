@@ -270,6 +270,6 @@ def test_a_mistake_in_a_ddp_spawn_worker_is_one_line_and_status_2(tmp_path):
     proc = _spawn_fit(tmp_path, "--model.init_args.prompt_groups", "3", "--model.init_args.population_size", "6",
                       "--data.init_args.batch_size", "4")
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
-    line = ("es-lightning: error: prompt_groups=3 splits each batch into 3 equal slices, but a batch has 4 prompts; set "
-            "data.batch_size to a multiple of 3")
+    line = ("es-lightning: error: --model.init_args.prompt_groups: prompt_groups=3 splits each batch into 3 equal "
+            "slices, but a batch has 4 prompts; set data.batch_size to a multiple of 3")  # located as under ddp
     assert proc.stderr.splitlines().count(line) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
