@@ -131,8 +131,8 @@ def end_distributed_process(status: int | str | None = 0, error: BaseException |
     ``status`` means what ``sys.exit``'s does: an int is the exit status, None is 0, anything else is printed to
     stderr and the status is 1. ``error``: an exception that would have ended the process uncaught — its traceback is
     printed first, as the interpreter would have (call it from the ``except`` block, then re-raise for the ordinary
-    case). Returns (doing nothing) in a process without a process group, whose ordinary exit is safe; a group alive
-    that no fit's setup registered (a callback failed first) gets the ``atexit`` handler here. What the teardown would
+    case). Returns (doing nothing) in a process without a multi-process group, whose ordinary exit is safe; such a
+    group alive that no fit's setup registered (a callback failed first) gets the ``atexit`` handler here. What the teardown would
     have done is skipped too: close your own files (``with open(...)``) before."""
     import atexit
     import ctypes
@@ -142,7 +142,10 @@ def end_distributed_process(status: int | str | None = 0, error: BaseException |
     import traceback
 
     if not _EXIT_HANDLER:
-        destroy_process_group_at_exit()  # a group made before the module's setup registered it (a callback failed)
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            destroy_process_group_at_exit()  # a fit's group that its module's setup did not reach (a callback failed)
         if not _EXIT_HANDLER:
             return
     if error is not None:
