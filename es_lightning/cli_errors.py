@@ -39,6 +39,7 @@ import inspect
 import os
 import re
 import sys
+import time
 import traceback
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -147,7 +148,9 @@ def _rank_store() -> tuple[Any, int, int]:
     try:
         import torch.distributed as dist
 
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        from es_lightning.distributed import multiprocess_group_alive
+
+        if not multiprocess_group_alive():
             return None, 0, 1
         from torch.distributed.distributed_c10d import _get_default_store
 
@@ -163,8 +166,6 @@ def _post(store: Any, line: str) -> None:
 
 def _said_by_rank_zero(store: Any, line: str) -> bool:
     """Whether rank 0 posted this very line (waiting for it at most ``_RANK_WAIT_S``); the read is acknowledged."""
-    import time
-
     deadline = time.monotonic() + _RANK_WAIT_S
     try:
         while not store.check([_MISTAKE_KEY]):  # polled: a store wait that times out logs c10d socket warnings
@@ -181,8 +182,6 @@ def _said_by_rank_zero(store: Any, line: str) -> bool:
 def _wait_for_readers(store: Any, world: int) -> None:
     """Rank 0 hosts the store: it stays until the other ranks have read its line (at most ``_RANK_WAIT_S``; ranks
     that met no mistake never read it)."""
-    import time
-
     deadline = time.monotonic() + _RANK_WAIT_S
     with contextlib.suppress(Exception):
         while store.add(_READ_KEY, 0) < world - 1 and time.monotonic() < deadline:

@@ -107,6 +107,13 @@ def default_fsdp1_wrapping(strategy: Any, model: nn.Module) -> None:
 _EXIT_HANDLER = []
 
 
+def multiprocess_group_alive() -> bool:
+    """Whether this process is in a live default process group of more than one process."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 def destroy_process_group_at_exit() -> None:
     """Register (once per process) an ``atexit`` handler destroying the default process group, if one is still alive
     at exit: the clean-exit remedy of the module docstring. Safe to call when torch.distributed is unavailable."""
@@ -132,8 +139,8 @@ def end_distributed_process(status: int | str | None = 0, error: BaseException |
     stderr and the status is 1. ``error``: an exception that would have ended the process uncaught — its traceback is
     printed first, as the interpreter would have (call it from the ``except`` block, then re-raise for the ordinary
     case). Returns (doing nothing) in a process without a multi-process group, whose ordinary exit is safe; such a
-    group alive that no fit's setup registered (a callback failed first) gets the ``atexit`` handler here. What the teardown would
-    have done is skipped too: close your own files (``with open(...)``) before."""
+    group alive that no fit's setup registered (a callback failed first) gets the ``atexit`` handler here. What the
+    teardown would have done is skipped too: close your own files (``with open(...)``) before."""
     import atexit
     import ctypes
     import os
@@ -142,9 +149,7 @@ def end_distributed_process(status: int | str | None = 0, error: BaseException |
     import traceback
 
     if not _EXIT_HANDLER:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if multiprocess_group_alive():
             destroy_process_group_at_exit()  # a fit's group that its module's setup did not reach (a callback failed)
         if not _EXIT_HANDLER:
             return
