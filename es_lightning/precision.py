@@ -190,6 +190,7 @@ class MasterState:
             state["master"] = p.detach().to(self.master_dtype, copy=True)
         return state["master"]
 
+    @torch.no_grad()  # called from anywhere (a callback's on_train_start reads the centre): a master is no autograd leaf
     def sync_masters(self) -> int:
         """Take the master from the model wherever the weight no longer equals the rounded master (it was written by
         something other than this optimizer); returns how many elements were taken. Elements that agree keep the
