@@ -67,9 +67,11 @@ def test_noise_rank_is_validated_with_the_fix(tiny_model_dir):
 
 def test_paths_that_cannot_run_low_rank_members_refuse_it(tiny_model_dir):
     module = ESModule(model=tiny_model_dir, population_size=4)
-    with pytest.raises(ValueError, match=r"noise_rank=2 is not supported on a sharded \(FSDP\).*use noise_rank: 0"):
+    # under the sharded evaluator, parameters that are not DTensors are FSDP1's flat shards: refused, naming FSDP2
+    # (FSDP2 runs low-rank members: tests/test_sharding_lowrank.py)
+    with pytest.raises(ValueError, match=r"noise_rank=2 is not supported under FSDP1.*ModelParallelStrategy.*fsdp2\.yaml"):
         ShardedEvaluator(ESSettings(population_size=4, noise_rank=2)).check(module)
-    ShardedEvaluator(ESSettings(population_size=4)).check(module)  # full rank under FSDP is fine
+    ShardedEvaluator(ESSettings(population_size=4)).check(module)  # full rank under FSDP1 is fine
     LowRankEvaluator(ESSettings(population_size=4, noise_rank=2)).check(module)
     module.generation_backend = "vllm"  # the HF forward is where the low-rank term is added
     with pytest.raises(ValueError, match="use generation_backend: hf with noise_rank > 0"):

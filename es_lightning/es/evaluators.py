@@ -59,7 +59,7 @@ from es_lightning.es.lowrank import LowRankPopulationForward
 from es_lightning.es.noise import param_noise
 from es_lightning.es.population import PopulationForward
 from es_lightning.es.settings import ESSettings
-from es_lightning.es.sharding import clean_name, prompt_share, shard_views
+from es_lightning.es.sharding import clean_name, is_dtensor, prompt_share, shard_views
 from es_lightning.es.update import ESOptimizer
 from es_lightning.generation import Rollout
 from es_lightning.scoring import Scores
@@ -391,23 +391,28 @@ class LowRankEvaluator(PopulationEvaluator):
             )
 
     def evaluate(self, module, examples, step, members):
-        s = self.settings
         mine = list(members)[module.trainer.global_rank::module.trainer.world_size]
-        named = perturbed_parameters(module.policy.model, s.trainable)
-        run = PopulationStep(module, s, examples, step)
-        k = s.members_per_batch
-        cache: dict = {}  # (noise id, name) -> (A, B) for a matrix, flat ε for a vector: drawn once this step
-        opt = es_optimizer(module)
-        centres = {name: centre(opt, p, copy=False) for name, p in named}  # fp32 masters where kept (no copies)
-        report_progress(module, 0, len(mine))
-        for start in range(0, len(mine), k):
-            chunk = mine[start:start + k]
-            with LowRankPopulationForward(module.policy.model, named, [(m.noise_id, m.sign) for m in chunk],
-                                          seed=module.seed, step=step, sigma=s.sigma, rank=s.noise_rank, cache=cache,
-                                          centres=centres):
-                run.run(chunk)
-            report_progress(module, start + len(chunk), len(mine))
-        return run.tally.finish(module, cache)
+        return lowrank_members(module, self.settings, PopulationStep(module, self.settings, examples, step), mine)
+
+
+def lowrank_members(module: ReasoningModule, s: ESSettings, run: PopulationStep, members: Sequence[Member],
+                    columns: slice = slice(None)) -> PopulationScores:
+    """Score ``members`` through :class:`LowRankPopulationForward`, ``members_per_batch`` per ``generate`` call, on
+    ``run``'s prompts (``columns``: which of the batch's prompts they are); the step's factors are drawn once into the
+    cache the update reuses. The weights are never written."""
+    named = perturbed_parameters(module.policy.model, s.trainable)
+    cache: dict = {}  # (noise id, name) -> (A, B) for a matrix, flat ε for a vector: drawn once this step
+    opt = es_optimizer(module)
+    centres = {name: centre(opt, p, copy=False) for name, p in named}  # fp32 masters where kept (no copies)
+    report_progress(module, 0, len(members))
+    for start in range(0, len(members), s.members_per_batch):
+        chunk = members[start:start + s.members_per_batch]
+        with LowRankPopulationForward(module.policy.model, named, [(m.noise_id, m.sign) for m in chunk],
+                                      seed=module.seed, step=run.step, sigma=s.sigma, rank=s.noise_rank, cache=cache,
+                                      centres=centres):
+            run.run(chunk, columns=columns)
+        report_progress(module, start + len(chunk), len(members))
+    return run.tally.finish(module, cache)
 
 
 class ShardedEvaluator(PopulationEvaluator):
@@ -423,6 +428,13 @@ class ShardedEvaluator(PopulationEvaluator):
     an unsharded run; the other ranks' prompts sit at other batch rows and draw other (equally valid) numbers.
     Limits: ``members_per_batch > 1`` falls back to one member at a time (a warning); the batch needs at least one
     prompt per rank.
+
+    Low-rank members (``noise_rank > 0``, FSDP2 only) write no shard at all: every rank runs ``members_per_batch``
+    members per ``generate`` through :class:`~es_lightning.es.lowrank.LowRankPopulationForward` on its prompt share.
+    A patched layer reads its weight inside the forward, after FSDP2 has gathered it, and adds each member's rank-r
+    term with factors drawn for the whole matrix (O(r·(m+n)) each, the same on every rank); the vectors' member copies
+    are perturbed from the whole vector (gathered once per block). The update then adds to each rank's shard only its
+    rows of Σ z E. FSDP1 is refused: outside a forward its parameters are flat shards, without a matrix's shape.
     """
 
     def check(self, module):
@@ -432,13 +444,13 @@ class ShardedEvaluator(PopulationEvaluator):
                 "split each member's prompts, not the population; use prompt_groups: 1 with FSDP, or DDP "
                 "(configs/trainer/ddp.yaml) if the model fits on one device"
             )
-        if self.settings.noise_rank:
+        if self.settings.noise_rank and not any(is_dtensor(p) for p in module.policy.model.parameters()):
             raise ValueError(
-                f"noise_rank={self.settings.noise_rank} is not supported on a sharded (FSDP) policy yet: its members would "
-                "need the low-rank forward on every rank's prompt share; use noise_rank: 0 with FSDP, or DDP "
-                "(configs/trainer/ddp.yaml) if the model fits on one device"
+                f"noise_rank={self.settings.noise_rank} is not supported under FSDP1 (FSDPStrategy), whose parameters "
+                "are flat shards outside a forward, so no matrix keeps its shape; use FSDP2 (ModelParallelStrategy, "
+                "configs/trainer/fsdp2.yaml) with noise_rank > 0, or noise_rank: 0 with FSDP1"
             )
-        if self.settings.members_per_batch > 1:
+        if self.settings.members_per_batch > 1 and not self.settings.noise_rank:
             rank_zero_warn(
                 f"members_per_batch={self.settings.members_per_batch} stacks full copies of the weights, which a sharded "
                 "(FSDP) policy does not have: members are evaluated one at a time (same rewards). Use DDP "
@@ -454,8 +466,10 @@ class ShardedEvaluator(PopulationEvaluator):
         s = self.settings
         trainer = module.trainer
         share = prompt_share(len(examples), trainer.global_rank, trainer.world_size)
-        views = shard_views(perturbed_parameters(module.policy.model, s.trainable), trainer.strategy.model)
         run = PopulationStep(module, s, examples, step, local=examples[share])
+        if s.noise_rank:  # every rank runs every member, members_per_batch at a time, through the shared weights
+            return lowrank_members(module, s, run, list(members), columns=share)
+        views = shard_views(perturbed_parameters(module.policy.model, s.trainable), trainer.strategy.model)
         opt = es_optimizer(module)
         # this rank's shard of θ: its fp32 master's piece (no copy), else a copy of the shard — the exact restore
         base = opt.centre_views(views) if opt is not None else [(v, v.read()) for v in views]
@@ -488,7 +502,7 @@ BACKEND_EVALUATORS: dict[str, Callable[[ReasoningModule, ESSettings], Population
 def select_evaluator(module: ReasoningModule, settings: ESSettings) -> PopulationEvaluator:
     """The evaluator for this module and these settings — the one place the choice is made."""
     if module.sharded:
-        return ShardedEvaluator(settings)  # refuses noise_rank > 0 in its check
+        return ShardedEvaluator(settings)  # low-rank members too (FSDP2); FSDP1 refuses them in its check
     if module.generation_backend in BACKEND_EVALUATORS:  # vLLM: members pushed, perturbed engine-side, or LoRA adapters
         return BACKEND_EVALUATORS[module.generation_backend](module, settings)
     if settings.noise_rank:

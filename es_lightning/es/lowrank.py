@@ -39,6 +39,7 @@ from torch import Tensor, nn
 
 from es_lightning.es.noise import param_noise
 from es_lightning.es.population import _batched_forward, _split
+from es_lightning.es.sharding import is_dtensor
 
 #: what a step's noise cache holds per (noise id, parameter name): flat fp32 noise (vectors) or fp32 factors (A, B)
 NoiseCache = MutableMapping[tuple[int, str], "Tensor | tuple[Tensor, Tensor]"]
@@ -182,13 +183,13 @@ class LowRankPopulationForward:
 
     def _vectors(self, name: str, p: Tensor) -> Tensor:
         """``[k, *p.shape]`` full-rank perturbed copies, computed as ``es_lightning.es.evaluators.perturb`` does (fp32, cast once)."""
-        eps = torch.stack([_cached_noise(self.cache, self.seed, self.step, i, name, p).view_as(p) for i, _ in self.members])
+        eps = torch.stack([_cached_noise(self.cache, self.seed, self.step, i, name, p).view(p.shape) for i, _ in self.members])
         scales = torch.tensor([s * self.sigma for _, s in self.members], dtype=torch.float32,
                               device=p.device).view(-1, *[1] * p.dim())
         return (self._centre(name, p) + scales * eps).to(p.dtype)  # elementwise as perturb's centre + (sσ)·ε, fp32
 
     def _centre(self, name: str, p: Tensor) -> Tensor:  # fp32
-        return self.centres.get(name, p).detach().float().view_as(p)
+        return _whole(self.centres.get(name, p)).detach().float().view(p.shape)
 
     # ------------------------------------------------------------------ context
     def __enter__(self) -> LowRankPopulationForward:
@@ -221,7 +222,7 @@ class LowRankPopulationForward:
                 members = {}
                 for n, p in module.named_parameters(recurse=False):
                     if id(p) not in self._names:
-                        members[n] = p.detach().unsqueeze(0).expand(self.k, *p.shape)
+                        members[n] = _whole(p).detach().unsqueeze(0).expand(self.k, *p.shape)
                     elif p.dim() == 2:  # a matrix in a module we cannot batch low-rank: merged copies
                         fallback.append(f"{mod_name}.{n} ({type(module).__name__})")
                         a, b = self._factors(self._names[id(p)], p)
@@ -296,6 +297,12 @@ class LowRankPopulationForward:
             return out
 
         return embedding
+
+
+def _whole(t: Tensor) -> Tensor:
+    """The whole tensor of an FSDP2 (DTensor) parameter or master — an all-gather, which every rank makes for the same
+    tensors in the same order, as they patch the same modules — or ``t`` itself."""
+    return t.full_tensor() if is_dtensor(t) else t
 
 
 def _add_term(out: Tensor, left: Tensor, right: Tensor) -> None:
