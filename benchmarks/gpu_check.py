@@ -15,6 +15,7 @@ unsharded run of the same step (the CPU suite's tests/test_sharding_*.py do the 
    ``gathered_for_generation``); the step-1 weights equal the unsharded step's; a fit resumed from the step-1
    checkpoint ends with the uninterrupted run's step-2 weights.
 2. ``es_fsdp2``: ES, ``ModelParallelStrategy`` (FSDP2) on CUDA with NCCL: step-1 weights equal the unsharded step's;
+   ``es_fsdp2_lowrank``: the same with low-rank members (``noise_rank: 2``, the population in one ``generate``);
    ``es_ddp``: the same for ES population-parallel under DDP (NCCL).
 3. ``grpo_fsdp1``: one GRPO step under ``FSDPStrategy`` on a fixed batch of per-prompt-seeded rollouts equals the
    unsharded step (weights and global gradient norm).
@@ -107,7 +108,8 @@ def run(args) -> None:
 
     callbacks: list = [Record()]
     if args.algo == "es":
-        module = ESModule(model="builtin:countdown-tiny", task=LengthTask(), **ES_KW)
+        lowrank = dict(noise_rank=args.noise_rank, members_per_batch=ES_KW["population_size"]) if args.noise_rank else {}
+        module = ESModule(model="builtin:countdown-tiny", task=LengthTask(), **ES_KW, **lowrank)
         data = ReasoningDataModule(task="countdown", train_size=32, val_size=4, test_size=4, batch_size=4)
         if args.checkpoints:
             callbacks += [ModelCheckpoint(dirpath=args.checkpoints, every_n_train_steps=1, save_top_k=-1,
@@ -222,6 +224,7 @@ def main() -> None:
     parser.add_argument("--checkpoints", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--resume", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--accelerator", default="gpu", help=argparse.SUPPRESS)
+    parser.add_argument("--noise_rank", type=int, default=0, help=argparse.SUPPRESS)  # _fit passes --<key>
     parser.add_argument("--noise-numel", type=int, default=64 * 2**20, help="elements of the noise timing check")
     parser.add_argument("--vllm", action="store_true", help="also run benchmarks/gpu_check_vllm.py (CUDA vLLM)")
     parser.add_argument("--lowrank-speed", action="store_true",
@@ -265,6 +268,16 @@ def main() -> None:
         for name, run_ in runs.items():
             diff = _max_diff(run_["weights"]["1"], single["weights"]["1"])
             check(f"{name} step 1 == unsharded", diff < 1e-4, f"max |Δw| = {diff:.2e}, sharded={run_['sharded']}")
+        try:  # low-rank members (noise_rank 2, the population in one generate) under FSDP2 against one unsharded GPU
+            lr_single = _fit(tmp, "lowrank_single", strategy="single", algo="es", steps=1, noise_rank=2, **common)
+            lr_fsdp2 = _fit(tmp, "es_fsdp2_lowrank", strategy="fsdp2", algo="es", steps=1, noise_rank=2,
+                            devices=args.devices, **common)
+            diff = _max_diff(lr_fsdp2["weights"]["1"], lr_single["weights"]["1"])
+            other = _max_diff(lr_single["weights"]["1"], single["weights"]["1"])  # low-rank noise really took effect
+            check("es_fsdp2_lowrank step 1 == unsharded", diff < 1e-4 and other > 1e-3,
+                  f"max |Δw| = {diff:.2e} (full-rank step: {other:.2e} away), sharded={lr_fsdp2['sharded']}")
+        except Exception as err:
+            check("es_fsdp2_lowrank", False, str(err)[-1500:])
         if "es_fsdp1" in runs:
             ckpts = sorted(os.listdir(os.path.join(tmp, "ckpt1")))
             try:
