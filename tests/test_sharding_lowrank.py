@@ -1,12 +1,14 @@
 """Low-rank ES members (``noise_rank > 0``) on an FSDP2-sharded policy: 2 real CPU processes (gloo), Lightning's
 ``ModelParallelStrategy``.
 
-One subprocess run fits, on both ranks, 2 low-rank ES steps of (a) the tiny fp32 model at rank 2 and (b) the Qwen-like
-fixture at its real vocabulary size (151,936 rows, tied embeddings, chat template, pad = EOS) in bf16 with fp32
-masters at rank 1 — every member of a block in one ``generate``, each rank on its half of the prompts, its layers
-reading the weights FSDP2 gathers. Checked against 1-process low-rank fits of the same settings run here (the
-unsharded path, itself checked against merged weights in tests/test_es_lowrank.py): the members' rewards after each
-step and the weights after each step. Greedy rollouts, so the split of the prompts over ranks changes no token.
+One subprocess run makes, on both ranks, three 2-step ES fits: (a) the tiny fp32 model, low-rank at r = 2; (b) the
+Qwen-like fixture at its real vocabulary size (151,936 rows, tied embeddings, chat template, pad = EOS) in bf16 with
+fp32 masters, low-rank at r = 1, with a sharded checkpoint after each step and then a fresh fit resumed from the
+first; (c) that fixture with full-rank members. Low-rank members run ``members_per_batch`` per ``generate``, each rank
+on its half of the prompts, their layers reading the weights FSDP2 gathers. Checked against 1-process fits of the
+same settings run here (the unsharded low-rank path is itself checked against merged weights in
+tests/test_es_lowrank.py): the members' rewards and the weights after each step; and the resumed step 2 against the
+uninterrupted one, bitwise. Greedy rollouts, so the split of the prompts over ranks changes no token.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class SumTask(CountdownTask):
 SCRIPT = textwrap.dedent(
     """
     import json, sys, torch, lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.strategies import ModelParallelStrategy
     sys.path.insert(0, {tests!r})
     from test_sharding_lowrank import COMMON, DATA, FITS, SumTask
@@ -59,22 +62,34 @@ SCRIPT = textwrap.dedent(
                      for n, p in module.model.named_parameters()}}  # a collective: every rank gathers
             self.steps.append({{"weights": full, "rewards": module.last_rewards.tolist()}})
 
+    def fit(name, checkpoints=None, ckpt_path=None):
+        module = ESModule(model=dirs[name], task=SumTask(), **COMMON, **FITS[name])
+        record = Record()
+        callbacks = [record]
+        if checkpoints:  # a sharded (distributed) checkpoint after every step
+            callbacks.append(ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=1, save_top_k=-1,
+                                             filename="{{step}}"))
+        trainer = L.Trainer(max_steps=2, accelerator="cpu", devices=2, strategy=ModelParallelStrategy(),
+                            logger=False, enable_checkpointing=bool(checkpoints), limit_val_batches=0,
+                            num_sanity_val_steps=0, enable_progress_bar=False, enable_model_summary=False,
+                            callbacks=callbacks)
+        trainer.fit(module, ReasoningDataModule(task=CountdownTask(), **DATA), ckpt_path=ckpt_path)
+        return trainer, module, record
+
     if __name__ == "__main__":
         torch.set_num_threads(1)
         out, dirs = {out!r}, {dirs!r}
         result = {{}}
-        for name, kw in FITS.items():
-            module = ESModule(model=dirs[name], task=SumTask(), **COMMON, **kw)
-            record = Record()
-            trainer = L.Trainer(max_steps=2, accelerator="cpu", devices=2, strategy=ModelParallelStrategy(),
-                                logger=False, enable_checkpointing=False, limit_val_batches=0, num_sanity_val_steps=0,
-                                enable_progress_bar=False, enable_model_summary=False, callbacks=[record])
-            trainer.fit(module, ReasoningDataModule(task=CountdownTask(), **DATA))
+        for name in FITS:
+            resumable = name == "qwen_like"
+            trainer, module, record = fit(name, checkpoints=out + "/ckpt" if resumable else None)
             params = list(module.model.named_parameters())
             result[name] = {{"steps": record.steps, "evaluator": type(module.algorithm.evaluator).__name__,
                              "sharded": module.sharded,
                              "local": {{n: p.to_local().numel() for n, p in params if hasattr(p, "to_local")}},
                              "total": {{n: p.numel() for n, p in params}}}}
+            if resumable:  # a fresh fit resumed from the step-1 checkpoint: its step 2
+                result[name]["resumed"] = fit(name, ckpt_path=out + "/ckpt/step=1.ckpt")[2].steps
         json.dump(result, open(out + f"/rank{{trainer.global_rank}}.json", "w"))
         from es_lightning.distributed import end_distributed_process
         end_distributed_process()  # FSDP2's units keep the gloo groups: exit past the teardown (distributed.py)
@@ -136,3 +151,15 @@ def test_fsdp2_lowrank_steps_equal_the_unsharded_ones(fsdp2_lowrank, name):
             moved = max(moved, float((w - start[param]).abs().max()))
         assert moved > 0, step
 
+
+
+def test_fsdp2_lowrank_resumes_from_its_sharded_checkpoint_bitwise(fsdp2_lowrank):
+    """The bf16 Qwen-like low-rank fit resumed from its step-1 sharded checkpoint (weights, fp32 masters, θ₀) makes
+    the uninterrupted fit's step 2 exactly."""
+    ranks, _ = fsdp2_lowrank
+    run = ranks[0]["qwen_like"]
+    assert len(run["resumed"]) == 1
+    resumed, uninterrupted = run["resumed"][0], run["steps"][1]
+    assert resumed["rewards"] == uninterrupted["rewards"]
+    assert resumed["weights"] == uninterrupted["weights"]
+    assert resumed["weights"] != run["steps"][0]["weights"]  # step 2 moved the weights
