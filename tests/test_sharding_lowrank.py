@@ -22,11 +22,12 @@ import textwrap
 import lightning as L
 import pytest
 import torch
+from es_helpers import CharSumTask
 
 from es_lightning import ESModule, ReasoningDataModule
 from es_lightning.tasks import CountdownTask
 
-#: the two fits: (model fixture, ESModule arguments); greedy, every member of a step in one generate
+#: the three fits: fixture name -> ESModule arguments (besides COMMON); greedy
 FITS = {
     "tiny": dict(dtype=None, population_size=4, sigma=0.5, lr=0.05, noise_rank=2, members_per_batch=4),
     "qwen_like": dict(dtype="bfloat16", population_size=4, sigma=2e-2, lr=1e-2, noise_rank=1, members_per_batch=2),
@@ -37,20 +38,14 @@ COMMON = dict(max_new_tokens=4, temperature=0.0, reward_normalization="centered"
 DATA = dict(train_size=16, val_size=4, test_size=4, batch_size=4, seed=0)
 
 
-class SumTask(CountdownTask):
-    """A reward every member earns differently (an untrained model never solves Countdown), so updates are non-zero."""
-
-    def reward(self, completions, examples):
-        return [sum(map(ord, c)) % 97 / 97 for c in completions]
-
-
 SCRIPT = textwrap.dedent(
     """
     import json, sys, torch, lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.strategies import ModelParallelStrategy
     sys.path.insert(0, {tests!r})
-    from test_sharding_lowrank import COMMON, DATA, FITS, SumTask
+    from es_helpers import CharSumTask
+    from test_sharding_lowrank import COMMON, DATA, FITS
     from es_lightning import ESModule, ReasoningDataModule
     from es_lightning.tasks import CountdownTask
 
@@ -63,7 +58,7 @@ SCRIPT = textwrap.dedent(
             self.steps.append({{"weights": full, "rewards": module.last_rewards.tolist()}})
 
     def fit(name, checkpoints=None, ckpt_path=None):
-        module = ESModule(model=dirs[name], task=SumTask(), **COMMON, **FITS[name])
+        module = ESModule(model=dirs[name], task=CharSumTask(), **COMMON, **FITS[name])
         record = Record()
         callbacks = [record]
         if checkpoints:  # a sharded (distributed) checkpoint after every step
@@ -119,7 +114,7 @@ def _single_process(model_dir: str, kw: dict) -> list[dict]:
             steps.append({"weights": {n: p.detach().float().flatten().clone() for n, p in module.model.named_parameters()},
                           "rewards": module.last_rewards.clone()})
 
-    module = ESModule(model=model_dir, task=SumTask(), **COMMON, **kw)
+    module = ESModule(model=model_dir, task=CharSumTask(), **COMMON, **kw)
     L.Trainer(max_steps=2, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, limit_val_batches=0,
               num_sanity_val_steps=0, enable_progress_bar=False, enable_model_summary=False,
               callbacks=[Record()]).fit(module, ReasoningDataModule(task=CountdownTask(), **DATA))
@@ -150,7 +145,6 @@ def test_fsdp2_lowrank_steps_equal_the_unsharded_ones(fsdp2_lowrank, name):
             assert torch.allclose(g, w, rtol=0, atol=1e-6), (step, param, float((g - w).abs().max()))
             moved = max(moved, float((w - start[param]).abs().max()))
         assert moved > 0, step
-
 
 
 def test_fsdp2_lowrank_resumes_from_its_sharded_checkpoint_bitwise(fsdp2_lowrank):
