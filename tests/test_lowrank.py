@@ -524,3 +524,17 @@ def test_copied_tensors_are_perturbed_from_the_given_centres(tiny):
         plain = model(ids.repeat(len(MEMBERS), 1)).logits
     torch.testing.assert_close(batched, torch.cat(alone), rtol=0, atol=1e-5)
     assert not torch.allclose(batched, plain, atol=1e-3)
+
+
+def test_rank1_factor_stacks_get_canonical_strides():
+    """A rank-1 ``[k, n, 1]`` transposed is "contiguous" with strides (n, 1, 1), which sends CPU ``bmm`` down a ~4×
+    slower path; the forward's stacks are re-viewed to the canonical (n, n, 1) — the same memory, no copy."""
+    from es_lightning.es.lowrank import _dense
+
+    b = torch.randn(16, 512, 1)
+    odd = b.transpose(1, 2)
+    assert odd.is_contiguous() and odd.stride() == (512, 1, 1)
+    fixed = _dense(odd)
+    assert fixed.stride() == (512, 512, 1) and fixed.data_ptr() == b.data_ptr() and torch.equal(fixed, odd)
+    strided = torch.randn(4, 6)[:, ::2]  # truly not contiguous: copied, then canonical
+    assert _dense(strided).stride() == (3, 1) and torch.equal(_dense(strided), strided)

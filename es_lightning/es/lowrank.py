@@ -20,10 +20,12 @@ dimension grow). Three consequences, all used here:
   does. Any parameter whose ``dim() != 2`` is a "vector" here.
 
 The factors obey the noise discipline of DESIGN.md: they are pure functions of (seed, step, noise id, parameter name),
-drawn by :func:`~es_lightning.es.noise.param_noise` under the keys ``"<name>#lowrank-A"`` / ``"<name>#lowrank-B"``
-(never a parameter's own key: ``#`` is not part of any parameter name), so they are never stored, independent across
-tensors and members, and layout-independent: rows ``[a, b)`` of A are elements ``[a·r, b·r)`` of its flat row-major
-draw, which is what a row-shard (FSDP) regenerates. Antithetic pairs share factors and flip the sign.
+drawn by :func:`~es_lightning.es.noise.param_noise` as one flat draw of ``(m + n)·r`` elements under the key
+``"<name>#lowrank"`` (never a parameter's own key: ``#`` is not part of any parameter name) — A row-major first, then
+B — so they are never stored, independent across tensors and members, and layout-independent: rows ``[a, b)`` of A
+are elements ``[a·r, b·r)`` of the draw, which is what a row-shard (FSDP) regenerates. One draw per matrix and member
+rather than one per factor: a step draws ``N`` × (matrices + vectors) keys, and on a small model each draw's fixed cost
+(hashing the key, seeding, the call) is most of the time it takes. Antithetic pairs share factors and flip the sign.
 """
 
 from __future__ import annotations
@@ -79,12 +81,16 @@ def lowrank_factors(
     ``rows=(a, b)`` gives rows ``[a, b)`` of A only (a row-shard of W needs those rows and all of B); they equal
     ``lowrank_factors(...)[0][a:b]`` exactly. The perturbation direction is ``E = A Bᵀ / √r``.
     """
-    m, n = (int(s) for s in shape)
-    lo, hi = rows if rows is not None else (0, m)
+    m, n = int(shape[0]), int(shape[1])
+    key, total = f"{name}#lowrank", (m + n) * rank
+    if rows is None:  # the whole matrix: one draw, A and B are views of it
+        a, b = param_noise(seed, step, noise_id, key, total, device=device).view(m + n, rank).split_with_sizes((m, n))
+        return a, b
+    lo, hi = rows
     if not 0 <= lo <= hi <= m:
         raise ValueError(f"rows [{lo}, {hi}) outside a matrix of {m} rows")
-    a = param_noise(seed, step, noise_id, f"{name}#lowrank-A", m * rank, lo * rank, hi * rank, device=device)
-    b = param_noise(seed, step, noise_id, f"{name}#lowrank-B", n * rank, device=device)
+    a = param_noise(seed, step, noise_id, key, total, lo * rank, hi * rank, device=device)
+    b = param_noise(seed, step, noise_id, key, total, m * rank, total, device=device)
     return a.view(hi - lo, rank), b.view(n, rank)
 
 
@@ -171,10 +177,15 @@ class LowRankPopulationForward:
         self._names = {id(p): name for name, p in named}
         self._patched: list[tuple[nn.Module, object]] = []
         self._shares: list[_SharedInput] = []
+        self._scale_of: dict[torch.device, Tensor] = {}
 
     # ------------------------------------------------------------------ member tensors
-    def _scales(self, device) -> Tensor:  # [k] sign·σ/√r, fp32
-        return torch.tensor([s * self.sigma / math.sqrt(self.rank) for _, s in self.members], device=device)
+    def _scales(self, device) -> Tensor:  # [k] sign·σ/√r, fp32 (made once per device)
+        scales = self._scale_of.get(device)
+        if scales is None:
+            scales = self._scale_of[device] = torch.tensor([s * self.sigma / math.sqrt(self.rank) for _, s in self.members],
+                                                           device=device)
+        return scales
 
     def _factors(self, name: str, p: Tensor) -> tuple[Tensor, Tensor]:
         """Stacked fp32 factors of the block members: ``A [k, m, r]``, ``B [k, n, r]``."""
@@ -183,7 +194,8 @@ class LowRankPopulationForward:
 
     def _vectors(self, name: str, p: Tensor) -> Tensor:
         """``[k, *p.shape]`` full-rank perturbed copies, computed as ``es_lightning.es.evaluators.perturb`` does (fp32, cast once)."""
-        eps = torch.stack([_cached_noise(self.cache, self.seed, self.step, i, name, p).view(p.shape) for i, _ in self.members])
+        eps = torch.stack([_cached_noise(self.cache, self.seed, self.step, i, name, p) for i, _ in self.members])
+        eps = eps.view(self.k, *p.shape)
         scales = torch.tensor([s * self.sigma for _, s in self.members], dtype=torch.float32,
                               device=p.device).view(-1, *[1] * p.dim())
         return (self._centre(name, p) + scales * eps).to(p.dtype)  # elementwise as perturb's centre + (sσ)·ε, fp32
@@ -258,8 +270,8 @@ class LowRankPopulationForward:
         if "weight" in own:
             w = own["weight"]
             a, b = self._factors(self._names[id(w)], w)  # [k, m, r], [k, n, r]
-            b_t = b.transpose(1, 2).to(w.dtype).contiguous()  # [k, r, n]
-            a_out_t = (a.transpose(1, 2) * self._scales(w.device).view(-1, 1, 1)).to(w.dtype).contiguous()  # [k, r, m]
+            b_t = _dense(b.transpose(1, 2).to(w.dtype))  # [k, r, n]
+            a_out_t = _dense((a.transpose(1, 2) * self._scales(w.device).view(-1, 1, 1)).to(w.dtype))  # [k, r, m]
             if share is not None:
                 share.add(module, b_t)
         bias = self._vectors(self._names[id(own["bias"])], own["bias"]).unsqueeze(1) if "bias" in own else None  # [k,1,m]
@@ -286,7 +298,7 @@ class LowRankPopulationForward:
         a, b = self._factors(self._names[id(w)], w)  # [k, V, r], [k, d, r]
         vocab = w.shape[0]
         a_rows = a.reshape(k * vocab, self.rank).to(w.dtype)  # [k·V, r]
-        b_out_t = (b.transpose(1, 2) * self._scales(w.device).view(-1, 1, 1)).to(w.dtype).contiguous()  # [k, r, d]
+        b_out_t = _dense((b.transpose(1, 2) * self._scales(w.device).view(-1, 1, 1)).to(w.dtype))  # [k, r, d]
 
         def embedding(self, ids: Tensor) -> Tensor:  # ids [k·R, T]
             out = F.embedding(ids, self.weight).contiguous()  # [k·R, T, d]
@@ -303,6 +315,13 @@ def _whole(t: Tensor) -> Tensor:
     """The whole tensor of an FSDP2 (DTensor) parameter or master — an all-gather, which every rank makes for the same
     tensors in the same order, as they patch the same modules — or ``t`` itself."""
     return t.full_tensor() if is_dtensor(t) else t
+
+
+def _dense(t: Tensor) -> Tensor:
+    """``t`` in row-major memory with the canonical strides. ``contiguous()`` is not enough at rank 1: a transposed
+    ``[k, n, 1]`` counts as contiguous with strides ``(n, 1, 1)``, and CPU ``bmm`` takes a slow path for them (measured:
+    [16, 1, 512]×[16, 512, 32] 57 µs against 16 µs with strides ``(512, 512, 1)``)."""
+    return t.contiguous().view(t.shape)  # a view of a contiguous tensor gets the canonical strides (no copy)
 
 
 def _add_term(out: Tensor, left: Tensor, right: Tensor) -> None:
@@ -423,6 +442,7 @@ def lowrank_delta(
     """
     m, n = (int(s) for s in shape)
     lo, hi = rows if rows is not None else (0, m)
+    whole = (lo, hi) == (0, m)
     merged: dict[int, float] = {}
     for i, w in zip(noise_ids, weights):
         merged[int(i)] = merged.get(int(i), 0.0) + float(w)
@@ -437,11 +457,13 @@ def lowrank_delta(
         for i, _ in chunk:
             hit = cache.get((i, name)) if cache is not None else None
             if isinstance(hit, tuple) and hit[0].shape[0] == m:
-                a, b = hit[0][lo:hi], hit[1]
+                a, b = hit if whole else (hit[0][lo:hi], hit[1])
             else:
-                a, b = lowrank_factors(seed, step, i, name, (m, n), rank, rows=(lo, hi), device=device)
-            a_parts.append(a.to(out.device))
-            b_parts.append(b.to(out.device))
+                a, b = lowrank_factors(seed, step, i, name, (m, n), rank, rows=None if whole else (lo, hi), device=device)
+            if a.device != out.device:
+                a, b = a.to(out.device), b.to(out.device)
+            a_parts.append(a)
+            b_parts.append(b)
         # member j's columns of A scaled by w_j/√r (an fp32 multiply per element), then [rows, c·r] × [c·r, n]
         scale = torch.tensor([w / math.sqrt(rank) for _, w in chunk], dtype=torch.float32, device=out.device)
         a_stack = torch.cat(a_parts, dim=1).view(hi - lo, len(chunk), rank).mul_(scale.view(1, -1, 1))

@@ -54,7 +54,7 @@ def param_noise(
     Returns a 1-D fp32 tensor of length ``end - start``, drawn on ``device`` (default: the CPU) by a generator on that
     device. ``param_noise(..., numel)[a:b]`` equals ``param_noise(..., numel, start=a, end=b)`` exactly (on one device).
     """
-    device = _CPU if device is None else torch.device(device)
+    device = _CPU if device is None else device if isinstance(device, torch.device) else torch.device(device)
     if start == 0 and (end is None or end == numel) and 0 < numel <= CHUNK:  # one whole block (most calls): no slicing
         return _chunk(noise_generator(device), (seed, step, member, name), 0, numel, device)
     end = numel if end is None else end
@@ -81,10 +81,13 @@ def _chunk(gen: torch.Generator, key: tuple[int, int, int, str], chunk: int, siz
 def noise_generator(device: torch.device) -> torch.Generator:
     """The generator the chunks of ``device`` are drawn with (one place, so tests can watch where noise is drawn): one
     per device and thread, reused (every draw seeds it first, so reuse changes no number)."""
+    cache = _GENERATORS.__dict__
+    gen = cache.get(device)  # (keyed by the device as given: a bare "cuda" is never a key, see below)
+    if gen is not None:
+        return gen
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())  # a bare "cuda" generator binds the current device
-    cache = _GENERATORS.__dict__
     gen = cache.get(device)
     if gen is None:
         gen = cache[device] = torch.Generator(device=device)
