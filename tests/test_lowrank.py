@@ -526,15 +526,38 @@ def test_copied_tensors_are_perturbed_from_the_given_centres(tiny):
     assert not torch.allclose(batched, plain, atol=1e-3)
 
 
-def test_rank1_factor_stacks_get_canonical_strides():
-    """A rank-1 ``[k, n, 1]`` transposed is "contiguous" with strides (n, 1, 1), which sends CPU ``bmm`` down a ~4×
-    slower path; the forward's stacks are re-viewed to the canonical (n, n, 1) — the same memory, no copy."""
-    from es_lightning.es.lowrank import _dense
 
-    b = torch.randn(16, 512, 1)
-    odd = b.transpose(1, 2)
-    assert odd.is_contiguous() and odd.stride() == (512, 1, 1)
-    fixed = _dense(odd)
-    assert fixed.stride() == (512, 512, 1) and fixed.data_ptr() == b.data_ptr() and torch.equal(fixed, odd)
-    strided = torch.randn(4, 6)[:, ::2]  # truly not contiguous: copied, then canonical
-    assert _dense(strided).stride() == (3, 1) and torch.equal(_dense(strided), strided)
+class _OddStrides(TorchDispatchMode):
+    """Records the matmul operands that count as contiguous but do not have the canonical strides (a transposed
+    ``[k, n, 1]`` has (n, 1, 1)): CPU ``bmm`` takes a ~4× slower path for them."""
+
+    OPS = {torch.ops.aten.bmm.default, torch.ops.aten.baddbmm_.default, torch.ops.aten.baddbmm.default}
+
+    def __init__(self):
+        super().__init__()
+        self.matmuls, self.odd = 0, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.OPS:
+            self.matmuls += 1
+            for t in args:
+                if isinstance(t, torch.Tensor) and t.is_contiguous() and t.stride() != t.contiguous().view(t.shape).stride():
+                    self.odd.append((str(func), tuple(t.shape), t.stride()))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("which", ["tiny fp32", "qwen-like bf16"])
+def test_rank1_member_matmuls_get_canonical_strides(which, tiny_model_dir, qwen_like_dir):
+    """At rank 1 every stacked factor the batched forward hands to ``bmm``/``baddbmm_`` has canonical strides — on
+    the tiny model and on the Qwen-like fixture in bf16 (151,936-row tied embedding/head, the real-model path)."""
+    if which == "tiny fp32":
+        model = load_policy(tiny_model_dir).model.eval()
+    else:
+        model = load_policy(qwen_like_dir, dtype="bfloat16").model.eval()
+    named = list(model.named_parameters())
+    ids = torch.randint(0, model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(0))
+    mode = _OddStrides()
+    with torch.no_grad(), LowRankPopulationForward(model, named, MEMBERS, seed=SEED, step=STEP, sigma=SIGMA, rank=1):
+        with mode:
+            model(ids.repeat(len(MEMBERS), 1))
+    assert mode.matmuls > 0 and mode.odd == [], mode.odd[:8]

@@ -84,8 +84,7 @@ def lowrank_factors(
     m, n = int(shape[0]), int(shape[1])
     key, total = f"{name}#lowrank", (m + n) * rank
     if rows is None:  # the whole matrix: one draw, A and B are views of it
-        a, b = param_noise(seed, step, noise_id, key, total, device=device).view(m + n, rank).split_with_sizes((m, n))
-        return a, b
+        return param_noise(seed, step, noise_id, key, total, device=device).view(m + n, rank).split_with_sizes((m, n))
     lo, hi = rows
     if not 0 <= lo <= hi <= m:
         raise ValueError(f"rows [{lo}, {hi}) outside a matrix of {m} rows")
