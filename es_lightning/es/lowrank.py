@@ -176,14 +176,18 @@ class LowRankPopulationForward:
         self._names = {id(p): name for name, p in named}
         self._patched: list[tuple[nn.Module, object]] = []
         self._shares: list[_SharedInput] = []
-        self._scale_of: dict[torch.device, Tensor] = {}
+        self._scale_of: dict[tuple[torch.device, bool], Tensor] = {}
 
     # ------------------------------------------------------------------ member tensors
-    def _scales(self, device) -> Tensor:  # [k] sign·σ/√r, fp32 (made once per device)
-        scales = self._scale_of.get(device)
+    def _scales(self, device, *, factors: bool = True) -> Tensor:
+        """``[k]`` fp32 member scales, made once per device: sign·σ/√r for the factors of a matrix, sign·σ for the
+        full-rank noise of a vector (``factors=False``)."""
+        key = (device, factors)
+        scales = self._scale_of.get(key)
         if scales is None:
-            scales = self._scale_of[device] = torch.tensor([s * self.sigma / math.sqrt(self.rank) for _, s in self.members],
-                                                           device=device)
+            root = math.sqrt(self.rank) if factors else 1.0
+            scales = self._scale_of[key] = torch.tensor([s * self.sigma / root for _, s in self.members], dtype=torch.float32,
+                                                   device=device)
         return scales
 
     def _factors(self, name: str, p: Tensor) -> tuple[Tensor, Tensor]:
@@ -195,8 +199,7 @@ class LowRankPopulationForward:
         """``[k, *p.shape]`` full-rank perturbed copies, computed as ``es_lightning.es.evaluators.perturb`` does (fp32, cast once)."""
         eps = torch.stack([_cached_noise(self.cache, self.seed, self.step, i, name, p) for i, _ in self.members])
         eps = eps.view(self.k, *p.shape)
-        scales = torch.tensor([s * self.sigma for _, s in self.members], dtype=torch.float32,
-                              device=p.device).view(-1, *[1] * p.dim())
+        scales = self._scales(p.device, factors=False).view(-1, *[1] * p.dim())
         return (self._centre(name, p) + scales * eps).to(p.dtype)  # elementwise as perturb's centre + (sσ)·ε, fp32
 
     def _centre(self, name: str, p: Tensor) -> Tensor:  # fp32
