@@ -161,6 +161,34 @@ def test_lowrank_forward_equals_merged_weights(tiny, rank):
     torch.testing.assert_close(after, model(ids).logits, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("rank", [1, RANK])
+def test_lowrank_forward_under_bf16_autocast_matches_merged_weights(tiny, rank):
+    """bf16-mixed (fp32 weights, bf16 autocast: Lightning runs ES members so) once crashed here — autocast made the
+    input term bf16 while the factors stayed fp32. Now each member's logits are its merged weights' under autocast to
+    bf16 rounding (measured max 0.03 on logits ~3 apart between members; fp32 is 1e-5 above), and the fp32 low-rank
+    forward's. Each merged member runs in its own autocast region: autocast caches the bf16 copy of a weight for the
+    whole region, so one region would give every member the first one's weights."""
+    model = tiny.model
+    named = list(model.named_parameters())
+    centre = {n: p.detach().clone() for n, p in named}
+    ids = torch.randint(0, model.config.vocab_size, (3, 9), generator=torch.Generator().manual_seed(1))
+
+    def bf16(m):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return m(ids).logits.float()
+
+    with torch.no_grad():
+        alone = torch.cat(_each_member_merged(model, centre, bf16, rank=rank))
+        with LowRankPopulationForward(model, named, MEMBERS, seed=SEED, step=STEP, sigma=SIGMA, rank=rank):
+            fp32 = model(ids.repeat(len(MEMBERS), 1)).logits
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                batched = model(ids.repeat(len(MEMBERS), 1)).logits
+    assert batched.dtype == torch.bfloat16 and all(p.dtype == torch.float32 for p in model.parameters())
+    gap, gap32 = (batched.float() - alone).abs().max(), (batched.float() - fp32).abs().max()
+    apart = (alone[:3] - alone[6:9]).abs().max()  # member 0 against member 2
+    assert gap <= 0.08 and gap32 <= 0.08 and apart > 10 * max(gap, gap32), (gap, gap32, apart)
+
+
 def test_lowrank_greedy_generate_equals_merged_weights(tiny):
     model = tiny.model
     named = list(model.named_parameters())
@@ -258,6 +286,36 @@ def test_siblings_reading_one_input_share_one_term_and_learn_who_does():
     assert [tuple(s)[1] for s in bmms] == [5 * RANK, RANK, 2 * RANK] + [3 * RANK, RANK, 2 * RANK] * 2
     assert len(shares) == 2 and held == [None, None]  # attn's and mlp's; neither holds its last input
     assert not any("forward" in m.__dict__ for m in block.modules())
+
+
+class _Interleaved(torch.nn.Module):
+    """q and k read x, but o (the same width) is called with another input between them."""
+
+    def __init__(self, d=24):
+        super().__init__()
+        for name in ("q", "o", "k"):
+            setattr(self, name, torch.nn.Linear(d, d, bias=False))
+
+    def forward(self, x):
+        q = self.q(x)
+        o = self.o(torch.tanh(q))
+        return self.k(x) + o
+
+
+def test_a_sibling_leaving_mid_round_keeps_the_rounds_terms():
+    """q starts a round for q, o and k; o, called with another input, leaves mid-round; k still gets its term of the
+    round (it crashed here once), and later rounds share q's and k's only — every output the merged weights'."""
+    torch.manual_seed(0)
+    block = _Interleaved()
+    named = list(block.named_parameters())
+    centre = {n: p.detach().clone() for n, p in named}
+    x = torch.randn(3, 5, 24)
+    with torch.no_grad():
+        alone = _each_member_merged(block, centre, lambda m: m(x))
+        with LowRankPopulationForward(block, named, MEMBERS, seed=SEED, step=STEP, sigma=SIGMA, rank=RANK):
+            outs = [block(x.repeat(len(MEMBERS), 1, 1)) for _ in range(2)]
+    for out in outs:
+        torch.testing.assert_close(out, torch.cat(alone), rtol=0, atol=1e-5)
 
 
 def test_shared_terms_work_under_inference_mode(tiny):

@@ -50,11 +50,15 @@ def _trainer(max_steps=1, callbacks=(), **kw):
 
 # ---------------------------------------------------------------------------------------------------- item 7
 @pytest.mark.parametrize("precision", ["bf16-true", "bf16-mixed"])
-@pytest.mark.parametrize("kind", ["es", "grpo", "grpo_es"])
+@pytest.mark.parametrize("kind", ["es", "es_lowrank", "grpo", "grpo_es"])
 def test_every_algorithm_trains_under_bf16_precisions(kind, precision, model_dir):
-    """ES, GRPO and the GRPO→ES switch each take their steps: bf16-true trains bf16 weights through fp32 masters,
-    bf16-mixed fp32 weights (no master) under autocast."""
-    module = _module("es" if kind == "es" else "grpo", model_dir)
+    """ES (full-rank, and low-rank with the whole population in one batch), GRPO and the GRPO→ES switch each take
+    their steps: bf16-true trains bf16 weights through fp32 masters, bf16-mixed fp32 weights (no master) under
+    autocast (low-rank members once crashed there)."""
+    if kind == "es_lowrank":
+        module = _module("es", model_dir, noise_rank=1, members_per_batch=ES["population_size"])
+    else:
+        module = _module("es" if kind == "es" else "grpo", model_dir)
     module.configure_model()
     before = {n: p.detach().float().clone() for n, p in module.model.named_parameters()}
     callbacks = [SequentialStrategy(switch_step=1, es=ES)] if kind == "grpo_es" else []
@@ -62,6 +66,8 @@ def test_every_algorithm_trains_under_bf16_precisions(kind, precision, model_dir
     trainer = _trainer(steps, callbacks, precision=precision)
     trainer.fit(module, _dm())
     assert trainer.global_step == steps and module.algorithm.name == ("grpo" if kind == "grpo" else "es")
+    if kind != "grpo":
+        assert module.algorithm.settings.noise_rank == (1 if kind == "es_lowrank" else 0)
     params = dict(module.model.named_parameters())
     true = precision == "bf16-true"
     assert all(p.dtype == (torch.bfloat16 if true else torch.float32) and torch.isfinite(p).all()

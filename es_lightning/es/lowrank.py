@@ -286,10 +286,10 @@ class LowRankPopulationForward:
                 flat.add_(bias if bias.dtype == out.dtype else bias.to(out.dtype))
             if b_t is not None:
                 t = share.term(self, x, xs) if share is not None else _input_term(b_t, xs)  # (x B)ᵀ [k, r, R·…]
-                if t.dtype != out.dtype:  # only under autocast
-                    t, at = t.to(out.dtype), a_out_t.to(out.dtype)
-                else:
-                    at = a_out_t
+                # under autocast (bf16-mixed: fp32 weights, bf16 out) bmm casts t down but the factors stay fp32:
+                # each term is cast to out's dtype on its own
+                t = t if t.dtype == out.dtype else t.to(out.dtype)
+                at = a_out_t if a_out_t.dtype == out.dtype else a_out_t.to(out.dtype)
                 _add_term(flat, t.transpose(1, 2), at)  # += (x B)(s Aᵀ): [k, R·…, r]×[k, r, m]
             return out
 
@@ -376,6 +376,7 @@ class _SharedInput:
         self._x: Tensor | None = None
         self._version: int | None = -1
         self._t: Tensor | None = None  # the round's terms [k, Σr, R·…]
+        self._rows: dict[int, slice] = {}  # the round's rows of _t per id (kept when a sibling leaves mid-round)
 
     def add(self, module: nn.Module, b_t: Tensor) -> None:
         self._b_t[id(module)] = b_t
@@ -385,7 +386,7 @@ class _SharedInput:
         if key in self._pending:
             self._pending.discard(key)
             if self._x is x and self._version == _version(x):
-                t = self._t[:, self._stack[1][key], :]
+                t = self._t[:, self._rows[key], :]
                 if not self._pending:  # the round is over: hold neither the input nor the terms any longer
                     self._x = self._t = None
                 return t
@@ -405,14 +406,14 @@ class _SharedInput:
         if len(rows) == 1:
             self._pending = set()
             return _input_term(self._b_t[key], xs)
-        self._t, self._x, self._version = _input_term(stack, xs), x, _version(x)
+        self._t, self._x, self._version, self._rows = _input_term(stack, xs), x, _version(x), rows
         self._pending = set(rows) - {key}
         return self._t[:, rows[key], :]
 
     def _leave(self, key: int) -> None:
         self._left.add(key)
         self._pending.discard(key)
-        self._stack = None
+        self._stack = None  # the next round stacks the siblings still joined; this round's terms stay valid
         if not self._pending:
             self._x = self._t = None
 
