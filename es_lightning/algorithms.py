@@ -118,6 +118,13 @@ class Algorithm(ABC):
         algorithm cannot split. Called at fit setup, for a :class:`~es_lightning.SequentialStrategy`'s second stage too."""
         return None
 
+    def check_rollouts(self, sampling: SamplingParams) -> None:
+        """Refuse (``ValueError`` naming the fix) rollout settings that do not go with this algorithm's settings (ES:
+        several samples per member at temperature 0, which are identical). Called with the module's rollout settings
+        when the algorithm is set, and for a :class:`~es_lightning.SequentialStrategy`'s second stage when the callback
+        is built."""
+        return None
+
     def check_generation(self, backend: str, options: Mapping[str, Any]) -> None:
         """Refuse (``ValueError`` naming the fix) settings the generation backend cannot run (ES: several full-rank
         members per call on vLLM). Called when the module is built and before a stage switch."""

@@ -86,15 +86,17 @@ def lower_precision(dtype: torch.dtype, than: torch.dtype) -> bool:
 def resolve_master_dtype(model_dtype: torch.dtype, master_dtype: str | torch.dtype | None = "float32") -> torch.dtype | None:
     """The dtype of the master weights for a model whose parameters are ``model_dtype``, or ``None`` for no master.
 
-    ``master_dtype`` is the user's knob: ``"float32"`` (the default: a master for bf16/fp16 models, none for fp32 ones,
-    which already are their own master), ``"float64"``, or ``"same"``/``None`` (no master: updates are rounded to the
-    model's dtype; saves the master's 4 bytes per parameter). A master with less precision or range than the model
-    cannot hold its updates and is refused. ``model_dtype`` is what the parameters *are* at optimizer construction
+    ``master_dtype`` is the user's knob: ``"float32"`` (the default: a master for bf16/fp16 models, none for fp32 and
+    fp64 ones, which already are their own master), ``"float64"``, or ``"same"``/``None`` (no master: updates are
+    rounded to the model's dtype; saves the master's 4 bytes per parameter). Any other master with less precision or
+    range than the model cannot hold its updates and is refused. ``model_dtype`` is what the parameters *are* at optimizer construction
     (under ``precision: bf16-true`` bf16, whatever ``dtype`` the module loaded).
     """
     if master_dtype is None or master_dtype == "same":
         return None
     master = _as_dtype(master_dtype, "master_dtype")
+    if master == torch.float32 and model_dtype == torch.float64:  # the default on a wider model: its own master
+        return None
     name = str(master).removeprefix("torch.")
     model = str(model_dtype).removeprefix("torch.")
     if not master.is_floating_point or lower_precision(master, model_dtype) or (

@@ -84,6 +84,9 @@ def test_bad_hyperparameters_fail_clearly():
         ESModule(population_size=1)
     with pytest.raises(ValueError, match="reward_normalization"):
         ESModule(reward_normalization="softmax")
+    with pytest.raises(ValueError, match=r"samples_per_member=3 at temperature 0 gives 3 identical .* temperature > 0"):
+        ESModule(samples_per_member=3)  # greedy (ES's default) duplicates: 3x the generation, the same rewards
+    ESModule(samples_per_member=3, temperature=1.0)
     if importlib.util.find_spec("vllm") is None:  # the optional backend without its package: one line, the install
         with pytest.raises(ImportError, match=r'pip install "es-lightning\[vllm\]"'):
             ESModule(generation_backend="vllm")

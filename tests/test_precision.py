@@ -43,13 +43,14 @@ def _intended_es_update(name: str, numel: int, z: torch.Tensor, step: int = 0) -
     (torch.bfloat16, "float32", torch.float32), (torch.float16, "fp32", torch.float32),
     (torch.bfloat16, torch.float64, torch.float64), (torch.float32, "float32", None), (torch.bfloat16, "same", None),
     (torch.bfloat16, None, None), (torch.float32, "float64", torch.float64),
+    (torch.float64, "float32", None),  # the default on a float64 model (precision: 64-true): its own master
 ])
 def test_resolve_master_dtype(model, knob, expected):
     assert resolve_master_dtype(model, knob) == expected
 
 
 @pytest.mark.parametrize("model, knob", [(torch.float32, "bfloat16"), (torch.bfloat16, "float16"),
-                                         (torch.float16, "bfloat16"), (torch.float64, "float32")])
+                                         (torch.float16, "bfloat16"), (torch.float64, "bfloat16")])
 def test_a_master_below_the_model_is_refused_naming_the_fix(model, knob):
     with pytest.raises(ValueError, match="master_dtype: float32") as err:
         resolve_master_dtype(model, knob)

@@ -87,6 +87,21 @@ def test_every_algorithm_trains_under_bf16_precisions(kind, precision, model_dir
     assert torch.isfinite(trainer.logged_metrics["train/reward_mean"])
 
 
+@pytest.mark.parametrize("kind", ["es", "grpo"])
+def test_64_true_trains_without_a_master(kind, tiny_model_dir):
+    """precision: 64-true with the default master_dtype (float32): float64 weights are their own master (it was
+    refused once, with a message that named the default as the fix)."""
+    module = _module(kind, tiny_model_dir)
+    module.configure_model()
+    before = {n: p.detach().double().clone() for n, p in module.model.named_parameters()}
+    trainer = _trainer(1, precision="64-true")
+    trainer.fit(module, _dm())
+    assert trainer.global_step == 1 and trainer.optimizers[0].master_dtype is None
+    params = dict(module.model.named_parameters())
+    assert all(p.dtype == torch.float64 and torch.isfinite(p).all() for p in params.values())
+    assert any(not torch.equal(p, before[n]) for n, p in params.items())
+
+
 @pytest.mark.parametrize("precision", ["32-true", "bf16-true", "bf16-mixed"])
 def test_rollout_logprobs_equal_the_training_forward(precision, model_dir, monkeypatch):
     """π_old (recorded while sampling) against the first pass's training forward of the same weights: equal to 1e-5 in

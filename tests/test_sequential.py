@@ -121,6 +121,7 @@ def test_unknown_stage_setting_is_refused_up_front():
     (dict(grpo={"group_size": 1}), "group_size must be >= 2"),
     (dict(grpo={"temperature": 0.0}), "GRPO samples its groups"),
     (dict(grpo={"loss_type": "ppo"}), "loss_type must be one of"),
+    (dict(es={"samples_per_member": 2}), "2 identical greedy completions"),  # ES's default temperature is 0
     (dict(algorithm="ppo", settings={}), "unknown algorithm 'ppo'"),
 ])
 def test_second_stage_values_are_validated_when_constructed(stage, match):

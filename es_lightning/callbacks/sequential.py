@@ -82,6 +82,8 @@ class SequentialStrategy(L.Callback):
         self.stage_settings = cls.Settings(**values)  # validates every value now, not at the switch
         self.stage_sampling = {**cls.default_sampling(), **{k: given[k] for k in SAMPLING_KEYS if k in given}}
         cls.check_sampling(SamplingParams(**self.stage_sampling))  # values checked (missing ones: any valid default)
+        if "temperature" in self.stage_sampling:  # else the module's carries over: checked at the switch
+            cls(copy.deepcopy(self.stage_settings)).check_rollouts(SamplingParams(**self.stage_sampling))
         self._module: L.LightningModule | None = None
 
     @property

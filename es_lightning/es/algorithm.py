@@ -45,6 +45,7 @@ from es_lightning.scoring import check_some_kept
 
 if TYPE_CHECKING:
     from es_lightning.modules.base import ReasoningModule
+    from es_lightning.generation import SamplingParams
 
 __all__ = ["ESAlgorithm", "ESSettings"]
 
@@ -66,6 +67,15 @@ class ESAlgorithm(Algorithm):
     @classmethod
     def default_sampling(cls) -> dict[str, Any]:
         return {"temperature": 0.0}  # greedy, as Ba et al.; > 0 samples with common random numbers
+
+    def check_rollouts(self, sampling: SamplingParams) -> None:
+        n = self.settings.samples_per_member
+        if n > 1 and sampling.temperature == 0:
+            raise ValueError(
+                f"samples_per_member={n} at temperature 0 gives {n} identical greedy completions per prompt per member "
+                f"({n}x the generation for the rewards of one); use temperature > 0 (recipes/es.yaml: 1.0, sampled with "
+                "common random numbers) or samples_per_member: 1"
+            )
 
     def members(self) -> list[Member]:
         """The population: antithetic pairs (2k, 2k+1) share noise id k with opposite signs."""

@@ -309,6 +309,7 @@ class ReasoningModule(L.LightningModule):
             raise ValueError(f"unknown rollout setting(s) {unknown}; accepted: {list(SAMPLING_KEYS)}")
         new = dataclasses.replace(self.sampling, **(sampling or {}))  # SamplingParams validates its values
         type(algorithm).check_sampling(new)
+        algorithm.check_rollouts(new)
         algorithm.check_generation(self.generation_backend, self.generation_options)
         self.sampling = new
         self.algorithm = algorithm
