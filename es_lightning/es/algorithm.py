@@ -44,8 +44,8 @@ from es_lightning.metrics.training import StepMetrics
 from es_lightning.scoring import check_some_kept
 
 if TYPE_CHECKING:
-    from es_lightning.modules.base import ReasoningModule
     from es_lightning.generation import SamplingParams
+    from es_lightning.modules.base import ReasoningModule
 
 __all__ = ["ESAlgorithm", "ESSettings"]
 
