@@ -215,7 +215,12 @@ class MasterState:
         saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
         params = chain.from_iterable(g["params"] for g in self.param_groups)
         for saved_id, p in zip(saved_ids, params):
-            if not self.needs_master(p):  # a checkpoint with masters resumed with master_dtype: same
+            if not self.needs_master(p):  # a checkpoint with masters resumed with fp32 weights, or master_dtype: same
+                saved = state_dict["state"].get(saved_id, {}).get("master")
+                same_kind = hasattr(saved, "to_local") == hasattr(p, "to_local")  # both DTensors, or neither
+                if isinstance(saved, Tensor) and saved.shape == p.shape and same_kind:
+                    with torch.no_grad():  # the weight takes the master's bits (bf16-true resumed as 32-true: exact)
+                        p.copy_(saved.to(device=p.device, dtype=p.dtype))
                 if p in self.state:
                     self.state[p].pop("master", None)
                 continue
@@ -223,6 +228,32 @@ class MasterState:
                 if key != "step" and isinstance(value, Tensor) and value.is_floating_point():
                     self.state[p][key] = value.to(device=p.device, dtype=self.master_dtype)
             self.master(p)  # a checkpoint written without masters: take them from the (restored) weights
+
+
+@torch.no_grad()
+def masters_from_weights(optimizers: Iterable, named_params: Iterable[tuple[str, Tensor]],
+                         weights: dict[str, Tensor]) -> int:
+    """Give masters the bits a checkpoint's weights had before they were rounded into lower-precision parameters (a
+    ``32-true`` checkpoint resumed under ``bf16-true``: Lightning rounds the weights to bf16 before any optimizer
+    exists, and a master taken from them would lose what the fp32 run had learnt below bf16's precision). For every
+    parameter with a master, ``weights[name]`` is taken when it is more precise than the parameter and rounds to it
+    (the parameter came from it); returns how many masters were taken."""
+    by_param = {p: name for name, p in named_params}
+    taken = 0
+    for opt in optimizers:
+        if not isinstance(opt, MasterState):
+            continue
+        for p in chain.from_iterable(g["params"] for g in opt.param_groups):
+            master = opt.state[p].get("master") if p in opt.state else None
+            full = weights.get(by_param.get(p, ""))
+            if (master is None or full is None or hasattr(master, "to_local") or full.shape != p.shape
+                    or not lower_precision(p.dtype, full.dtype)):
+                continue
+            full = full.to(p.device)
+            if torch.equal(full.to(p.dtype), p.detach()):
+                master.copy_(full.to(master.dtype))
+                taken += 1
+    return taken
 
 
 class MasterAdamW(MasterState, torch.optim.AdamW):

@@ -34,7 +34,13 @@ from es_lightning.generation import Generator, Rollout, SamplingParams, check_ge
 from es_lightning.metrics.training import StepMetrics, shared_metrics
 from es_lightning.modules.stage import STAGE_KEY, peek_stage_on_load
 from es_lightning.policy import Policy, load_policy
-from es_lightning.precision import check_device_dtype, check_master_dtype, master_dtype_for
+from es_lightning.precision import (
+    check_device_dtype,
+    check_master_dtype,
+    lower_precision,
+    master_dtype_for,
+    masters_from_weights,
+)
 from es_lightning.scoring import Scores, score_completions
 from es_lightning.tasks import Task, get_task
 
@@ -401,6 +407,11 @@ class ReasoningModule(L.LightningModule):
         size = getattr(dm, "batch_size", None)
         return size if isinstance(size, int) else None
 
+    def on_train_start(self) -> None:
+        weights, self._checkpoint_weights = getattr(self, "_checkpoint_weights", None), None
+        if weights:
+            masters_from_weights(self.trainer.optimizers, self.named_parameters(), weights)
+
     def on_fit_start(self) -> None:
         """Mark a sharded policy for lockstep generation before anything generates (FSDP1 wraps only at setup); let
         the algorithm choose its helpers (which may ask for engine settings); start a vLLM engine."""
@@ -425,6 +436,16 @@ class ReasoningModule(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.policy_updated()  # the checkpoint's weights are loaded next: a vLLM engine takes them before it generates
+        # weights more precise than the parameters will be (a 32-true checkpoint resumed under bf16-true, converted
+        # after this hook): kept until the optimizers exist, so their masters start from these bits (on_train_start)
+        params = dict(self.named_parameters())
+        fitting = self._trainer is not None and self._trainer.state.fn == "fit"
+        lower = fitting and str(self._trainer.precision) in ("bf16-true", "16-true")
+        self._checkpoint_weights = {} if not fitting else {
+            name: t for name, t in checkpoint.get("state_dict", {}).items()
+            if isinstance(t, Tensor) and t.is_floating_point() and name in params
+            and (lower_precision(params[name].dtype, t.dtype) or (lower and t.dtype in (torch.float32, torch.float64)))
+        }
         record = checkpoint.get(STAGE_KEY)
         if record is None or self.algorithm is None or not self.restore_stage(record):
             return
