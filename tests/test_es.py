@@ -94,6 +94,20 @@ def test_bad_hyperparameters_fail_clearly():
         ESModule(generation_backend="sglang")
 
 
+def test_a_trainable_pattern_that_matches_nothing_says_why(tiny_model_dir):
+    """The tiny model ties its head to the embedding: "lm_head" names no tensor of its own, and the error says which
+    name to match; a pattern that matches nothing at all shows what names look like."""
+    from es_lightning.es.evaluators import perturbed_parameters
+
+    model = ESModule(model=tiny_model_dir).policy.model
+    with pytest.raises(ValueError, match=r"lm_head.weight is tied to model.embed_tokens.weight .* match "
+                                         r"'model.embed_tokens.weight' instead"):
+        perturbed_parameters(model, "lm_head")
+    with pytest.raises(ValueError, match=r"matches no parameter name of the model \(names look like 'model\."):
+        perturbed_parameters(model, "no_such_layer")
+    assert [n for n, _ in perturbed_parameters(model, "embed_tokens")] == ["model.embed_tokens.weight"]
+
+
 # ---------------------------------------------------------------------------------------------------- the step
 def test_fit_counts_steps_never_touches_autograd_and_logs(tiny_model_dir):
     module = _module(tiny_model_dir, temperature=1.0)

@@ -361,6 +361,18 @@ def test_num_iterations_makes_that_many_optimizer_steps(tiny_model_dir, tmp_path
     assert trainer.global_step == 4 and trainer.fit_loop.epoch_loop.batch_progress.total.completed == 2
 
 
+def test_a_step_whose_completions_are_all_masked_says_so(tiny_model_dir, tmp_path):
+    """mask_truncated_completions with every completion at max_new_tokens: the step trains on nothing — said in a
+    warning that names both fixes, not left to a zero grad norm."""
+    module = _module(tiny_model_dir, mask_truncated_completions=True, max_new_tokens=1)
+    module.configure_model()
+    before = _params(module)
+    with pytest.warns(UserWarning, match=r"every completion hit max_new_tokens=1, .* raise max_new_tokens or set "
+                                         r"mask_truncated_completions: false"):
+        _trainer(tmp_path, 1, enable_checkpointing=False).fit(module, _data())
+    assert all(torch.equal(v, before[k]) for k, v in _params(module).items())
+
+
 def test_reference_policy_is_frozen_and_not_checkpointed(tiny_model_dir, tmp_path):
     module = _module(tiny_model_dir, beta=0.1, loss_type="dr_grpo", scale_rewards="none", entropy_coef=0.01)
     module.configure_model()

@@ -102,6 +102,20 @@ def test_64_true_trains_without_a_master(kind, tiny_model_dir):
     assert any(not torch.equal(p, before[n]) for n, p in params.items())
 
 
+@pytest.mark.parametrize("precision", ["bf16-true", "bf16-mixed"])
+def test_grpo_reference_takes_the_policys_dtype(precision, tiny_model_dir):
+    """The KL reference (beta > 0) loads with the module's dtype (float32) and then takes the policy's as Lightning
+    converted it: bf16 under bf16-true (half the memory, as TRL's reference), fp32 under bf16-mixed. Before any
+    update the two are the same model, so the first step's KL is exactly 0."""
+    module = _module("grpo", tiny_model_dir, beta=0.1)
+    trainer = _trainer(1, precision=precision)
+    trainer.fit(module, _dm())
+    ref = module.algorithm.reference_model(module)
+    want = torch.bfloat16 if precision == "bf16-true" else torch.float32
+    assert all(p.dtype == want for p in ref.parameters())
+    assert float(trainer.logged_metrics["train/kl"]) == 0.0
+
+
 class _StateAtFirstStep(L.Callback):
     """What the first step of a fit starts from: each parameter's master where it has one, else the weight."""
 

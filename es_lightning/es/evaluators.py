@@ -135,8 +135,16 @@ def perturbed_parameters(model: torch.nn.Module, trainable: str | None) -> list[
         pattern = re.compile(trainable)
         named = [(n, p) for n, p in named if pattern.search(n)]
         if not named:
-            raise ValueError(f"trainable={trainable!r} matches no parameter name of the model "
-                             f"(names look like {clean_name(next(iter(model.named_parameters()))[0])!r})")
+            first: dict[int, str] = {}  # a tied tensor (lm_head = embed_tokens) is named once, by its first name
+            tied = []
+            for n, p in model.named_parameters(remove_duplicate=False):
+                if id(p) in first and pattern.search(clean_name(n)):
+                    tied.append(f"{clean_name(n)} is tied to {first[id(p)]} (one tensor, named once); match "
+                                f"{first[id(p)]!r} instead")
+                first.setdefault(id(p), clean_name(n))
+            raise ValueError(f"trainable={trainable!r} matches no parameter name of the model"
+                             + (f": {'; '.join(tied)}" if tied else
+                                f" (names look like {clean_name(next(iter(model.named_parameters()))[0])!r})"))
     return named
 
 

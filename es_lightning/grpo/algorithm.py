@@ -111,11 +111,14 @@ class GRPOAlgorithm(Algorithm):
             self._reference = _Frozen(ref)
 
     def reference_model(self, module: ReasoningModule) -> torch.nn.Module | None:
-        """The frozen reference policy (``None`` when ``beta == 0``), moved to the policy's device on use."""
+        """The frozen reference policy (``None`` when ``beta == 0``), moved to the policy's device and cast to its
+        parameters' dtype on use, as TRL loads its reference: under ``bf16-true`` Lightning converts the policy to
+        bf16 after it loaded, and an fp32 reference would double the reference's memory."""
         if self._reference is None:
             return None
-        if next(self._reference.model.parameters()).device != module.device:
-            self._reference.model.to(module.device)
+        ref, dtype = next(self._reference.model.parameters()), next(module.model.parameters()).dtype
+        if ref.device != module.device or (ref.dtype != dtype and dtype.is_floating_point):
+            self._reference.model.to(device=module.device, dtype=dtype)  # buffers too, as Lightning's conversion
         return self._reference.model
 
     def configure_optimizers(self, module: ReasoningModule):
@@ -217,6 +220,12 @@ class GRPOAlgorithm(Algorithm):
         loss_mask = rollout.completion_mask.to(torch.float32) * kept.to(torch.float32).unsqueeze(1)  # [N, C]
         if s.mask_truncated_completions:
             loss_mask = loss_mask * (~rollout.truncated).unsqueeze(1).to(torch.float32)
+            if bool(rollout.truncated.all()):
+                rank_zero_warn(
+                    f"GRPO step {module.global_step}: every completion hit max_new_tokens="
+                    f"{module.sampling.max_new_tokens}, and mask_truncated_completions drops them all from the loss, so "
+                    "this step trains on nothing; raise max_new_tokens or set mask_truncated_completions: false"
+                )
         num_items = loss_mask.sum()
         world = module.trainer.world_size
         if world > 1:  # dapo divides by the global token count; DDP averages gradients over ranks
