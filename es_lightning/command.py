@@ -86,6 +86,16 @@ class CommandMixin:
     def subcommands() -> dict[str, set[str]]:
         return {name: keys for name, keys in LightningCLI.subcommands().items() if name != "predict"}
 
+    def _parse_ckpt_path(self) -> None:
+        """Check ``--ckpt_path`` before anything loads (:func:`~es_lightning.run_dirs.check_ckpt_path`) — and do not
+        let the checkpoint's hyperparameters replace the configured model settings, as Lightning's LightningCLI does
+        for a checkpoint file: that silently dropped e.g. ``--model.init_args.lr`` given on resume, while
+        ``--ckpt_path last`` (resolved later) kept it. A resume runs the configured settings either way, and the module
+        warns which of the checkpoint's stage settings differ (``ReasoningModule.restore_stage``)."""
+        subcommand = self.config.get("subcommand")
+        if subcommand:
+            run_dirs.check_ckpt_path(self.config[subcommand])
+
     def before_instantiate_classes(self) -> None:
         super().before_instantiate_classes()
         config = self.config[self.subcommand]

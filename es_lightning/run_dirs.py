@@ -23,7 +23,7 @@ from typing import Any
 
 from lightning.pytorch.utilities import rank_zero_info
 
-from es_lightning.callbacks.checkpoint import recover
+from es_lightning.callbacks.checkpoint import OLD_SUFFIX, recover
 from es_lightning.cli_errors import UserError
 
 #: what a run directory holds before anything was trained (a failed run with only these is removed)
@@ -92,6 +92,46 @@ def resolve_last(config: Any) -> None:
         config.ckpt_path = str(found)
 
 
+#: ``ckpt_path`` values Lightning resolves itself
+_CKPT_NAMES = ("last", "best", "hpc")
+
+
+def check_ckpt_path(config: Any) -> None:
+    """Refuse, before anything loads, a ``--ckpt_path`` that is not a checkpoint: a missing path, a file that is not
+    a ``torch.save`` archive, a run or other directory (naming the ``last.ckpt`` inside it when there is one), or a
+    sharded checkpoint directory resumed without a sharding strategy."""
+    path = _get(config, "ckpt_path")
+    if path is None or str(path) in _CKPT_NAMES or str(path).startswith("registry"):
+        return
+    target = Path(os.path.expanduser(str(path)))
+    if not target.exists() and (target.parent / f".{target.name}{OLD_SUFFIX}").exists():
+        if _is_global_zero():  # a kill between the two renames of a checkpoint write: put the previous one back
+            recover(target.parent)
+        return
+    if not target.exists():
+        raise UserError(f"--ckpt_path {path!r}: no such file; pass a checkpoint a fit wrote (e.g. "
+                        "lightning_logs/es/version_0/checkpoints/last.ckpt), or --ckpt_path last for the newest run of "
+                        "the same recipe")
+    if target.is_dir():
+        if (target / ".metadata").is_file() or (target / "meta.pt").is_file():  # torch.distributed.checkpoint
+            strategy = str(_get(_get(config, "trainer"), "strategy") or "")
+            if not any(name in strategy.lower() for name in ("modelparallel", "fsdp")):
+                raise UserError(
+                    f"--ckpt_path {path!r} is a sharded checkpoint (one directory, a shard per rank); resume it with "
+                    "the sharded trainer fragment it was written with (e.g. --config configs/trainer/fsdp2_cpu.yaml), "
+                    f"or turn it into one file first: python -m es_lightning.distributed {path} out.ckpt"
+                )
+            return
+        inside = sorted(target.glob("**/last.ckpt"))
+        hint = f"; did you mean {str(inside[-1])!r}?" if inside else ""
+        raise UserError(f"--ckpt_path {path!r} is a directory, not a checkpoint{hint}")
+    import zipfile
+
+    if not zipfile.is_zipfile(target):
+        raise UserError(f"--ckpt_path {path!r} is not a checkpoint (not a torch.save archive); pass a .ckpt file a fit "
+                        "wrote, e.g. lightning_logs/es/version_0/checkpoints/last.ckpt")
+
+
 def output_dirs(config: Any) -> list[tuple[str, str]]:
     """``[(option, path)]`` of every directory the run will write: loggers' ``save_dir``, callbacks' ``dirpath``,
     ``trainer.default_root_dir``."""
@@ -115,25 +155,29 @@ def output_dirs(config: Any) -> list[tuple[str, str]]:
 def check_writable(config: Any) -> None:
     """Refuse, before anything is loaded or trained, an output directory that cannot be created or written."""
     for option, path in output_dirs(config):
-        target = Path(os.path.expanduser(path)).absolute()
-        existing = target
-        while not existing.exists() and existing != existing.parent:
-            existing = existing.parent
-        problem = None
-        if not existing.is_dir():
-            problem = f"{existing} is a file, not a directory"
-        else:
-            try:
-                with tempfile.TemporaryFile(dir=existing):
-                    pass
-            except OSError as err:
-                problem = f"{existing} is not writable ({err.strerror})"
+        problem = unwritable(path)
         if problem:
             flag = option.split(" ")[0]
             raise UserError(
                 f"output directory {path!r} ({option}) cannot be written: {problem}; choose another with "
                 f"--{flag.replace('[0]', '')} /a/writable/dir"
             )
+
+
+def unwritable(path: str | os.PathLike) -> str | None:
+    """Why directory ``path`` cannot be created or written (its nearest existing ancestor is a file, or not
+    writable), or ``None`` when it can."""
+    existing = Path(os.path.expanduser(path)).absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is a file, not a directory"
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as err:
+        return f"{existing} is not writable ({err.strerror})"
+    return None
 
 
 def remove_if_empty(log_dir: str | os.PathLike | None, existed_before: bool) -> None:

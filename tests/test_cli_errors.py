@@ -44,6 +44,10 @@ def _files(tmp: Path) -> None:
     (tmp / "nocfg").mkdir()
     (tmp / "nocfg" / "model.safetensors").write_bytes(b"")
     (tmp / "afile").write_text("a file, not a directory")
+    (tmp / "run" / "checkpoints").mkdir(parents=True)
+    (tmp / "run" / "checkpoints" / "last.ckpt").write_bytes(b"")
+    (tmp / "sharded.ckpt").mkdir()
+    (tmp / "sharded.ckpt" / ".metadata").write_bytes(b"")
 
 
 GRPO = ["fit", "--config", str(RECIPES / "grpo.yaml")]
@@ -94,6 +98,20 @@ CASES = [
      ["'openai/gsm8k'", "hub cannot be reached (offline)", "--repo-type dataset"]),
     ("unwritable output directory", GRPO + SMALL + ["--trainer.logger.init_args.save_dir", "afile/logs"],
      ["'afile/logs'", "cannot be written", "is a file", "--trainer.logger.init_args.save_dir"]),
+    ("ckpt_path that does not exist", ES + SMALL + ["--ckpt_path", "nofile.ckpt"],
+     ["--ckpt_path 'nofile.ckpt': no such file", "--ckpt_path last"]),
+    ("ckpt_path that is not a checkpoint", ES + SMALL + ["--ckpt_path", "afile"],
+     ["'afile' is not a checkpoint", "last.ckpt"]),
+    ("ckpt_path that is a run directory", ES + SMALL + ["--ckpt_path", "run"],
+     ["'run' is a directory, not a checkpoint", "did you mean 'run/checkpoints/last.ckpt'"]),
+    ("sharded checkpoint without a sharding strategy", ES + SMALL + ["--ckpt_path", "sharded.ckpt"],
+     ["'sharded.ckpt' is a sharded checkpoint", "configs/trainer/fsdp2_cpu.yaml", "python -m es_lightning.distributed"]),
+    ("ES samples at temperature 0", ES + SMALL + ["--model.init_args.temperature", "0"],
+     ["samples_per_member=2 at temperature 0 gives 2 identical", "temperature > 0"]),
+    ("analysis out_dir that is a file", ["eval", "--checkpoints", "builtin:countdown-tiny", "--out_dir", "afile"],
+     ["es-lightning eval: error:", "--out_dir 'afile' cannot be written", "is a file, not a directory"]),
+    ("compare without methods", ["analyze", "compare", "--methods", "[]"],
+     ["compare needs at least one method and one seed", "--methods"]),
     ("generation_backend vllm without vLLM", GRPO + SMALL + ["--model.init_args.generation_backend", "vllm"],
      ["--model.init_args.generation_backend", "vllm", 'pip install "es-lightning[vllm]"', "make test-vllm"]),
 ]
@@ -150,7 +168,8 @@ def test_there_are_enough_cases():
 def test_bad_input_is_one_line_and_exit_2(table, name, argv, fragments):
     _, results = table
     result = results[name]
-    errors = [line for line in result["stderr"].splitlines() if line.startswith("es-lightning: error:")]
+    errors = [line for line in result["stderr"].splitlines()  # `es-lightning: error:`, `es-lightning eval: error:`
+              if line.startswith("es-lightning") and ": error: " in line]
     assert result["code"] == 2, result["stderr"][-3000:]
     assert len(errors) == 1, result["stderr"][-3000:]
     assert "Traceback" not in result["stderr"] and len(result["stderr"].splitlines()) == 1, result["stderr"]

@@ -236,3 +236,39 @@ def test_wandb_logger_runs_offline_beside_the_csv_logger(tmp_path):
     assert (tmp_path / "lightning_logs" / "es" / "version_0" / "metrics.csv").is_file()  # the CSV logger still decides the run directory
     runs = list(tmp_path.rglob("offline-run-*"))
     assert runs and list(runs[0].glob("*.wandb")), sorted(str(p) for p in tmp_path.rglob("*"))[:40]
+
+
+def test_an_explicit_ckpt_path_resumes_with_the_configured_settings(tmp_path, monkeypatch):
+    """`--ckpt_path <file>` runs what the command configures, as `--ckpt_path last` does: Lightning's LightningCLI
+    would replace the configured model settings with the checkpoint's hyperparameters (a `--model.init_args.sigma`
+    given on resume was dropped without a word). The differing settings are named in a warning."""
+    from es_lightning.cli import CommandCLI
+
+    monkeypatch.chdir(tmp_path)
+    small = ["fit", "--config", str(ROOT / "recipes" / "es.yaml"), "--model.init_args.population_size", "4",
+             "--model.init_args.members_per_batch", "4", "--data.init_args.batch_size", "2",
+             "--data.init_args.train_size", "16", "--data.init_args.val_size", "4", "--trainer.limit_val_batches", "0",
+             "--trainer.enable_progress_bar", "false", "--trainer.logger.init_args.save_dir", str(tmp_path)]
+    CommandCLI(args=[*small, "--trainer.max_steps", "1"])
+    (ckpt,) = tmp_path.glob("es/version_0/checkpoints/last.ckpt")
+    with pytest.warns(UserWarning, match=r"resuming es with the configured settings; the checkpoint's differ in "
+                                         r"\['sigma'\]"):
+        cli = CommandCLI(args=[*small, "--trainer.max_steps", "2", "--model.init_args.sigma", "0.02",
+                               "--ckpt_path", str(ckpt)])
+    assert cli.trainer.global_step == 2 and cli.model.algorithm.settings.sigma == 0.02
+
+
+def test_a_checkpoint_of_another_model_is_refused_naming_the_model(tiny_model_dir):
+    """Resuming a checkpoint of another architecture into the configured model: one line with a mismatched weight
+    and the model the checkpoint was written for (its hyperparameters), not strict loading's list of every key."""
+    from es_lightning import ESModule
+
+    module = ESModule(model=tiny_model_dir)
+    module.configure_model()
+    other = ESModule(model="builtin:countdown-tiny")
+    other.configure_model()
+    checkpoint = {"state_dict": other.state_dict(), "hyper_parameters": dict(other.hparams)}
+    with pytest.raises(ValueError, match=r"holds another model than the configured .* is \[51, 128\] there and "
+                                         r"\[51, 32\] here; .* --model.init_args.model builtin:countdown-tiny$"):
+        module.on_load_checkpoint(checkpoint)
+    module.on_load_checkpoint({"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams)})  # its own

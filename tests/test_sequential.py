@@ -4,6 +4,8 @@ The module's class never changes: the switch gives it another algorithm object (
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import lightning as L
 import pytest
 import torch
@@ -73,7 +75,9 @@ def test_resume_before_and_after_the_switch(tmp_path, tiny_model_dir):
         module = _grpo(tiny_model_dir)
         seq = [SequentialStrategy(switch_step=2, es=ES)] if callback else []
         trainer = _trainer(tmp_path / f"r{resume_step}{callback}", 4, [*seq, record])
-        trainer.fit(module, _dm(), ckpt_path=str(tmp_path / "ck" / f"step={resume_step}.ckpt"))
+        said = pytest.warns(UserWarning, match="continues es .* not the configured grpo") if not callback else nullcontext()
+        with said:  # without the callback nothing in this fit switches to ES: the checkpoint's stage runs, and it says so
+            trainer.fit(module, _dm(), ckpt_path=str(tmp_path / "ck" / f"step={resume_step}.ckpt"))
         assert trainer.global_step == 4 and module.algorithm.name == "es"
         assert type(trainer.optimizers[0]).__name__ == "ESOptimizer"
         assert all(kind == ("grpo" if step <= 2 else "es") for step, kind in record.kinds.items())
@@ -148,3 +152,16 @@ def test_a_module_already_in_the_second_stage_is_refused(tmp_path, tiny_model_di
     module = ESModule(model=tiny_model_dir, max_new_tokens=4, **ES)
     with pytest.raises(TypeError, match="already runs ES"):
         _trainer(tmp_path, 2, [SequentialStrategy(switch_step=1, es=ES)]).fit(module, _dm())
+
+
+def test_another_algorithms_checkpoint_continues_its_stage_and_says_so(tmp_path, tiny_model_dir):
+    """A GRPO checkpoint resumed by an ES module with no SequentialStrategy that switches to GRPO (most likely another
+    recipe's checkpoint): the fit continues the checkpoint's stage, as a switched run resumes, and a warning says
+    that the configured algorithm does not run and how to start it from those weights instead."""
+    ckpt = ModelCheckpoint(dirpath=tmp_path, filename="{step}", save_top_k=-1, every_n_train_steps=1)
+    _trainer(tmp_path, 1, [ckpt]).fit(_grpo(tiny_model_dir), _dm())
+    module = ESModule(model=tiny_model_dir, **ES)
+    with pytest.warns(UserWarning, match=r"written in the grpo stage, so this fit continues grpo .* not the configured "
+                                         r"es; to train es, start from the checkpoint's weights"):
+        _trainer(tmp_path, 2, []).fit(module, _dm(), ckpt_path=str(tmp_path / "step=1.ckpt"))
+    assert module.algorithm.name == "grpo"

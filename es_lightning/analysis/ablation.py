@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from es_lightning.analysis.drift import CHUNK, _base_of, check_taus, paired_weights, update_chunks
-from es_lightning.analysis.output import Signed, format_table, write_json
+from es_lightning.analysis.output import Signed, check_out_dir, format_table, write_json
 from es_lightning.analysis.settings import PAPER_EVAL, EvalSettings
 
 Weights = Mapping[str, torch.Tensor]
@@ -212,6 +212,7 @@ def ablation_command(
         plot: write ablation.png.
         progress: show a progress bar.
     """
+    check_out_dir(out_dir)  # before any model loads or fit runs
     from tqdm.auto import tqdm
 
     from es_lightning.analysis.checkpoints import load_model

@@ -43,7 +43,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from es_lightning.analysis.output import format_table, markdown_table, write_json
+from es_lightning.analysis.output import check_out_dir, format_table, markdown_table, write_json
 from es_lightning.analysis.settings import COMPARE_EVAL, EvalSettings
 
 #: method label → recipe file (relative to ``recipes_dir``)
@@ -173,6 +173,9 @@ def compare_methods(
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise ValueError(f"unknown methods {unknown}; choose from {list(METHODS)}")
+    if not methods or not seeds:
+        raise ValueError(f"compare needs at least one method and one seed, got methods {list(methods)} and seeds "
+                         f"{list(seeds)}; e.g. --methods \"[GRPO, ES]\" --seeds \"[0]\"")
     method_overrides = {m: list(args) for m, args in (method_overrides or {}).items()}
     stray = [m for m in method_overrides if m not in methods]
     if stray:
@@ -278,6 +281,7 @@ def compare_command(
         method_overrides: further `es-lightning fit` arguments for one method, after overrides, e.g.
             '{"ES": [--model.init_args.population_size, "16"]}'.
     """
+    check_out_dir(out_dir)  # before any model loads or fit runs
     start = time.perf_counter()
     report = compare_methods(seeds=seeds, steps=steps, methods=methods, recipes_dir=recipes_dir, settings=eval,
                              out_dir=out_dir, overrides=overrides, budget=budget, method_overrides=method_overrides)

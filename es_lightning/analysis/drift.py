@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from es_lightning.analysis.output import format_table, write_json
+from es_lightning.analysis.output import check_out_dir, format_table, write_json
 
 KINDS = ("embeddings", "attention", "mlp", "norms", "lm_head", "other")
 #: default τ grid: 0 (bit-identical weights) and decades from 1e-7 to 1e-2
@@ -244,6 +244,7 @@ def drift_command(
         out_dir: where drift.json and drift.png go.
         plot: write drift.png.
     """
+    check_out_dir(out_dir)  # before any model loads or fit runs
     from es_lightning.analysis.checkpoints import load_model
     from es_lightning.analysis.plots import plot_drift
 

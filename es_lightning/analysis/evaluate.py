@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from es_lightning.analysis.checkpoints import LoadedModel, check_model_spec, load_model
-from es_lightning.analysis.output import format_table, markdown_table, write_json
+from es_lightning.analysis.output import check_out_dir, format_table, markdown_table, write_json
 from es_lightning.analysis.settings import PAPER_EVAL, EvalSettings, resolve_device
 from es_lightning.data import ReasoningDataModule, procedural_split
 from es_lightning.policy import Policy
@@ -236,6 +236,7 @@ def eval_command(
         plot: write pass_at_k.png.
         progress: show a progress bar.
     """
+    check_out_dir(out_dir)  # before any model loads or fit runs
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     start = time.perf_counter()
     report = evaluate_models(checkpoints, tasks=tasks, labels=labels, settings=eval, dtype=dtype, progress=progress)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from es_lightning.analysis.evaluate import EvalReport, evaluate_models
-from es_lightning.analysis.output import Signed, format_table, write_json
+from es_lightning.analysis.output import Signed, check_out_dir, format_table, write_json
 from es_lightning.analysis.settings import PAPER_EVAL, EvalSettings
 from es_lightning.tasks import get_task
 
@@ -111,6 +111,7 @@ def forgetting_command(
         plot: write forgetting.png.
         progress: show a progress bar.
     """
+    check_out_dir(out_dir)  # before any model loads or fit runs
     from es_lightning.analysis.checkpoints import load_model
     from es_lightning.analysis.drift import _base_of
     from es_lightning.analysis.plots import plot_forgetting

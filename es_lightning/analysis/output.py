@@ -52,6 +52,17 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], digits
     return "\n".join(out)
 
 
+def check_out_dir(out_dir: str | Path) -> None:
+    """Refuse, before any model is loaded or trained, an ``--out_dir`` that cannot be written (``ValueError``: the
+    analysis commands print it as one line)."""
+    from es_lightning.run_dirs import unwritable
+
+    problem = unwritable(out_dir)
+    if problem:
+        raise ValueError(f"--out_dir {str(out_dir)!r} cannot be written: {problem}; choose another with --out_dir "
+                         "/a/writable/dir")
+
+
 def write_json(path: str | Path, payload: Any) -> Path:
     """Write ``payload`` as indented JSON (NaN written as ``NaN``, as Python's json does), creating the directory."""
     path = Path(path)

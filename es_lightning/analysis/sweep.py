@@ -27,7 +27,7 @@ from typing import Any
 
 import lightning as L
 
-from es_lightning.analysis.output import format_table, write_json
+from es_lightning.analysis.output import check_out_dir, format_table, write_json
 from es_lightning.analysis.settings import SWEEP_EVAL, EvalSettings
 
 DEFAULT_POPULATIONS = (8, 16, 32, 64)
@@ -169,6 +169,7 @@ def sweep_command(
         save_models: write each run's final model (save_pretrained) under out_dir/models/N<n>.
         plot: write sweep.png.
     """
+    check_out_dir(out_dir)  # before any model loads or fit runs
     from es_lightning.analysis.plots import plot_sweep
 
     start = time.perf_counter()

@@ -345,6 +345,13 @@ class ReasoningModule(L.LightningModule):
                                f"in {changed}")
             return False
         cls = get_algorithm(record["algorithm"])
+        callbacks = self._trainer.callbacks if self._trainer is not None else []
+        if current is not None and not any(getattr(cb, "target", None) == record["algorithm"] for cb in callbacks):
+            # not a switch this fit's SequentialStrategy makes: most likely another recipe's checkpoint
+            rank_zero_warn(f"the checkpoint was written in the {record['algorithm']} stage, so this fit continues "
+                           f"{record['algorithm']} with the checkpoint's settings, not the configured "
+                           f"{current['algorithm']}; to train {current['algorithm']}, start from the checkpoint's "
+                           "weights instead (--model.init_args.model <run>/export, the run's Hugging Face export)")
         self.set_algorithm(cls(dict(record["settings"])), dict(record["sampling"]))
         return True
 
@@ -407,6 +414,31 @@ class ReasoningModule(L.LightningModule):
         size = getattr(dm, "batch_size", None)
         return size if isinstance(size, int) else None
 
+    def _check_checkpoint_model(self, checkpoint: dict[str, Any]) -> None:
+        """Refuse, in one line naming the model to resume with, a checkpoint of another model than the configured one
+        (Lightning's strict loading would print a traceback listing every mismatched key)."""
+        saved = checkpoint.get("state_dict")
+        if not isinstance(saved, dict) or not saved:
+            return  # a sharded checkpoint loads its state elsewhere
+        own = self.state_dict()
+        missing = [k for k in own if k not in saved]
+        extra = [k for k in saved if k not in own]
+        shaped = [k for k in own.keys() & saved.keys()
+                  if isinstance(saved[k], Tensor) and tuple(saved[k].shape) != tuple(own[k].shape)]
+        if not (missing or extra or shaped):
+            return
+        if shaped:
+            k = sorted(shaped)[0]
+            detail = f"{k} is {list(saved[k].shape)} there and {list(own[k].shape)} here"
+        else:
+            keys = missing or extra
+            detail = f"{len(keys)} weights {'missing there' if missing else 'unknown here'} (e.g. {sorted(keys)[0]})"
+        written = (checkpoint.get("hyper_parameters") or {}).get("model")
+        fix = (f"resume it with the model it was written for: --model.init_args.model {written}" if written
+               and written != self.model_name else "resume it with the configuration it was written with")
+        raise ValueError(f"the checkpoint holds another model than the configured {self.model_name!r}: {detail}; "
+                         f"{fix}")
+
     def on_train_start(self) -> None:
         weights, self._checkpoint_weights = getattr(self, "_checkpoint_weights", None), None
         if weights:
@@ -436,6 +468,7 @@ class ReasoningModule(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.policy_updated()  # the checkpoint's weights are loaded next: a vLLM engine takes them before it generates
+        self._check_checkpoint_model(checkpoint)
         # weights more precise than the parameters will be (a 32-true checkpoint resumed under bf16-true, converted
         # after this hook): kept until the optimizers exist, so their masters start from these bits (on_train_start)
         params = dict(self.named_parameters())
