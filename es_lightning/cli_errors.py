@@ -233,7 +233,11 @@ def explain(exc: BaseException) -> str | None:
             return line
         building = any(getattr(x, "raised_while_building", False) for x in chain)
         if type(e).__name__ == "MisconfigurationException" or (building and isinstance(e, ValueError)):
-            return _squash(str(e))
+            line = _squash(str(e))
+            if "No supported gpu backend found" in line:  # a GPU trainer fragment on a machine without one
+                line += (" — this machine has no GPU that torch can use; on CPUs use --config configs/trainer/cpu.yaml"
+                         " (or --trainer.accelerator cpu; FSDP2 on CPUs: configs/trainer/fsdp2_cpu.yaml)")
+            return line
     return None
 
 

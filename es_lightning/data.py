@@ -273,7 +273,15 @@ class ReasoningDataModule(L.LightningDataModule):
                     f"data file {empty[0]!r} is empty (0 rows); fill it with one JSON object per line (columns: "
                     + ", ".join(self.task.required_columns) + ") or point data.source at another file"
                 )
-            return datasets.load_dataset(fmt, data_files=by_split)
+            try:
+                return datasets.load_dataset(fmt, data_files=by_split)
+            except datasets.exceptions.DatasetGenerationError as err:  # a malformed line, a bad row: say which file
+                cause = err.__cause__ or err
+                files = ", ".join(f for fs in by_split.values() for f in fs)
+                raise ValueError(f"data file(s) {files} could not be read as {fmt}: {type(cause).__name__}: "
+                                 f"{str(cause).splitlines()[0] if str(cause) else ''}; fix the file ({fmt}: "
+                                 + ("one JSON object per line" if fmt == "json" else f"a valid {fmt} file")
+                                 + ") or point data.source at another") from err
         if self.source.startswith((".", "/", "~")) or path.suffix in _LOCAL_FORMATS:
             raise FileNotFoundError(
                 f"data source {self.source!r} does not exist (relative paths are read from {os.getcwd()}); give a "

@@ -140,9 +140,17 @@ def _without_repeated_prefix(plain: list[int], full: list[int]) -> list[int]:
     return full
 
 
+#: files a saved tokenizer consists of (one of them at least)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "spiece.model")
+
+
 def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, revision: str | None = None):
     """The tokenizer, left-padded (batched generation needs prompts aligned on the right) and with a pad token."""
     path = resolve_model_path(name_or_path)
+    if Path(path).is_dir() and not any((Path(path) / f).is_file() for f in _TOKENIZER_FILES):
+        # transformers would build an empty tokenizer (every prompt 0 tokens) and generation fail far from here
+        raise FileNotFoundError(f"model directory {name_or_path!r} has no tokenizer (none of {list(_TOKENIZER_FILES)}); "
+                                "save it beside the weights: tokenizer.save_pretrained(<dir>)")
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, revision=revision)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:

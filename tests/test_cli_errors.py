@@ -18,6 +18,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,12 +41,16 @@ def _files(tmp: Path) -> None:
     (tmp / "kbig.yaml").write_text(yaml.safe_dump(grpo, sort_keys=False))
     (tmp / "empty.jsonl").write_text("")
     (tmp / "two.jsonl").write_text('{"question": "1+1", "answer": "#### 2"}\n{"question": "2+2", "answer": "#### 4"}\n')
+    (tmp / "broken.jsonl").write_text('{"question": "1+1", "answer": "#### 2"}\nnot json\n')
     (tmp / "cols.jsonl").write_text('{"q": "1+1", "a": "#### 2"}\n' * 30)
     (tmp / "nocfg").mkdir()
     (tmp / "nocfg" / "model.safetensors").write_bytes(b"")
     (tmp / "afile").write_text("a file, not a directory")
     (tmp / "run" / "checkpoints").mkdir(parents=True)
     (tmp / "run" / "checkpoints" / "last.ckpt").write_bytes(b"")
+    from es_lightning.policy import load_policy
+
+    load_policy("builtin:countdown-tiny").model.save_pretrained(tmp / "notok")  # weights, no tokenizer
     (tmp / "sharded.ckpt").mkdir()
     (tmp / "sharded.ckpt" / ".metadata").write_bytes(b"")
 
@@ -85,6 +90,8 @@ CASES = [
      ["empty.jsonl", "is empty (0 rows)", "question, answer"]),
     ("fewer rows than the splits", GRPO + GSM8K + ["--data.init_args.source", "two.jsonl"],
      ["two.jsonl", "has 2 rows", "data.val_size=200", "lower data.val_size"]),
+    ("malformed data file", GRPO + GSM8K + ["--data.init_args.source", "broken.jsonl"],
+     ["--data.init_args.source", "broken.jsonl could not be read as json", "one JSON object per line"]),
     ("missing columns", GRPO + GSM8K + ["--data.init_args.source", "cols.jsonl", "--data.init_args.val_size", "2",
                                        "--data.init_args.test_size", "2"],
      ["cols.jsonl", "lacks column(s) ['question', 'answer']", "column_mapping"]),
@@ -98,6 +105,8 @@ CASES = [
      ["'openai/gsm8k'", "hub cannot be reached (offline)", "--repo-type dataset"]),
     ("unwritable output directory", GRPO + SMALL + ["--trainer.logger.init_args.save_dir", "afile/logs"],
      ["'afile/logs'", "cannot be written", "is a file", "--trainer.logger.init_args.save_dir"]),
+    ("model directory without a tokenizer", GRPO + SMALL + ["--model.init_args.model", "notok"],
+     ["'notok' has no tokenizer", "tokenizer.save_pretrained"]),
     ("ckpt_path that does not exist", ES + SMALL + ["--ckpt_path", "nofile.ckpt"],
      ["--ckpt_path 'nofile.ckpt': no such file", "--ckpt_path last"]),
     ("ckpt_path that is not a checkpoint", ES + SMALL + ["--ckpt_path", "afile"],
@@ -115,6 +124,16 @@ CASES = [
     ("generation_backend vllm without vLLM", GRPO + SMALL + ["--model.init_args.generation_backend", "vllm"],
      ["--model.init_args.generation_backend", "vllm", 'pip install "es-lightning[vllm]"', "make test-vllm"]),
 ]
+
+if not torch.cuda.is_available():  # a machine without a GPU (CI's): GPU settings are refused with the CPU fix
+    CASES += [
+        ("GPU trainer fragment on a CPU machine", ["fit", "--config", str(ROOT / "configs" / "trainer" / "gpu.yaml"),
+                                                   "--config", str(RECIPES / "es.yaml")],
+         ["No supported gpu backend found", "configs/trainer/cpu.yaml"]),
+        ("eval on cuda on a CPU machine", ["eval", "--checkpoints", "builtin:countdown-tiny", "--eval.device", "cuda",
+                                           "--eval.num_problems", "2", "--eval.num_samples", "2"],
+         ["eval.device 'cuda': this machine has no CUDA GPU", "--eval.device cpu"]),
+    ]
 
 HARNESS = textwrap.dedent("""
     import contextlib, io, json, os, signal, sys, time, traceback

@@ -26,10 +26,18 @@ def default_ks(num_samples: int) -> list[int]:
 
 
 def resolve_device(device: str) -> torch.device:
-    """``auto`` → CUDA when available, else CPU."""
+    """``auto`` → CUDA when available, else CPU. A device this machine does not have is refused naming the fix."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        resolved = torch.device("cuda" if device == "gpu" else device)
+    except RuntimeError as err:
+        raise ValueError(f"eval.device {device!r} is not a device ({err}); use auto, cpu or cuda (option --eval.device)") \
+            from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"eval.device {device!r}: this machine has no CUDA GPU (or torch was built without CUDA); use "
+                         "--eval.device cpu, or auto")
+    return resolved
 
 
 @dataclass(frozen=True)
@@ -80,6 +88,7 @@ class EvalSettings:
             raise bad("batch_size", ">= 1")
         if self.ks is not None:
             self.pass_at_ks()  # k > n or k < 1: refused at construction, before anything is loaded
+        resolve_device(self.device)  # a device this machine lacks: refused now, not after the models load
 
     def pass_at_ks(self, default: Sequence[int] | None = None) -> list[int]:
         """The k to report: ``ks`` when set, else the command's ``default``, else 1, 2, 4, … n; sorted, each <= n."""
