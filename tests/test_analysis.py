@@ -337,6 +337,30 @@ def test_eval_refuses_bad_input(tmp_path):
         eval_command(checkpoints=[BUILTIN], labels=["a", "b"], eval=small, out_dir=str(tmp_path))
 
 
+def test_evaluation_problems_from_files_and_mistakes_in_eval_terms(tmp_path):
+    """A file of problems is evaluated whatever its name (a lone test.jsonl once failed for want of a train split):
+    its test split, or its only split, shuffled by the seed — the same rows as the file's, drawn without repeats;
+    too few rows, missing columns and a task without a generator name --eval.* options, not training's data.*."""
+    import json
+
+    task = get_task("countdown")
+    rows = [{"nums": [i, 2, 3], "target": i + 5} for i in range(1, 21)]
+    for name in ("test.jsonl", "problems.jsonl"):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+        got = heldout_problems(task, 7, seed=3, source=str(tmp_path / name))
+        assert len(got) == 7 and len({g["target"] for g in got}) == 7
+        assert {g["target"] for g in got} <= {r["target"] for r in rows}
+        assert got == heldout_problems(task, 7, seed=3, source=str(tmp_path / name))  # the seed decides
+    with pytest.raises(ValueError, match=r"has 20 problems in its 'train' split, fewer than eval.num_problems=21; "
+                                         r"lower --eval.num_problems \(e.g. to 20\)"):
+        heldout_problems(task, 21, source=str(tmp_path / "problems.jsonl"))
+    (tmp_path / "cols.jsonl").write_text('{"numbers": [1, 2], "target": 3}\n' * 4)
+    with pytest.raises(ValueError, match=r"lacks column\(s\) \['nums'\] .* rename them in the file"):
+        heldout_problems(task, 2, source=str(tmp_path / "cols.jsonl"))
+    with pytest.raises(ValueError, match="has no procedural generator; set --eval.source"):
+        heldout_problems(get_task("gsm8k"), 2)
+
+
 def test_cli_help_bad_keys_and_list_values(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli_main(["eval", "--help"])

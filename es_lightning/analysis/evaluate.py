@@ -42,16 +42,36 @@ def heldout_problems(task: Task, num_problems: int, seed: int = 0, source: str =
     """``num_problems`` evaluation problems of ``task``.
 
     Procedural tasks draw from the held-out pool (``procedural_split(task, "test", …)``: never in training data nor in
-    the built-in model's pretraining); other sources read the test split of a :class:`ReasoningDataModule` (a hub
-    dataset name, ``hub`` for the task's default, or a local file).
+    the built-in model's pretraining); other sources (a hub dataset name, ``hub`` for the task's default, or a local
+    file or directory, read as :class:`ReasoningDataModule` reads them) give ``num_problems`` rows of their test split,
+    shuffled by ``seed`` — or, when the source has a single split of another name (one ``problems.jsonl``), of that
+    one. Mistakes name the evaluation options (``--eval.num_problems``, ``--eval.source``), not training's.
     """
     if num_problems < 1:
         raise ValueError(f"num_problems must be >= 1, got {num_problems}")
     if source == "procedural":
-        return procedural_split(task, "test", num_problems, seed)
+        try:
+            return procedural_split(task, "test", num_problems, seed)
+        except (ValueError, NotImplementedError) as err:  # its hints name the data module's options, not eval's
+            raise ValueError(str(err).replace("lower data.test_size", "lower --eval.num_problems")
+                             .replace("set data.source", "set --eval.source")) from None
+    import datasets
+
     dm = ReasoningDataModule(task, source=source, train_size=None, val_size=None, test_size=num_problems, seed=seed)
-    dm.setup("test")
-    return dm.splits["test"]
+    dsets = dm._load_source(datasets)
+    name = dm.test_split if dm.test_split in dsets else next(iter(dsets)) if len(dsets) == 1 else None
+    if name is None:
+        raise ValueError(f"eval.source {source!r} has splits {sorted(dsets)}, none of them {dm.test_split!r}; give one "
+                         "with a test split (test.jsonl), or a single file of problems")
+    ds = dsets[name]
+    missing = [c for c in task.required_columns if c not in ds.column_names]
+    if missing:
+        raise ValueError(f"eval.source {source!r}: its {name!r} split lacks column(s) {missing} that task {task.name!r} "
+                         f"needs (it has {ds.column_names}); rename them in the file")
+    if len(ds) < num_problems:
+        raise ValueError(f"eval.source {source!r} has {len(ds)} problems in its {name!r} split, fewer than "
+                         f"eval.num_problems={num_problems}; lower --eval.num_problems (e.g. to {len(ds)})")
+    return [task.preprocess(dict(r)) for r in ds.shuffle(seed=seed).select(range(num_problems))]
 
 
 def evaluation_module(policy: Policy, task: Task, max_new_tokens: int, device: torch.device | str = "cpu"):
