@@ -101,8 +101,8 @@ def check_ckpt_path(config: Any) -> None:
     a ``torch.save`` archive, a run or other directory (naming the ``last.ckpt`` inside it when there is one), or a
     sharded checkpoint directory resumed without a sharding strategy."""
     path = _get(config, "ckpt_path")
-    if path is None or str(path) in _CKPT_NAMES or str(path).startswith("registry"):
-        return
+    if path is None or str(path) in _CKPT_NAMES or str(path).startswith("registry") or "://" in str(path):
+        return  # Lightning's names, its model registry, and remote (fsspec) paths are Lightning's to check
     target = Path(os.path.expanduser(str(path)))
     if not target.exists() and (target.parent / f".{target.name}{OLD_SUFFIX}").exists():
         if _is_global_zero():  # a kill between the two renames of a checkpoint write: put the previous one back

@@ -272,3 +272,15 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_model(tiny_model_di
                                          r"\[51, 32\] here; .* --model.init_args.model builtin:countdown-tiny$"):
         module.on_load_checkpoint(checkpoint)
     module.on_load_checkpoint({"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams)})  # its own
+
+
+def test_ckpt_path_names_and_remote_paths_are_left_to_lightning(tmp_path):
+    from types import SimpleNamespace
+
+    from es_lightning.cli_errors import UserError
+    from es_lightning.run_dirs import check_ckpt_path
+
+    for path in ("last", "best", "hpc", "registry:my-model", "s3://bucket/run/last.ckpt", None):
+        check_ckpt_path(SimpleNamespace(ckpt_path=path))  # nothing to refuse here
+    with pytest.raises(UserError, match="no such file"):
+        check_ckpt_path(SimpleNamespace(ckpt_path=str(tmp_path / "x.ckpt")))

@@ -45,7 +45,8 @@ def heldout_problems(task: Task, num_problems: int, seed: int = 0, source: str =
     the built-in model's pretraining); other sources (a hub dataset name, ``hub`` for the task's default, or a local
     file or directory, read as :class:`ReasoningDataModule` reads them) give ``num_problems`` rows of their test split,
     shuffled by ``seed`` — or, when the source has a single split of another name (one ``problems.jsonl``), of that
-    one. Mistakes name the evaluation options (``--eval.num_problems``, ``--eval.source``), not training's.
+    one; with several splits and no test split, rows carved off its train split as a fit carves them. Mistakes name
+    the evaluation options (``--eval.num_problems``, ``--eval.source``), not training's.
     """
     if num_problems < 1:
         raise ValueError(f"num_problems must be >= 1, got {num_problems}")
@@ -60,9 +61,9 @@ def heldout_problems(task: Task, num_problems: int, seed: int = 0, source: str =
     dm = ReasoningDataModule(task, source=source, train_size=None, val_size=None, test_size=num_problems, seed=seed)
     dsets = dm._load_source(datasets)
     name = dm.test_split if dm.test_split in dsets else next(iter(dsets)) if len(dsets) == 1 else None
-    if name is None:
-        raise ValueError(f"eval.source {source!r} has splits {sorted(dsets)}, none of them {dm.test_split!r}; give one "
-                         "with a test split (test.jsonl), or a single file of problems")
+    if name is None:  # several splits, no test split: held-out rows carved off the train split, as a fit would
+        dm.setup("test")
+        return dm.splits["test"]
     ds = dsets[name]
     missing = [c for c in task.required_columns if c not in ds.column_names]
     if missing:

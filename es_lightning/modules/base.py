@@ -420,6 +420,9 @@ class ReasoningModule(L.LightningModule):
         saved = checkpoint.get("state_dict")
         if not isinstance(saved, dict) or not saved:
             return  # a sharded checkpoint loads its state elsewhere
+        strategy = type(self._trainer.strategy).__name__ if self._trainer is not None else ""
+        if "FSDP" in strategy or "ModelParallel" in strategy:
+            return  # a sharded module's state_dict() would gather every weight; the strategy's own load checks
         own = self.state_dict()
         missing = [k for k in own if k not in saved]
         extra = [k for k in saved if k not in own]
