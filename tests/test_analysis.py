@@ -82,6 +82,27 @@ def test_load_model_rebuilds_a_lightning_checkpoint_bitwise(es_checkpoint):
     assert loaded.policy.model.lm_head.weight is loaded.policy.model.model.embed_tokens.weight  # still tied
 
 
+def test_a_relative_base_model_is_found_from_another_directory(tmp_path, monkeypatch, tiny_model_dir):
+    """A fit run with a relative model path (`model: base`) records it as given; analysing its checkpoint from
+    another directory finds the base beside the run's logs (it was taken for a hub id once)."""
+    import shutil
+
+    shutil.copytree(tiny_model_dir, tmp_path / "work" / "base")
+    monkeypatch.chdir(tmp_path / "work")
+    module = ESModule(model="base", population_size=2, sigma=5e-3, lr=3e-3, max_new_tokens=4)
+    trainer = L.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0)
+    trainer.fit(module, datamodule=ReasoningDataModule("countdown", train_size=8, val_size=2, test_size=2, batch_size=2))
+    path = tmp_path / "work" / "lightning_logs" / "es" / "version_0" / "checkpoints" / "last.ckpt"
+    path.parent.mkdir(parents=True)
+    trainer.save_checkpoint(path)
+    monkeypatch.chdir(tmp_path)  # "base" is not here
+    loaded = load_model(str(path.relative_to(tmp_path)))
+    assert loaded.base == str(tmp_path / "work" / "base")
+    for name, p in module.model.named_parameters():
+        assert torch.equal(dict(loaded.policy.model.named_parameters())[name], p), name
+
+
 def test_load_model_errors_name_the_problem(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist.*builtin:countdown-tiny"):
         load_model(str(tmp_path / "missing.ckpt"))

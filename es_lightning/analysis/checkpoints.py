@@ -119,6 +119,10 @@ def load_model(spec: str, dtype: str | torch.dtype | None = None, trust_remote_c
     checkpoint = read_checkpoint(spec)
     hparams = dict(checkpoint["hyper_parameters"])
     base = str(hparams["model"])
+    if not base.startswith("builtin:") and not Path(base).is_absolute() and not Path(base).expanduser().exists():
+        # a relative base path is read from where the fit ran; a run directory sits below that (save_dir/name/version)
+        found = next((a / base for a in Path(spec).resolve().parents if (a / base / "config.json").is_file()), None)
+        base = str(found) if found is not None else base
     try:
         policy = load_policy(
             base,
