@@ -127,10 +127,16 @@ def run_analysis(args: list[str]):
         target = target.get(args[1])
     if callable(target):
         args = join_list_values(args, _list_options(target))
+    from es_lightning.cli_errors import ConfigError, OneLineAnalysisParser, describe_parse_error
+
+    name = " ".join(a for a in args[:2] if not a.startswith("-"))
     try:
-        return CLI(commands, args=args, as_positional=False, prog="es-lightning")
+        return CLI(commands, args=args, as_positional=False, prog="es-lightning", parser_class=OneLineAnalysisParser)
+    except ConfigError as err:  # a misspelt option, a value of the wrong type: one line, not the usage block
+        print(f"es-lightning {name}: error: {describe_parse_error(str(err), args)}", file=sys.stderr)
+        raise SystemExit(2) from err
     except (FileNotFoundError, ValueError) as err:  # bad input (paths, tasks, k > n, τ < 0, ...): the message, no traceback
-        print(f"es-lightning {' '.join(a for a in args[:2] if not a.startswith('-'))}: error: {err}", file=sys.stderr)
+        print(f"es-lightning {name}: error: {err}", file=sys.stderr)
         raise SystemExit(2) from err
 
 

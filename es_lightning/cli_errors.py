@@ -45,6 +45,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import jsonargparse
 from lightning.pytorch.cli import LightningArgumentParser
 
 DEBUG_ENV = "ES_LIGHTNING_DEBUG"
@@ -72,6 +73,15 @@ class ConfigError(UserError):
 
 class OneLineErrorParser(LightningArgumentParser):
     """LightningCLI's parser, raising :class:`ConfigError` where it would print its usage block and exit."""
+
+    def error(self, message: str, ex: Exception | None = None):
+        if self.exit_on_error and not debug_requested():
+            raise ConfigError(message) from ex
+        return super().error(message, ex)
+
+
+class OneLineAnalysisParser(jsonargparse.ArgumentParser):
+    """The analysis commands' parser (``es-lightning eval`` / ``analyze``): :class:`ConfigError` instead of the usage."""
 
     def error(self, message: str, ex: Exception | None = None):
         if self.exit_on_error and not debug_requested():
