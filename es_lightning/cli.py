@@ -122,6 +122,16 @@ def run_analysis(args: list[str]):
     hf_logging.disable_progress_bar()  # one bar per analysis, not one per model load
     set_parsing_settings(docstring_parse_attribute_docstrings=True)  # EvalSettings' field docstrings are its --help
     commands = analysis_commands()
+    if args[0] == "analyze" and len(args) > 1 and not args[1].startswith("-") and args[1] not in commands["analyze"]:
+        import difflib
+
+        names = list(commands["analyze"])
+        close = difflib.get_close_matches(args[1], names, n=1, cutoff=0.6)
+        hint = (" — evaluation is its own command: es-lightning eval ..." if args[1] == "eval" else
+                f"; did you mean 'analyze {close[0]}'?" if close else "")
+        print(f"es-lightning analyze: error: unknown analysis {args[1]!r}{hint} (analyses: {', '.join(names)})",
+              file=sys.stderr)
+        raise SystemExit(2)
     target = commands.get(args[0])
     if isinstance(target, dict) and len(args) > 1:
         target = target.get(args[1])

@@ -86,6 +86,9 @@ def population_sweep(
             f"ES recipe {recipe!r} not found; run from the repository root (recipes/es.yaml) or pass --recipe "
             "path/to/es.yaml"
         )
+    _check_es_recipe(recipe)
+    if batch_size is not None and batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1 (prompts per ES step), got {batch_size}")
     sizes = [int(n) for n in populations]
     if not sizes or min(sizes) < 2:
         raise ValueError(f"population sizes must be >= 2 (rewards are normalised across members), got {list(populations)}")
@@ -140,6 +143,26 @@ def population_sweep(
     run_settings = dict(recipe=recipe, steps=steps, batch_size=batch_size, overrides=list(overrides), task=task.name,
                         reward_window=reward_window, eval=asdict(settings))
     return SweepReport(rows=rows, ks=settings.ks, settings=run_settings)
+
+
+def _check_es_recipe(recipe: str | Path) -> None:
+    """Refuse, before any fit, a recipe whose model is a GRPO module: the sweep varies an ES population."""
+    import importlib
+
+    import yaml
+
+    from es_lightning.modules.grpo import GRPOModule
+
+    try:
+        model = (yaml.safe_load(Path(recipe).read_text()) or {}).get("model") or {}
+        path = str(model.get("class_path", "")) if isinstance(model, dict) else ""
+        module, _, name = path.rpartition(".")
+        cls = getattr(importlib.import_module(module or "es_lightning"), name)
+    except Exception:  # not readable here: the fit itself says what is wrong
+        return
+    if isinstance(cls, type) and issubclass(cls, GRPOModule):
+        raise ValueError(f"{str(recipe)!r} configures {cls.__name__}; the sweep varies an ES population, so pass an ES "
+                         "recipe (recipes/es.yaml, recipes/es_lowrank.yaml)")
 
 
 def sweep_command(
