@@ -71,22 +71,22 @@ class ConfigError(UserError):
     """The command line or a config file was refused by the parser (the raw jsonargparse message)."""
 
 
-class OneLineErrorParser(LightningArgumentParser):
+class _RaisesConfigError:
+    """A jsonargparse parser mixin raising :class:`ConfigError` where the parser would print its usage block and exit
+    (``--debug`` keeps the parser's own output)."""
+
+    def error(self, message: str, ex: Exception | None = None):
+        if self.exit_on_error and not debug_requested():
+            raise ConfigError(message) from ex
+        return super().error(message, ex)
+
+
+class OneLineErrorParser(_RaisesConfigError, LightningArgumentParser):
     """LightningCLI's parser, raising :class:`ConfigError` where it would print its usage block and exit."""
 
-    def error(self, message: str, ex: Exception | None = None):
-        if self.exit_on_error and not debug_requested():
-            raise ConfigError(message) from ex
-        return super().error(message, ex)
 
-
-class OneLineAnalysisParser(jsonargparse.ArgumentParser):
+class OneLineAnalysisParser(_RaisesConfigError, jsonargparse.ArgumentParser):
     """The analysis commands' parser (``es-lightning eval`` / ``analyze``): :class:`ConfigError` instead of the usage."""
-
-    def error(self, message: str, ex: Exception | None = None):
-        if self.exit_on_error and not debug_requested():
-            raise ConfigError(message) from ex
-        return super().error(message, ex)
 
 
 # ---------------------------------------------------------------------- context the messages refer to

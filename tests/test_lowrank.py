@@ -255,36 +255,44 @@ class _Block(torch.nn.Module):
         return h + self.mlp.gate(h) * self.mlp.up(h)
 
 
-def test_siblings_reading_one_input_share_one_term_and_learn_who_does():
-    """Sibling linears called with one input get their (x B)ᵀ from one bmm; a sibling called with another input (o)
-    or never called (spare) leaves the group; every output still equals the merged weights', and no input is held
-    once a round is over."""
+def _block_rounds(make, rounds, watch=None):
+    """``rounds`` batched calls of a toy block (``make()``, seeded) through the low-rank context, each checked against
+    every member's merged weights; ``watch(mp)`` may patch torch for the calls. Returns the block and, after the last
+    round, each shared group's held input."""
     torch.manual_seed(0)
-    block = _Block()
+    block = make()
     named = list(block.named_parameters())
     centre = {n: p.detach().clone() for n, p in named}
     x = torch.randn(3, 5, 24)
     with torch.no_grad():
         alone = _each_member_merged(block, centre, lambda m: m(x))
-        bmms = []
-        real_bmm = torch.bmm
-
-        def counting_bmm(*args, **kwargs):
-            bmms.append(args[0].shape)
-            return real_bmm(*args, **kwargs)
-
         ctx = LowRankPopulationForward(block, named, MEMBERS, seed=SEED, step=STEP, sigma=SIGMA, rank=RANK)
         with ctx, pytest.MonkeyPatch.context() as mp:
-            mp.setattr(torch, "bmm", counting_bmm)
-            outs = [block(x.repeat(len(MEMBERS), 1, 1)) for _ in range(3)]
-            shares = list(ctx._shares)
-            held = [share._x for share in shares]
+            if watch is not None:
+                watch(mp)
+            outs = [block(x.repeat(len(MEMBERS), 1, 1)) for _ in range(rounds)]
+            held = [share._x for share in ctx._shares]
     for out in outs:
         torch.testing.assert_close(out, torch.cat(alone), rtol=0, atol=1e-5)
+    return block, held
+
+
+def test_siblings_reading_one_input_share_one_term_and_learn_who_does():
+    """Sibling linears called with one input get their (x B)ᵀ from one bmm; a sibling called with another input (o)
+    or never called (spare) leaves the group; every output still equals the merged weights', and no input is held
+    once a round is over."""
+    bmms = []
+    real_bmm = torch.bmm
+
+    def counting_bmm(*args, **kwargs):
+        bmms.append(args[0].shape)
+        return real_bmm(*args, **kwargs)
+
+    block, held = _block_rounds(_Block, 3, watch=lambda mp: mp.setattr(torch, "bmm", counting_bmm))
     # round 1 learns (q computes for q, k, v, o, spare; o and spare leave); rounds 2-3: one bmm for q/k/v (3·r rows),
     # one for o alone, one for gate/up (2·r rows)
     assert [tuple(s)[1] for s in bmms] == [5 * RANK, RANK, 2 * RANK] + [3 * RANK, RANK, 2 * RANK] * 2
-    assert len(shares) == 2 and held == [None, None]  # attn's and mlp's; neither holds its last input
+    assert held == [None, None]  # attn's and mlp's groups; neither holds its last input
     assert not any("forward" in m.__dict__ for m in block.modules())
 
 
@@ -305,17 +313,7 @@ class _Interleaved(torch.nn.Module):
 def test_a_sibling_leaving_mid_round_keeps_the_rounds_terms():
     """q starts a round for q, o and k; o, called with another input, leaves mid-round; k still gets its term of the
     round (it crashed here once), and later rounds share q's and k's only — every output the merged weights'."""
-    torch.manual_seed(0)
-    block = _Interleaved()
-    named = list(block.named_parameters())
-    centre = {n: p.detach().clone() for n, p in named}
-    x = torch.randn(3, 5, 24)
-    with torch.no_grad():
-        alone = _each_member_merged(block, centre, lambda m: m(x))
-        with LowRankPopulationForward(block, named, MEMBERS, seed=SEED, step=STEP, sigma=SIGMA, rank=RANK):
-            outs = [block(x.repeat(len(MEMBERS), 1, 1)) for _ in range(2)]
-    for out in outs:
-        torch.testing.assert_close(out, torch.cat(alone), rtol=0, atol=1e-5)
+    _block_rounds(_Interleaved, 2)
 
 
 def test_shared_terms_work_under_inference_mode(tiny):

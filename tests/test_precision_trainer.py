@@ -103,11 +103,11 @@ def test_64_true_trains_without_a_master(kind, tiny_model_dir):
 
 
 @pytest.mark.parametrize("precision", ["bf16-true", "bf16-mixed"])
-def test_grpo_reference_takes_the_policys_dtype(precision, tiny_model_dir):
+def test_grpo_reference_takes_the_policys_dtype(precision, model_dir):
     """The KL reference (beta > 0) loads with the module's dtype (float32) and then takes the policy's as Lightning
     converted it: bf16 under bf16-true (half the memory, as TRL's reference), fp32 under bf16-mixed. Before any
     update the two are the same model, so the first step's KL is exactly 0."""
-    module = _module("grpo", tiny_model_dir, beta=0.1)
+    module = _module("grpo", model_dir, beta=0.1)
     trainer = _trainer(1, precision=precision)
     trainer.fit(module, _dm())
     ref = module.algorithm.reference_model(module)
@@ -128,7 +128,7 @@ class _StateAtFirstStep(L.Callback):
 
 @pytest.mark.parametrize("saved, resumed", [("32-true", "bf16-true"), ("bf16-true", "32-true")])
 @pytest.mark.parametrize("kind", ["es_lowrank", "grpo"])
-def test_resuming_under_another_precision_keeps_the_most_precise_state(kind, saved, resumed, tiny_model_dir, tmp_path):
+def test_resuming_under_another_precision_keeps_the_most_precise_state(kind, saved, resumed, model_dir, tmp_path):
     """A 32-true checkpoint resumed under bf16-true: the masters start from the checkpoint's fp32 weights, not from
     their bf16 rounding; a bf16-true checkpoint resumed under 32-true: the weights take the saved fp32 masters. Either
     way the next step starts from exactly the state the last one left (it lost up to 4e-3 once, without a word)."""
@@ -136,8 +136,8 @@ def test_resuming_under_another_precision_keeps_the_most_precise_state(kind, sav
 
     def make():
         if kind == "grpo":
-            return _module("grpo", tiny_model_dir)
-        return _module("es", tiny_model_dir, noise_rank=1, members_per_batch=ES["population_size"])
+            return _module("grpo", model_dir)
+        return _module("es", model_dir, noise_rank=1, members_per_batch=ES["population_size"])
 
     first, then = _StateAtFirstStep(), _StateAtFirstStep()
     ckpt = ModelCheckpoint(dirpath=tmp_path, filename="{step}", save_top_k=-1, every_n_train_steps=1)

@@ -277,20 +277,20 @@ class LowRankPopulationForward:
             if share is not None:
                 share.add(module, b_t)
         bias = self._vectors(self._names[id(own["bias"])], own["bias"]).unsqueeze(1) if "bias" in own else None  # [k,1,m]
+        # under autocast (bf16-mixed: fp32 weights, bf16 out) the member tensors are cast to out's dtype, once per
+        # dtype for the whole generate rather than at every token
+        cast = _CastOnce()
 
         def linear(self, x: Tensor) -> Tensor:  # x [k·R, ..., n]
             xs = _split(x, k).reshape(k, -1, x.shape[-1])  # [k, R·…, n]
             out = F.linear(x, self.weight, None if bias is not None else self.bias).contiguous()  # [k·R, ..., m]
             flat = out.view(k, -1, out.shape[-1])  # [k, R·…, m], shares out's storage
             if bias is not None:
-                flat.add_(bias if bias.dtype == out.dtype else bias.to(out.dtype))
+                flat.add_(cast(bias, out.dtype))
             if b_t is not None:
                 t = share.term(self, x, xs) if share is not None else _input_term(b_t, xs)  # (x B)ᵀ [k, r, R·…]
-                # under autocast (bf16-mixed: fp32 weights, bf16 out) bmm casts t down but the factors stay fp32:
-                # each term is cast to out's dtype on its own
-                t = t if t.dtype == out.dtype else t.to(out.dtype)
-                at = a_out_t if a_out_t.dtype == out.dtype else a_out_t.to(out.dtype)
-                _add_term(flat, t.transpose(1, 2), at)  # += (x B)(s Aᵀ): [k, R·…, r]×[k, r, m]
+                t = t if t.dtype == out.dtype else t.to(out.dtype)  # autocast's bmm gives bf16 from fp32 factors
+                _add_term(flat, t.transpose(1, 2), cast(a_out_t, out.dtype))  # += (x B)(s Aᵀ): [k, R·…, r]×[k, r, m]
             return out
 
         return linear
@@ -311,6 +311,22 @@ class LowRankPopulationForward:
             return out
 
         return embedding
+
+
+class _CastOnce:
+    """``tensor`` in ``dtype``: itself when it already is, else one cast kept for every later call (a patched module's
+    member tensors are fixed for the context; autocast asks for the same dtype at every token)."""
+
+    def __init__(self) -> None:
+        self._made: dict[tuple[int, torch.dtype], Tensor] = {}
+
+    def __call__(self, tensor: Tensor, dtype: torch.dtype) -> Tensor:
+        if tensor.dtype == dtype:
+            return tensor
+        key = (id(tensor), dtype)
+        if key not in self._made:
+            self._made[key] = tensor.to(dtype)
+        return self._made[key]
 
 
 def _whole(t: Tensor) -> Tensor:

@@ -345,8 +345,11 @@ class ReasoningModule(L.LightningModule):
                                f"in {changed}")
             return False
         cls = get_algorithm(record["algorithm"])
+        from es_lightning.callbacks.sequential import SequentialStrategy
+
         callbacks = self._trainer.callbacks if self._trainer is not None else []
-        if current is not None and not any(getattr(cb, "target", None) == record["algorithm"] for cb in callbacks):
+        switches = any(isinstance(cb, SequentialStrategy) and cb.target == record["algorithm"] for cb in callbacks)
+        if current is not None and not switches:
             # not a switch this fit's SequentialStrategy makes: most likely another recipe's checkpoint
             rank_zero_warn(f"the checkpoint was written in the {record['algorithm']} stage, so this fit continues "
                            f"{record['algorithm']} with the checkpoint's settings, not the configured "
