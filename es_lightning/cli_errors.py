@@ -366,24 +366,62 @@ def config_files(argv: Sequence[str]) -> list[str]:
     return out
 
 
-def locate(key: str, argv: Sequence[str]) -> str | None:
+def _normal(key: str) -> str:
+    """A dotted key without ``init_args`` parts or list indices (``trainer.callbacks[1].init_args.k`` -> ``trainer.callbacks.k``)."""
+    return ".".join(part for part in re.sub(r"\[\d+\]", "", key).split(".") if part != "init_args")
+
+
+_YAML_KEY = re.compile(r"^\s*(?:-\s+)?([\w.]+)\s*:\s*([^#]*)")
+
+
+def _encloses(lines: list[str], index: int, parents: list[str], cls: str | None) -> bool:
+    """Whether the YAML line ``lines[index]`` sits under the keys ``parents`` (in order, ``init_args`` levels aside)
+    and, given ``cls``, inside the block whose ``class_path`` is ``cls`` (found on an enclosing line or beside one)."""
+    keys, classes, indent = [], [], _indent(lines[index])
+    for j in range(index - 1, -1, -1):
+        text = lines[j]
+        if not text.strip() or text.lstrip().startswith("#") or _indent(text) > indent:
+            continue
+        m = _YAML_KEY.match(text)
+        if m and m.group(1) == "class_path":
+            classes.append(m.group(2).strip().strip("'\""))
+        if _indent(text) < indent:
+            indent = _indent(text)
+            if m and m.group(1) not in ("init_args", "class_path"):
+                keys.append(m.group(1))
+            if text.lstrip().startswith("- "):  # a list item: the siblings above it belong to other items
+                indent -= 1
+    keys.reverse()
+    it = iter(keys)
+    if not all(part in it for part in parents):  # parents, in order, among the enclosing keys
+        return False
+    return cls is None or bool(classes) and (classes[0] == cls or cls.endswith("." + classes[0]))  # the innermost block's
+
+
+def locate(key: str, argv: Sequence[str], cls: str | None = None) -> str | None:
     """Where ``key`` (dotted, e.g. ``model.init_args.sigma``) was set: ``--option`` on the command line, or
-    ``file:line`` of the last config file that sets its last component."""
+    ``file:line`` of the last config file that sets it — the line of its last component under its parent keys (and
+    inside the block configuring ``cls``, a class path, when given), else the last line setting that component."""
     leaf = key.split(".")[-1]
+    wanted = _normal(key)
     for arg in reversed(argv):
         option = arg.split("=", 1)[0]
-        if option.startswith("--") and (option[2:] == key or option.endswith("." + leaf)):
+        if option.startswith("--") and _normal(option[2:]) == wanted:
             return option
+    parents = wanted.split(".")[:-1]
     pattern = re.compile(rf"^\s*(-\s+)?{re.escape(leaf)}\s*:")
+    loose = None
     for file in reversed(config_files(argv)):
         try:
             lines = Path(file).read_text().splitlines()
         except OSError:
             continue
-        for number, text in reversed(list(enumerate(lines, 1))):
-            if pattern.match(text):
-                return f"{file}:{number}"
-    return None
+        for index in range(len(lines) - 1, -1, -1):
+            if pattern.match(lines[index]):
+                if _encloses(lines, index, parents, cls):
+                    return f"{file}:{index + 1}"
+                loose = loose or f"{file}:{index + 1}"
+    return loose
 
 
 def _import(class_path: str):
@@ -421,6 +459,8 @@ def _did_you_mean(word: str, candidates: Sequence[str]) -> str:
 # ---------------------------------------------------------------------- parser messages
 _PARSER_KEY = re.compile(r'Parser key "([^"]+)"')
 _CLASS_PROBLEM = re.compile(r"Problem with given class_path '([^']+)'")
+#: the value a type error refused: a Union's "Given value: x", or a plain type's "Expected a <class 'int'>. Got value: x"
+_GIVEN = re.compile(r"(?:Given value:|.*\bGot value:)(.*)")
 _SUBCOMMANDS = ("fit", "validate", "test", "eval", "analyze")
 
 
@@ -454,7 +494,7 @@ def describe_parse_error(message: str, argv: Sequence[str]) -> str:
     """jsonargparse's multi-line message as one line with the file/option, the key and the closest valid name."""
     lines = message.splitlines() or [message]
     configs = config_files(argv)
-    where = lambda key: _prefix(key, argv)  # noqa: E731
+    where = lambda key, cls=None: _prefix(key, argv, cls)  # noqa: E731
 
     for i, line in enumerate(lines):
         text = line.strip()
@@ -462,7 +502,7 @@ def describe_parse_error(message: str, argv: Sequence[str]) -> str:
             prefix, cls = _key_path(lines, i)
             key = f"{prefix}.{m.group(1)}" if prefix else m.group(1)
             options = accepted_options(_import(cls)) if cls else []
-            return (f"{where(key)}unknown key: {cls} has no option {m.group(1)!r}"
+            return (f"{where(key, cls)}unknown key: {cls} has no option {m.group(1)!r}"
                     f"{_did_you_mean(m.group(1), options)}" + ("" if _did_you_mean(m.group(1), options) else
                                                                 f" (it accepts: {', '.join(options)})"))
         if m := re.search(r"module '([\w.]+)' has no attribute '(\w+)'|No module named '([\w.]+)'", text):
@@ -476,7 +516,7 @@ def describe_parse_error(message: str, argv: Sequence[str]) -> str:
                 classes = [n for n in dir(module) if isinstance(getattr(module, n), type) and not n.startswith("_")]
                 close = difflib.get_close_matches(m.group(2), classes, n=1, cutoff=0.6)
                 hint = f"; did you mean {m.group(1)}.{close[0]}?" if close else f" (it has: {', '.join(classes)})"
-            found = locate(f"{key}.class_path", argv) if key else None
+            found = locate(f"{key}.class_path", argv) if key else None  # the misspelt class's own line
             if found and found.startswith("--"):
                 return f"{found}: no class {wrong_path!r}{hint}"
             found = found or next((f"{f}" for f in reversed(configs) if wrong_path and wrong_path in _read(f)), None)
@@ -501,11 +541,11 @@ def describe_parse_error(message: str, argv: Sequence[str]) -> str:
         if m := _PARSER_KEY.search(lines[i]):
             block = [ln.strip() for ln in lines[i + 1:] if ln.strip() and _indent(ln) > _indent(lines[i])]
             expected = re.findall(r"Expected a <class '(\w+)'>", " ".join(block))
-            given = next((b.split(":", 1)[1].strip() for b in block if b.startswith("Given value:")), None)
+            given = next((m.group(1).strip() for b in block if (m := _GIVEN.match(b))), None)
             if expected and given is not None:
-                key, _ = _key_path(lines, i)
+                key, cls = _key_path(lines, i)
                 types = " or ".join(dict.fromkeys(t.replace("NoneType", "null") for t in expected))
-                return f"{where(key)}expected {types}, got {given!r}"
+                return f"{where(key, cls)}expected {types}, got {given!r}"
     return _squash(message)
 
 
@@ -531,9 +571,9 @@ def _unknown_top_key(key: str, argv: Sequence[str]) -> str:
     return f"{_prefix(key, argv)}unknown key: {owner} has no option {leaf!r}{_did_you_mean(leaf, options)}"
 
 
-def _prefix(key: str, argv: Sequence[str]) -> str:
+def _prefix(key: str, argv: Sequence[str], cls: str | None = None) -> str:
     """``--option: `` when ``key`` came from the command line, else ``file:line: key: `` (or ``key: ``)."""
-    found = locate(key, argv)
+    found = locate(key, argv, cls)
     if found and found.startswith("--"):
         return f"{found}: "
     return f"{found + ': ' if found else ''}{key}: "
@@ -597,15 +637,7 @@ def _at(section: str, class_path: str, cls, message: str, argv: Sequence[str]) -
         return f"{section.removesuffix('.init_args')} ({class_path}): {message}"
     named = min(positions, key=lambda o: (positions[o], -len(o)))
     key = f"{section}.{named}"
-    found = locate(key, argv) if not section.startswith("trainer.callbacks") else _locate_callback(section, named, argv)
+    found = locate(key, argv, class_path)
     if found and found.startswith("--"):
         return f"{found}: {message}"
     return f"{found + ': ' if found else ''}{key}: {message}"
-
-
-def _locate_callback(section: str, option: str, argv: Sequence[str]) -> str | None:
-    """A callback's option: on the command line, or in the last config file that sets the callbacks list."""
-    for arg in reversed(argv):
-        if arg.startswith("--trainer.callbacks") and arg.split("=", 1)[0].endswith("." + option):
-            return arg.split("=", 1)[0]
-    return locate(option, argv)

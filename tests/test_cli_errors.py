@@ -29,11 +29,26 @@ OFFLINE_ENV = {"HF_ENDPOINT": "http://127.0.0.1:9", "HTTPS_PROXY": "", "https_pr
 SMALL = ["--data.init_args.train_size", "64", "--data.init_args.val_size", "8", "--data.init_args.test_size", "8"]
 
 
+#: es.yaml's two ``temperature`` lines, the model's and PassAtKCallback's (a value is located under its own section)
+ES_LINES = (RECIPES / "es.yaml").read_text().splitlines(keepends=True)
+MODEL_TEMPERATURE = next(line for line in ES_LINES if line.startswith("    temperature: 1.0"))
+CALLBACK_TEMPERATURE = next(line for line in ES_LINES if line.startswith("        temperature: 1.0"))
+
+
+def _line(text: str) -> int:
+    """The line number of ``text`` in es.yaml."""
+    return ES_LINES.index(text) + 1
+
+
 def _files(tmp: Path) -> None:
     """The bad inputs of the table, written into the cases' working directory."""
     es = (RECIPES / "es.yaml").read_text()
     (tmp / "typo.yaml").write_text(es.replace("population_size: 32 ", "populaton_size: 32 "))
     (tmp / "sigma.yaml").write_text(es.replace("sigma: 0.005 ", "sigma: -0.01 "))
+    (tmp / "ptype.yaml").write_text(es.replace("population_size: 32 ", "population_size: abc"))
+    (tmp / "klass.yaml").write_text(es.replace("es_lightning.ESModule", "es_lightning.ESModul"))
+    (tmp / "mtemp.yaml").write_text(es.replace(MODEL_TEMPERATURE, MODEL_TEMPERATURE.replace("1.0", "hot")))
+    (tmp / "ctemp.yaml").write_text(es.replace(CALLBACK_TEMPERATURE, CALLBACK_TEMPERATURE.replace("1.0", "hot")))
     grpo = yaml.safe_load((RECIPES / "grpo.yaml").read_text())
     for cb in grpo["trainer"]["callbacks"]:
         if cb["class_path"].endswith("PassAtKCallback"):
@@ -68,6 +83,14 @@ CASES = [
     ("misspelt trainer key", ES + ["--trainer.max_stepz", "3"], ["--trainer.max_stepz", "did you mean 'max_steps'"]),
     ("wrong class_path", ES + ["--model.class_path", "es_lightning.ESModul"],
      ["--model.class_path", "no class 'es_lightning.ESModul'", "did you mean es_lightning.ESModule"]),
+    ("value of the wrong type in a YAML file", ["fit", "--config", "ptype.yaml"],
+     ["ptype.yaml:16:", "model.init_args.population_size: expected int, got 'abc'"]),
+    ("misspelt class_path in a YAML file", ["fit", "--config", "klass.yaml"],
+     ["klass.yaml:13:", "model.class_path: no class 'es_lightning.ESModul'", "did you mean es_lightning.ESModule"]),
+    ("model value named like a callback's option", ["fit", "--config", "mtemp.yaml"],
+     [f"mtemp.yaml:{_line(MODEL_TEMPERATURE)}:", "model.init_args.temperature: expected float, got 'hot'"]),
+    ("callback value named like a model's option", ["fit", "--config", "ctemp.yaml"],
+     [f"ctemp.yaml:{_line(CALLBACK_TEMPERATURE)}:", "trainer.callbacks", "temperature: expected float, got 'hot'"]),
     ("missing config file", ["fit", "--config", "recipes/ess.yaml"], ["recipes/ess.yaml", "does not exist"]),
     ("unknown subcommand", ["fitt", "--config", str(RECIPES / "es.yaml")], ["unknown command 'fitt'", "did you mean 'fit'"]),
     ("value of the wrong type", ES + ["--data.init_args.val_size", "many"],
