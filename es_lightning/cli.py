@@ -36,6 +36,7 @@ import sys
 import types
 import typing
 from collections.abc import Callable
+from functools import partial
 
 from es_lightning.command import CommandMixin
 from es_lightning.lightning_cli import ESLightningCLI, check_config
@@ -140,14 +141,33 @@ def run_analysis(args: list[str]):
     from es_lightning.cli_errors import ConfigError, OneLineAnalysisParser, describe_parse_error
 
     name = " ".join(a for a in args[:2] if not a.startswith("-"))
+    run = partial(CLI, commands, args=args, as_positional=False, prog="es-lightning", parser_class=OneLineAnalysisParser)
     try:
-        return CLI(commands, args=args, as_positional=False, prog="es-lightning", parser_class=OneLineAnalysisParser)
+        return run()
     except ConfigError as err:  # a misspelt option, a value of the wrong type: one line, not the usage block
-        print(f"es-lightning {name}: error: {describe_parse_error(str(err), args)}", file=sys.stderr)
+        line = describe_parse_error(str(err), args, options=_command_options(run, args), command=f"es-lightning {name}")
+        print(f"es-lightning {name}: error: {line}", file=sys.stderr)
         raise SystemExit(2) from err
     except (FileNotFoundError, ValueError) as err:  # bad input (paths, tasks, k > n, τ < 0, ...): the message, no traceback
         print(f"es-lightning {name}: error: {err}", file=sys.stderr)
         raise SystemExit(2) from err
+
+
+def _command_options(run, args: list[str]) -> list[str]:
+    """The ``--options`` the analysis command of ``args`` (``eval``, ``analyze <name>``) accepts, for suggestions."""
+    from jsonargparse import capture_parser
+
+    try:
+        parser = capture_parser(run)
+        for word in args[:2]:
+            sub = parser._subcommands_action
+            if sub is None or word not in sub.choices:
+                break
+            parser = sub.choices[word]
+    except Exception:  # only for a suggestion: never hide the message itself
+        return []
+    return [o for action in parser._actions for o in action.option_strings
+            if o.startswith("--") and not o.endswith("+") and o not in ("--help", "--config", "--print_config")]
 
 
 def _help_preamble() -> str:

@@ -490,8 +490,9 @@ def _key_path(lines: list[str], index: int) -> tuple[str, str | None]:
     return ".".join(parts), cls
 
 
-def describe_parse_error(message: str, argv: Sequence[str]) -> str:
-    """jsonargparse's multi-line message as one line with the file/option, the key and the closest valid name."""
+def describe_parse_error(message: str, argv: Sequence[str], options: Sequence[str] = (), command: str = "the command") -> str:
+    """jsonargparse's multi-line message as one line with the file/option, the key and the closest valid name
+    (``options``: the ``--options`` of ``command`` when it is not ``fit``'s, for an unknown one's suggestion)."""
     lines = message.splitlines() or [message]
     configs = config_files(argv)
     where = lambda key, cls=None: _prefix(key, argv, cls)  # noqa: E731
@@ -528,11 +529,11 @@ def describe_parse_error(message: str, argv: Sequence[str]) -> str:
             hint = f"; did you mean {close[0]}?" if close else "; recipes are in recipes/, fragments in configs/"
             return f"--config {path}: the file does not exist{hint}"
         if m := re.search(r"Subcommand '(\w+)' does not accept option '([^']+)'", text):
-            return _unknown_top_key(m.group(2), argv)
+            return _unknown_top_key(m.group(2), argv, options, command)
         if m := re.search(r"[Uu]nrecognized arguments: (.*)", text):
             option = m.group(1).split()[0]
             if option.startswith("--"):
-                return _unknown_top_key(option[2:].split("=")[0], argv)
+                return _unknown_top_key(option[2:].split("=")[0], argv, options, command)
             return f"unexpected argument {m.group(1)!r}; options take the form --key value (see es-lightning fit --help)"
         if m := re.search(r"invalid choice: '([^']+)'", text):
             return f"unknown command {m.group(1)!r}{_did_you_mean(m.group(1), _SUBCOMMANDS)} (commands: {', '.join(_SUBCOMMANDS)})"
@@ -556,9 +557,18 @@ def _read(file: str) -> str:
         return ""
 
 
-def _unknown_top_key(key: str, argv: Sequence[str]) -> str:
-    """An unknown ``trainer.*`` (or top-level) key, with the Trainer's closest option."""
+def _unknown_top_key(key: str, argv: Sequence[str], options: Sequence[str] = (), command: str = "the command") -> str:
+    """An unknown ``trainer.*`` (or top-level) key, with the Trainer's closest option; an analysis command's unknown
+    option with the closest of its ``options``."""
     section, _, leaf = key.rpartition(".")
+    if options:  # eval / analyze: the whole dotted option, else its last part, against the command's options
+        names = [o.removeprefix("--") for o in options]
+        close = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
+        if not close:
+            leaves = {name.rpartition(".")[2]: name for name in names}
+            close = [leaves[c] for c in difflib.get_close_matches(leaf, list(leaves), n=1, cutoff=0.6)]
+        hint = f"; did you mean --{close[0]}?" if close else f" (it accepts: {', '.join('--' + n for n in names)})"
+        return f"{_prefix(key, argv)}unknown key: {command} has no option --{key}{hint}"
     if section == "trainer":
         import lightning as L
 
