@@ -206,6 +206,31 @@ def test_drift_command_on_a_checkpoint_writes_json_and_png(es_checkpoint, tmp_pa
         drift_command(tuned=BUILTIN, out_dir=str(tmp_path))
 
 
+def test_drift_against_an_unrelated_base_warns(es_checkpoint, tmp_path, capsys):
+    """--base of another model of the same architecture (freshly initialised): the numbers are computed, and two
+    warnings say the checkpoint was trained from another base and the drift is no fine-tune's."""
+    from transformers import AutoModelForCausalLM
+
+    path, _ = es_checkpoint
+    policy = load_policy(BUILTIN)
+    torch.manual_seed(7)
+    other = AutoModelForCausalLM.from_config(policy.model.config)  # same shapes, unrelated weights
+    other.save_pretrained(tmp_path / "other")
+    policy.tokenizer.save_pretrained(tmp_path / "other")
+    report = drift_command(tuned=path, base=str(tmp_path / "other"), out_dir=str(tmp_path / "out"), plot=False)
+    err = capsys.readouterr().err
+    assert report.relative_drift > 0.5
+    assert f"was trained from '{BUILTIN}'" in err and f"not from --base '{tmp_path / 'other'}'" in err
+    assert f"relative drift {report.relative_drift:.2f} is far beyond any fine-tune" in err
+    drift_command(tuned=path, base=BUILTIN, out_dir=str(tmp_path / "out2"), plot=False)  # its own base: no warning
+    assert "warning" not in capsys.readouterr().err
+    tiny = EvalSettings(num_problems=1, num_samples=1, max_new_tokens=2)
+    ablation_command(tuned=path, base=str(tmp_path / "other"), taus=[], top_percent=[50], out_dir=str(tmp_path / "a"),
+                     eval=tiny, plot=False, progress=False)  # the same two warnings: an ablation against it means nothing
+    err = capsys.readouterr().err
+    assert "was trained from" in err and "is far beyond any fine-tune" in err
+
+
 # --------------------------------------------------------------------------- ablation
 def test_ablation_at_zero_is_tuned_and_at_infinity_is_base_bitwise(monkeypatch):
     monkeypatch.setattr(drift_module, "CHUNK", 777)

@@ -25,7 +25,15 @@ from typing import Any
 
 import torch
 
-from es_lightning.analysis.drift import CHUNK, _base_of, check_taus, paired_weights, update_chunks
+from es_lightning.analysis.drift import (
+    CHUNK,
+    _base_of,
+    check_taus,
+    paired_weights,
+    parameter_drift,
+    update_chunks,
+    warn_about_base,
+)
 from es_lightning.analysis.output import Signed, check_out_dir, format_table, write_json
 from es_lightning.analysis.settings import PAPER_EVAL, EvalSettings
 
@@ -233,6 +241,7 @@ def ablation_command(
     base = base or _base_of(tuned_model, "ablation")
     base_weights = snapshot(load_model(base, dtype=dtype or tuned_model.hyperparameters.get("dtype")).policy.model)
     policy = tuned_model.policy
+    warn_about_base(tuned, base, tuned_model.base, parameter_drift(base_weights, policy.model, [0.0]).relative_drift)
     bar = tqdm(total=(2 + len(taus) + len(top_percent)) * len(problems), desc="ablation", unit="problem", disable=not progress,
                leave=False)
 

@@ -20,6 +20,7 @@ so a billion-parameter model needs no model-sized float64 buffer.
 from __future__ import annotations
 
 import re
+import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -251,11 +252,13 @@ def drift_command(
     start = time.perf_counter()
     taus = check_taus(taus)
     tuned_model = load_model(tuned, dtype=dtype)
+    trained_from = tuned_model.base
     base = base or _base_of(tuned_model, "drift")
     base_model = load_model(base, dtype=dtype or tuned_model.hyperparameters.get("dtype"))
     report = parameter_drift(base_model.policy.model, tuned_model.policy.model, taus)
     report.sources = {"base": base, "tuned": tuned}
     print(f"drift of {tuned} from {base} ({time.perf_counter() - start:.0f}s)")
+    warn_about_base(tuned, base, trained_from, report.relative_drift)
     print(report.table())
     if report.tied_embeddings:
         print("(input and output embeddings are tied: the LM head is counted under embeddings)")
@@ -268,6 +271,47 @@ def drift_command(
         written.append(plot_drift(report.per_kind, report.taus, overall, out / "drift.png"))
     print("wrote " + ", ".join(map(str, written)))
     return report
+
+
+#: an overall relative drift above this is no fine-tune of the base (ES and GRPO runs move ~1e-3–1e-2 of ‖θ₀‖;
+#: two independently initialised models of one architecture are ~√2 apart)
+UNRELATED_DRIFT = 0.5
+
+
+def warn_about_base(tuned: str, base: str, trained_from: str | None, relative_drift: float | None = None) -> list[str]:
+    """Print (to stderr) and return why ``base`` may not be the model ``tuned`` was trained from: another base than the
+    checkpoint's own, or a drift no fine-tune makes (drift, sparsity and ablation of unrelated models mean nothing)."""
+    out = []
+    if trained_from is not None and _same_source(base, trained_from) is False:
+        out.append(f"{tuned} was trained from {trained_from!r} (its 'model' hyperparameter), not from --base {base!r}")
+    if relative_drift is not None and relative_drift > UNRELATED_DRIFT:
+        out.append(
+            f"relative drift {relative_drift:.2f} is far beyond any fine-tune (ES and GRPO move weights by ~0.1–1% of "
+            f"their norm): is --base {base!r} the model {tuned} was trained from? Leave --base out for a .ckpt"
+        )
+    for line in out:
+        print(f"warning: {line}", file=sys.stderr)
+    return out
+
+
+def _same_source(a: str, b: str) -> bool | None:
+    """Whether two model specs name the same model: local paths (``builtin:`` ones too) compared resolved, hub ids as
+    written; ``None`` for a local path against a hub id (a download of it cannot be told from another model)."""
+    from es_lightning.policy import resolve_model_path
+
+    def local(spec: str) -> Path | None:
+        try:
+            path = Path(resolve_model_path(spec)).expanduser()
+        except (FileNotFoundError, OSError):
+            return None
+        return path.resolve() if path.exists() else None
+
+    pa, pb = local(a), local(b)
+    if pa is not None and pb is not None:
+        return pa == pb
+    if pa is not None or pb is not None:
+        return None
+    return a == b
 
 
 def _base_of(loaded, analysis: str) -> str:

@@ -113,12 +113,13 @@ def forgetting_command(
     """
     check_out_dir(out_dir)  # before any model loads or fit runs
     from es_lightning.analysis.checkpoints import load_model
-    from es_lightning.analysis.drift import _base_of
+    from es_lightning.analysis.drift import _base_of, warn_about_base
     from es_lightning.analysis.plots import plot_forgetting
 
     start = time.perf_counter()
     tuned_model = load_model(tuned, dtype=dtype)
     base = base or _base_of(tuned_model, "forgetting")
+    warn_about_base(tuned, base, tuned_model.base)
     report = forgetting(base, tuned_model, tasks=tasks, training_task=training_task, settings=eval,
                         dtype=dtype or tuned_model.hyperparameters.get("dtype"), progress=progress)
     report.evaluation.sources = {"base": base, "tuned": tuned}
