@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -129,6 +129,15 @@ class _ResumableLoader(DataLoader):
         pass
 
 
+def check_columns(ds, task: Task, where: str, split: str, fix: Callable[[list[str]], str]) -> None:
+    """Refuse a split without the raw columns ``task`` reads, in one line: ``where`` names the source (and the option
+    it was given by), ``fix(missing)`` says how to supply them."""
+    missing = [c for c in task.required_columns if c not in ds.column_names]
+    if missing:
+        raise ValueError(f"{where}: its {split} split lacks column(s) {missing} that task {task.name!r} needs; "
+                         f"it has {ds.column_names}. {fix(missing)}")
+
+
 class ReasoningDataModule(L.LightningDataModule):
     """Train/val/test prompts for a reasoning task.
 
@@ -197,9 +206,7 @@ class ReasoningDataModule(L.LightningDataModule):
         self.splits = self._load_datasets()
 
     def _load_datasets(self) -> dict[str, list[dict[str, Any]]]:
-        import datasets
-
-        dsets = self._load_source(datasets)
+        dsets = self.load_source()
         if self.train_split not in dsets:
             raise ValueError(
                 f"source {self.source!r} has no split {self.train_split!r} (it has {sorted(dsets)}); set data.train_split"
@@ -242,7 +249,12 @@ class ReasoningDataModule(L.LightningDataModule):
                 "(validation.jsonl / test.jsonl beside train.jsonl)"
             )
 
-    def _load_source(self, datasets):
+    def load_source(self):
+        """``data.source`` read as it is, before any split is carved or column mapped: a ``datasets.DatasetDict`` of
+        the hub dataset's, the ``load_from_disk`` directory's or the local files' splits (``train*`` / ``val*`` /
+        ``validation*`` / ``test*`` by file name; any other name is ``train``)."""
+        import datasets
+
         path = Path(os.path.expanduser(self.source))
         if self.source == "hub":
             if self.task.hub_dataset is None:
@@ -298,14 +310,9 @@ class ReasoningDataModule(L.LightningDataModule):
                     f"data.column_mapping renames {missing}, but the {split} split has columns {ds.column_names}"
                 )
             ds = ds.rename_columns(self.column_mapping)
-        raw_needed = self.task.required_columns
-        missing = [c for c in raw_needed if c not in ds.column_names]
-        if missing:
-            raise ValueError(
-                f"data.source {self.source!r}: its {split} split lacks column(s) {missing} that task {self.task.name!r} needs; "
-                f"it has {ds.column_names}. Map them with data.column_mapping, e.g. "
-                f"column_mapping: {{{ds.column_names[0] if ds.column_names else 'your_column'}: {missing[0]}}}"
-            )
+        check_columns(ds, self.task, f"data.source {self.source!r}", split, lambda missing: (
+            "Map them with data.column_mapping, e.g. "
+            f"column_mapping: {{{ds.column_names[0] if ds.column_names else 'your_column'}: {missing[0]}}}"))
         return ds
 
     # ------------------------------------------------------------------ loaders

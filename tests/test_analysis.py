@@ -401,7 +401,7 @@ def test_evaluation_problems_from_files_and_mistakes_in_eval_terms(tmp_path):
                                          r"lower --eval.num_problems \(e.g. to 20\)"):
         heldout_problems(task, 21, source=str(tmp_path / "problems.jsonl"))
     (tmp_path / "cols.jsonl").write_text('{"numbers": [1, 2], "target": 3}\n' * 4)
-    with pytest.raises(ValueError, match=r"lacks column\(s\) \['nums'\] .* rename them in the file"):
+    with pytest.raises(ValueError, match=r"lacks column\(s\) \['nums'\] .* Rename them in the file"):
         heldout_problems(task, 2, source=str(tmp_path / "cols.jsonl"))
     with pytest.raises(ValueError, match="has no procedural generator; set --eval.source"):
         heldout_problems(get_task("gsm8k"), 2)

@@ -33,7 +33,7 @@ import torch
 from es_lightning.analysis.checkpoints import LoadedModel, check_model_spec, load_model
 from es_lightning.analysis.output import check_out_dir, format_table, markdown_table, write_json
 from es_lightning.analysis.settings import PAPER_EVAL, EvalSettings, resolve_device
-from es_lightning.data import ReasoningDataModule, procedural_split
+from es_lightning.data import ReasoningDataModule, check_columns, procedural_split
 from es_lightning.policy import Policy
 from es_lightning.tasks import Task, get_task
 
@@ -56,19 +56,14 @@ def heldout_problems(task: Task, num_problems: int, seed: int = 0, source: str =
         except (ValueError, NotImplementedError) as err:  # its hints name the data module's options, not eval's
             raise ValueError(str(err).replace("lower data.test_size", "lower --eval.num_problems")
                              .replace("set data.source", "set --eval.source")) from None
-    import datasets
-
     dm = ReasoningDataModule(task, source=source, train_size=None, val_size=None, test_size=num_problems, seed=seed)
-    dsets = dm._load_source(datasets)
+    dsets = dm.load_source()
     name = dm.test_split if dm.test_split in dsets else next(iter(dsets)) if len(dsets) == 1 else None
     if name is None:  # several splits, no test split: held-out rows carved off the train split, as a fit would
         dm.setup("test")
         return dm.splits["test"]
     ds = dsets[name]
-    missing = [c for c in task.required_columns if c not in ds.column_names]
-    if missing:
-        raise ValueError(f"eval.source {source!r}: its {name!r} split lacks column(s) {missing} that task {task.name!r} "
-                         f"needs (it has {ds.column_names}); rename them in the file")
+    check_columns(ds, task, f"eval.source {source!r}", repr(name), lambda missing: "Rename them in the file")
     if len(ds) < num_problems:
         raise ValueError(f"eval.source {source!r} has {len(ds)} problems in its {name!r} split, fewer than "
                          f"eval.num_problems={num_problems}; lower --eval.num_problems (e.g. to {len(ds)})")
