@@ -376,26 +376,30 @@ _YAML_KEY = re.compile(r"^\s*(?:-\s+)?([\w.]+)\s*:\s*([^#]*)")
 
 def _encloses(lines: list[str], index: int, parents: list[str], cls: str | None) -> bool:
     """Whether the YAML line ``lines[index]`` sits under the keys ``parents`` (in order, ``init_args`` levels aside)
-    and, given ``cls``, inside the block whose ``class_path`` is ``cls`` (found on an enclosing line or beside one)."""
-    keys, classes, indent = [], [], _indent(lines[index])
+    and, given ``cls``, inside the block whose ``class_path`` is ``cls`` (on an enclosing list item or beside an
+    enclosing ``init_args``; a block that names no class is not refused)."""
+    keys, classes = [], []
+    indent, in_item = _indent(lines[index]), False  # in_item: the level reached is a list item ("- key: ...")
     for j in range(index - 1, -1, -1):
         text = lines[j]
-        if not text.strip() or text.lstrip().startswith("#") or _indent(text) > indent:
+        if not text.strip() or text.lstrip().startswith("#"):
+            continue
+        depth, item = _indent(text), text.lstrip().startswith("- ")
+        if depth > indent or (in_item and depth == indent and item):  # deeper lines, or another item of the list
             continue
         m = _YAML_KEY.match(text)
         if m and m.group(1) == "class_path":
             classes.append(m.group(2).strip().strip("'\""))
-        if _indent(text) < indent:
-            indent = _indent(text)
-            if m and m.group(1) not in ("init_args", "class_path"):
-                keys.append(m.group(1))
-            if text.lstrip().startswith("- "):  # a list item: the siblings above it belong to other items
-                indent -= 1
+        if depth == indent and not in_item:  # a sibling
+            continue
+        indent, in_item = depth, item  # an enclosing line (a list's key may sit at its items' indent)
+        if m and m.group(1) not in ("init_args", "class_path"):
+            keys.append(m.group(1))
     keys.reverse()
     it = iter(keys)
     if not all(part in it for part in parents):  # parents, in order, among the enclosing keys
         return False
-    return cls is None or bool(classes) and (classes[0] == cls or cls.endswith("." + classes[0]))  # the innermost block's
+    return cls is None or not classes or classes[0] == cls or cls.endswith("." + classes[0])  # the innermost class
 
 
 def locate(key: str, argv: Sequence[str], cls: str | None = None) -> str | None:

@@ -338,3 +338,46 @@ def test_a_spawned_workers_mistake_is_located_like_the_ddp_one(monkeypatch):
     assert located is not None and located.startswith("--model.init_args.population_size: population_size must be >= 2")
     alone = explain(_worker_failure(lambda: ESSettings(population_size=1)))  # no configured class's method raised it
     assert alone is not None and alone.startswith("population_size must be >= 2")
+
+
+def test_locate_finds_a_key_under_its_own_section(tmp_path):
+    """`locate` names the line of a dotted key under its parents and class: same-named options of the model and of a
+    callback, lists indented or not under their key (yaml.safe_dump writes them not), blocks that name no class."""
+    from es_lightning.cli_errors import locate
+
+    (tmp_path / "a.yaml").write_text(textwrap.dedent("""\
+        model:
+          class_path: es_lightning.ESModule
+          init_args:
+            temperature: 1.0
+        trainer:
+          callbacks:
+          - class_path: es_lightning.RunCheckpoint
+            init_args:
+              every_n_train_steps: 5
+          - class_path: es_lightning.PassAtKCallback
+            init_args:
+              temperature: 1.0
+              num_samples: 16
+        """))
+    (tmp_path / "b.yaml").write_text(textwrap.dedent("""\
+        trainer:
+          callbacks:
+            - class_path: PassAtKCallback
+              init_args: {num_samples: 4}
+            - class_path: es_lightning.TrainingReport
+        model:
+          init_args:
+            temperature: 0.5
+        """))
+    argv = ["fit", "--config", str(tmp_path / "a.yaml")]
+    assert locate("model.init_args.temperature", argv) == f"{tmp_path / 'a.yaml'}:4"
+    assert locate("trainer.callbacks[1].init_args.temperature", argv, "es_lightning.PassAtKCallback") == f"{tmp_path / 'a.yaml'}:12"
+    assert locate("trainer.callbacks.init_args.every_n_train_steps", argv, "es_lightning.RunCheckpoint") == f"{tmp_path / 'a.yaml'}:9"
+    assert locate("model.class_path", argv) == f"{tmp_path / 'a.yaml'}:2"
+    both = argv + ["--config", str(tmp_path / "b.yaml")]
+    assert locate("model.init_args.temperature", both, "es_lightning.ESModule") == f"{tmp_path / 'b.yaml'}:8"  # no class named
+    assert locate("trainer.callbacks.init_args.temperature", both, "es_lightning.PassAtKCallback") == f"{tmp_path / 'a.yaml'}:12"
+    assert locate("model.init_args.temperature", both + ["--model.init_args.temperature=2"]) == "--model.init_args.temperature"
+    assert locate("trainer.callbacks.init_args.temperature", both + ["--model.init_args.temperature=2"],
+                  "es_lightning.PassAtKCallback") == f"{tmp_path / 'a.yaml'}:12"  # the model's option is not the callback's
