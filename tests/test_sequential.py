@@ -5,6 +5,7 @@ The module's class never changes: the switch gives it another algorithm object (
 from __future__ import annotations
 
 from contextlib import nullcontext
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -57,6 +58,31 @@ def test_switch_happens_at_exactly_switch_step(tmp_path, tiny_model_dir):
     assert trainer.lr_scheduler_configs == []
     assert all(p.grad is None for p in module.model.parameters())  # GRPO's gradients are gone with its optimizer
     assert float(trainer.logged_metrics["train/stage"]) == 1.0
+
+
+def test_the_second_stage_rows_of_metrics_csv_hold_only_its_own_metrics(tmp_path, tiny_model_dir):
+    """Lightning keeps a step metric's last value for the epoch: without forgetting the first stage's keys at the switch,
+    GRPO's grad_norm and policy_loss were written into every ES row (and ES's pass_pop into GRPO's the other way round)."""
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    for module, seq, first_only in (
+        (_grpo(tiny_model_dir), SequentialStrategy(switch_step=2, es=ES), ("train/grad_norm", "train/policy_loss")),
+        (ESModule(model=tiny_model_dir, max_new_tokens=6, **ES), SequentialStrategy(switch_step=1, grpo=dict(group_size=2)),
+         ("train/pass_pop", "train/update_norm")),
+    ):
+        logger = CSVLogger(tmp_path, name=module.algorithm.name)
+        trainer = L.Trainer(max_steps=3, accelerator="cpu", logger=logger, log_every_n_steps=1, limit_val_batches=0,
+                            enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                            callbacks=[seq])
+        trainer.fit(module, _dm())
+        rows = [r for r in csv.DictReader(open(Path(logger.log_dir) / "metrics.csv")) if r.get("train/reward_mean")]
+        assert len(rows) == 3
+        for row in rows:
+            first = float(row["train/stage"]) == float(seq.target != "es")  # train/stage is 1.0 in ES
+            for key in first_only:
+                assert bool(row[key]) == first, (key, row["step"], row[key])
 
 
 def test_resume_before_and_after_the_switch(tmp_path, tiny_model_dir):

@@ -142,6 +142,7 @@ class SequentialStrategy(L.Callback):
             for new in trainer.strategy.optimizers:
                 copy_masters(old, new)
         algorithm.on_fit_start(pl_module)
+        _forget_step_metrics(trainer, "training_step")
         rank_zero_info(
             f"SequentialStrategy: step {trainer.global_step}: switching to {self.target.upper()} "
             f"({type(algorithm).__name__}) with {self.settings}"
@@ -155,3 +156,15 @@ class SequentialStrategy(L.Callback):
     def state_dict(self) -> dict[str, Any]:
         # informational: the module's checkpoint holds the active stage (its own record decides on resume)
         return {"switched": self.switched, "switch_step": self.switch_step, "target": self.target}
+
+
+def _forget_step_metrics(trainer: L.Trainer, hook: str) -> None:
+    """Drop what the first stage logged in ``hook``: Lightning keeps a step metric's last value for the rest of the
+    epoch, so GRPO's ``train/grad_norm`` (or ES's ``train/pass_pop``) would be written into every row of the second stage
+    — and a run resumed past the switch, which never logged them, would write different rows. Keys the second stage
+    logs too come back at its first step."""
+    results = trainer._results  # the active loop's ResultCollection (Lightning has no public way to forget a key)
+    if results is None:
+        return
+    for key in [k for k in results if k.startswith(hook + ".")]:
+        del results[key]
