@@ -5,7 +5,8 @@ make the command a user runs (``class CommandCLI(CommandMixin, ESLightningCLI)``
 
 - refuses mistakes in one line (:mod:`es_lightning.cli_errors`), checks that every output directory can be written
   before anything is loaded (:func:`~es_lightning.run_dirs.check_writable`);
-- resolves ``--ckpt_path last`` to the newest run of the recipe (:func:`~es_lightning.run_dirs.resolve_last`);
+- resolves ``--ckpt_path last`` to the newest run of the recipe, for ``fit``, ``validate`` and ``test``
+  (:func:`~es_lightning.run_dirs.resolve_last`);
 - shows a step bar on a terminal and progress lines in a log (:mod:`es_lightning.console`);
 - after a fit, says where everything went — or that nothing was trained; after a failure, removes the run directory
   it had just created if nothing but its startup files landed there;
@@ -100,8 +101,8 @@ class CommandMixin:
         super().before_instantiate_classes()
         config = self.config[self.subcommand]
         cli_errors.remember(config=config)
-        if self.subcommand == "fit":
-            run_dirs.resolve_last(config)
+        if self.subcommand in ("fit", "validate", "test"):
+            run_dirs.resolve_last(config, self.subcommand)
         run_dirs.check_writable(config)
 
     def instantiate_classes(self) -> None:

@@ -76,19 +76,23 @@ def find_last_checkpoint(root: Path) -> Path | None:
     return max(candidates, key=lambda p: p.stat().st_mtime) if candidates else None
 
 
-def resolve_last(config: Any) -> None:
-    """Turn ``ckpt_path: last`` into the newest run's ``last.ckpt`` (or ``None``: a fresh run), in place."""
+def resolve_last(config: Any, subcommand: str = "fit") -> None:
+    """Turn ``ckpt_path: last`` into the newest run's ``last.ckpt``, in place. With none yet, ``fit`` starts a new run
+    (``None``); ``validate`` / ``test`` refuse, rather than evaluate the untrained model as Lightning would."""
     if _get(config, "ckpt_path") != "last":
         return
     root = run_root(config)
     if root is None:
         return  # another logger layout: Lightning's own "last" (the run's checkpoint directory)
     found = find_last_checkpoint(root)
+    if found is None and subcommand != "fit":
+        raise UserError(f"--ckpt_path last: no last.ckpt under {root}/*/checkpoints, so there is nothing to {subcommand}; "
+                        "fit the recipe first, or pass --ckpt_path <file> (a checkpoint a fit wrote)")
     if found is None:
         rank_zero_info(f"--ckpt_path last: no last.ckpt under {root}/*/checkpoints yet: starting a new run")
         config.ckpt_path = None
     else:
-        rank_zero_info(f"--ckpt_path last: resuming from {found}")
+        rank_zero_info(f"--ckpt_path last: {'resuming from' if subcommand == 'fit' else 'evaluating'} {found}")
         config.ckpt_path = str(found)
 
 

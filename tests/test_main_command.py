@@ -73,6 +73,11 @@ def test_grpo_es_recipe_end_to_end_and_export_loads_everywhere(tmp_path):
     assert torch.load(second / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 5
     assert (second / "export" / "config.json").is_file() and (run / "export" / "config.json").is_file()
     assert "base (step 0)" in resumed.stdout and "final (step 5)" in resumed.stdout  # the table survives the resume
+    # test (and validate) --ckpt_path last evaluate the newest run's last.ckpt (Lightning's own "last" found none here
+    # and evaluated the untrained model with only a warning)
+    tested = _run(["test", "--config", str(recipe), "--ckpt_path", "last", "--data.init_args.test_size", "2"], cwd=tmp_path)
+    assert tested.returncode == 0, tested.stderr[-4000:]
+    assert f"evaluating {second}/checkpoints/last.ckpt" in tested.stderr, tested.stderr[-3000:]
 
     report = json.loads((run / "report.json").read_text())
     assert [(r["label"], r["step"]) for r in report["rows"]] == [("base", 0), ("after GRPO", 2), ("final", 4)]
