@@ -6,7 +6,8 @@ Built on Hugging Face ``datasets`` in every case, so a user switching from the b
 Batches are plain lists of example dicts (the task's columns): prompts are built by the module through the task, so the
 same batch serves rollouts, rewards and validation.
 
-Held-out problems. Procedural problems are assigned to a *train* or a *held-out* pool by a stable hash of their prompt
+Held-out problems. Procedural problems are assigned to a *train* or a *held-out* pool by a stable hash of their
+identity (``Task.pool_key``: the prompt, or one canonical text for every prompt format)
 (:func:`in_heldout_pool`); train splits draw only from the train pool and val/test only from the held-out pool. The
 built-in model's pretraining uses the same rule, so no validation problem was ever seen during pretraining.
 """
@@ -54,7 +55,7 @@ def procedural_split(task: Task, split: str, num_examples: int, seed: int) -> li
         before = len(out)
         batch = task.procedural(max(64, 2 * (num_examples - len(out)) * (10 if want_heldout else 1)), round_seed)
         for ex in batch:
-            p = task.prompt(ex)
+            p = task.pool_key(ex)  # the problem, not its presentation: the same split for every prompt format
             if p in seen or in_heldout_pool(p) != want_heldout:
                 continue
             seen.add(p)
@@ -200,8 +201,8 @@ class ReasoningDataModule(L.LightningDataModule):
                     raise ValueError(f"source 'procedural' needs a number for {split}_size")
                 self.splits[split] = procedural_split(self.task, split, size, self.seed * 1000 + offset)
             # val and test come from the same held-out pool: keep them disjoint
-            val_prompts = {self.task.prompt(e) for e in self.splits["val"]}
-            self.splits["test"] = [e for e in self.splits["test"] if self.task.prompt(e) not in val_prompts]
+            val_prompts = {self.task.pool_key(e) for e in self.splits["val"]}
+            self.splits["test"] = [e for e in self.splits["test"] if self.task.pool_key(e) not in val_prompts]
             return
         self.splits = self._load_datasets()
 

@@ -22,6 +22,7 @@ from es_lightning.analysis import (
     ablation_command,
     drift_command,
     eval_command,
+    evaluate_models,
     evaluate_policy,
     forgetting_command,
     heldout_problems,
@@ -231,6 +232,43 @@ def test_drift_against_an_unrelated_base_warns(es_checkpoint, tmp_path, capsys):
     assert "was trained from" in err and "is far beyond any fine-tune" in err
 
 
+def test_eval_prompts_and_loads_every_model_as_the_checkpoint_was_trained(qwen_like_small_dir, tmp_path, capsys):
+    """A checkpoint trained on Countdown's r1 prompt in the chat template (the Qwen-like fixture, bf16): `eval` of it
+    beside its base model prompts both as in training and loads both in bf16 — it used the default compact prompt
+    without the template, and the base in float32. --eval.chat_template false overrides the template."""
+    from es_lightning.analysis.checkpoints import trained_with
+    from es_lightning.tasks import CountdownTask
+    from es_lightning.tasks.base import task_record
+
+    task = CountdownTask(prompt_format="r1", use_chat_template=True)
+    module = ESModule(model=qwen_like_small_dir, dtype="bfloat16", task=task, population_size=2, sigma=5e-3, lr=3e-3,
+                      max_new_tokens=2)
+    dm = ReasoningDataModule(task, train_size=4, val_size=2, test_size=2, batch_size=2)
+    trainer = L.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0, callbacks=[])
+    trainer.fit(module, datamodule=dm)
+    ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    trainer.save_checkpoint(ckpt)
+    assert trained_with(str(ckpt)).task == task_record(task) and trained_with(str(ckpt)).dtype == "bfloat16"
+    assert trained_with(qwen_like_small_dir).task is None  # a plain model directory records nothing
+
+    settings = EvalSettings(num_problems=2, num_samples=2, max_new_tokens=3, temperature=1.0)
+    report = evaluate_models([qwen_like_small_dir, str(ckpt)], tasks=["countdown", "addition"], labels=["base", "es"],
+                             settings=settings, progress=False)
+    assert "tasks as" in capsys.readouterr().out
+    base = load_policy(qwen_like_small_dir, dtype="bfloat16")  # by hand: the trained prompts, bf16 weights
+    problems = heldout_problems(task, 2, 0)
+    assert report.results["base"]["countdown"] == evaluate_policy(base, task, problems, settings)
+    addition = get_task("addition", use_chat_template=True)
+    assert report.results["base"]["addition"] == evaluate_policy(base, addition, heldout_problems(addition, 2, 0), settings)
+    plain = evaluate_models([qwen_like_small_dir, str(ckpt)], tasks=["countdown"], labels=["base", "es"],
+                            settings=replace(settings, chat_template=False), progress=False)
+    untemplated = CountdownTask(prompt_format="r1")
+    assert plain.results["base"]["countdown"] == evaluate_policy(base, untemplated, problems, settings)
+    assert plain.results["base"]["countdown"]["entropy"] != report.results["base"]["countdown"]["entropy"]
+
+
+# --------------------------------------------------------------------------- ablation
 # --------------------------------------------------------------------------- ablation
 def test_ablation_at_zero_is_tuned_and_at_infinity_is_base_bitwise(monkeypatch):
     monkeypatch.setattr(drift_module, "CHUNK", 777)

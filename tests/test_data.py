@@ -116,3 +116,16 @@ def test_asking_for_more_problems_than_exist_fails_fast():
 
     with pytest.raises(ValueError, match="distinct val problems"):
         procedural_split(AdditionTask(max_digits=1), "val", 50, 0)  # 100 sums exist, ~10 in the held-out pool
+
+
+def test_countdowns_held_out_problems_do_not_depend_on_the_prompt_format():
+    """The train / held-out split is of problems, not of their text: the r1 prompt with or without the chat template
+    holds out the very problems the compact prompt (the built-in model's pretraining) does — it hashed the r1 text, so
+    evaluating a model without its training template drew problems that were training problems under it."""
+    compact, r1, chat = CountdownTask(), CountdownTask(prompt_format="r1"), CountdownTask(prompt_format="r1",
+                                                                                          use_chat_template=True)
+    for split in ("train", "test"):
+        problems = [procedural_split(task, split, 40, seed=3) for task in (compact, r1, chat)]
+        assert problems[0] == problems[1] == problems[2]
+        assert all(in_heldout_pool(compact.prompt(e)) == (split == "test") for e in problems[0])
+    assert len({compact.pool_key(e) for e in procedural_split(r1, "test", 40, seed=3)}) == 40

@@ -223,10 +223,9 @@ def ablation_command(
     check_out_dir(out_dir)  # before any model loads or fit runs
     from tqdm.auto import tqdm
 
-    from es_lightning.analysis.checkpoints import load_model
-    from es_lightning.analysis.evaluate import evaluate_policy, heldout_problems
+    from es_lightning.analysis.checkpoints import load_model, trained_with
+    from es_lightning.analysis.evaluate import evaluate_policy, heldout_problems, tasks_as_trained
     from es_lightning.analysis.plots import plot_ablation
-    from es_lightning.tasks import get_task
 
     start = time.perf_counter()
     if taus is None and not top_percent:
@@ -235,7 +234,7 @@ def ablation_command(
     top_percent = check_top_percents(top_percent)
     settings = replace(eval, ks=eval.pass_at_ks(default=[1, eval.num_samples]))
     settings.completion_cap()
-    task_obj = get_task(task)
+    task_obj = tasks_as_trained([task], settings.chat_template, [(tuned, trained_with(tuned))])[0]
     problems = heldout_problems(task_obj, settings.num_problems, settings.seed, settings.source)
     tuned_model = load_model(tuned, dtype=dtype)
     base = base or _base_of(tuned_model, "ablation")

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from es_lightning.policy import Policy, load_policy, resolve_model_path
+from es_lightning.tasks.base import TASK_KEY
 
 STATE_PREFIX = "model."
 
@@ -103,6 +104,62 @@ def read_checkpoint(path: str) -> dict[str, Any]:
             "es-lightning module?"
         )
     return checkpoint
+
+
+@dataclass
+class TrainedWith:
+    """How a model was trained, as far as its checkpoint or run directory says: the task record (``class_path`` and
+    ``init_args``, :func:`es_lightning.tasks.base.task_record`) and the weights' ``dtype``."""
+
+    task: dict[str, Any] | None = None
+    dtype: str | None = None
+
+
+def trained_with(spec: str) -> TrainedWith:
+    """What ``spec`` records of its training, without loading its weights: a ``.ckpt``'s task record and ``dtype``
+    hyperparameter (else its run's ``config.yaml``, ``<run>/checkpoints/x.ckpt``), a run's ``export`` directory's run
+    ``config.yaml``; nothing for hub ids, built-ins and other directories."""
+    path = Path(os.path.expanduser(spec))
+    found = TrainedWith()
+    if path.is_file():
+        try:
+            checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)  # tensors stay on disk
+        except Exception:  # not a checkpoint: load_model says so when it is loaded
+            return found
+        if isinstance(checkpoint, dict):
+            found.task = checkpoint.get(TASK_KEY)
+            found.dtype = (checkpoint.get("hyper_parameters") or {}).get("dtype")
+        run_config = path.resolve().parent.parent / "config.yaml"
+    elif path.is_dir() and (path / "config.json").is_file():
+        run_config = path.resolve().parent / "config.yaml"
+    else:
+        return found
+    if found.task is None or found.dtype is None:
+        task, dtype = _from_run_config(run_config)
+        found.task, found.dtype = found.task or task, found.dtype or dtype
+    return found
+
+
+def _from_run_config(file: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """The task (as a record) and the model's ``dtype`` of an ``es-lightning fit`` run's saved ``config.yaml``."""
+    if not file.is_file():
+        return None, None
+    import yaml
+
+    try:
+        config = yaml.safe_load(file.read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return None, None
+    model = (config.get("model") or {}).get("init_args") or {}
+    data = (config.get("data") or {}).get("init_args") or {}
+    task = model.get("task") or data.get("task")
+    if isinstance(task, str):
+        task = {"class_path": task, "init_args": {}}
+    elif isinstance(task, dict) and task.get("class_path"):
+        task = {"class_path": task["class_path"], "init_args": dict(task.get("init_args") or {})}
+    else:
+        task = None
+    return task, model.get("dtype")
 
 
 def load_model(spec: str, dtype: str | torch.dtype | None = None, trust_remote_code: bool = False) -> LoadedModel:

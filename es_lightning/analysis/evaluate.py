@@ -20,6 +20,7 @@ model) in ``--out_dir``.
 
 from __future__ import annotations
 
+import copy
 import gc
 import os
 import time
@@ -30,7 +31,7 @@ from typing import Any
 
 import torch
 
-from es_lightning.analysis.checkpoints import LoadedModel, check_model_spec, load_model
+from es_lightning.analysis.checkpoints import LoadedModel, TrainedWith, check_model_spec, load_model, trained_with
 from es_lightning.analysis.output import check_out_dir, format_table, markdown_table, write_json
 from es_lightning.analysis.settings import PAPER_EVAL, EvalSettings, resolve_device
 from es_lightning.data import ReasoningDataModule, check_columns, procedural_split
@@ -166,9 +167,17 @@ def evaluate_models(
     for model in models:  # every path checked before the first model spends minutes being evaluated
         if not isinstance(model, LoadedModel):
             check_model_spec(model)
-    task_objs = [get_task(t) for t in tasks]
-    if not task_objs:
+    if not tasks:
         raise ValueError("name at least one task, e.g. --tasks countdown addition sort")
+    trained = [(m.spec if isinstance(m, LoadedModel) else m, trained_with(m.spec if isinstance(m, LoadedModel) else m))
+               for m in models]
+    task_objs = tasks_as_trained(tasks, settings.chat_template, trained)
+    if dtype is None:  # one dtype for every row: a base model is not compared in float32 with a bf16 checkpoint
+        recorded = [(spec, t.dtype) for spec, t in trained if t.dtype]
+        if recorded:
+            dtype = recorded[0][1]
+            if len(recorded) < len(trained) or any(d != dtype for _, d in recorded):
+                print(f"every model in {dtype}, as {recorded[0][0]} was trained (--dtype to choose)")
     problems = {t.name: heldout_problems(t, settings.num_problems, settings.seed, settings.source) for t in task_objs}
     names = list(labels) if labels is not None else [_label(m) for m in models]
     names = _unique(names)
@@ -192,6 +201,43 @@ def evaluate_models(
     finally:
         bar.close()
     return EvalReport(results=results, settings={"tasks": [t.name for t in task_objs], **asdict(settings)}, sources=sources)
+
+
+def tasks_as_trained(tasks: Sequence[str | Task], chat_template: bool | None,
+                     trained: Sequence[tuple[str, TrainedWith]]) -> list[Task]:
+    """The task objects an evaluation prompts with: a task named by a string is built as the first model that
+    records its training task (:func:`~es_lightning.analysis.checkpoints.trained_with`) was trained with it — its
+    prompt format, its chat template — and any other task takes that model's ``use_chat_template``; ``chat_template``
+    (``--eval.chat_template``), when set, decides the template for every task. Task objects are taken as given (a
+    recipe's), except for an explicit ``chat_template``. Prints what it took from a checkpoint."""
+    source = next(((spec, t.task) for spec, t in trained if t.task), None)
+    record = None
+    if source is not None:
+        try:
+            record = get_task(source[1]["class_path"], **source[1].get("init_args", {}))
+        except Exception:  # a task class that is gone or changed: the named tasks as they are
+            record = None
+    out, said = [], []
+    for t in tasks:
+        if isinstance(t, Task):
+            task = copy.copy(t)
+        else:
+            task = get_task(t)
+            if record is not None and type(record) is type(task):
+                task = copy.copy(record)
+                default = vars(get_task(t))
+                changed = {k: v for k, v in vars(task).items() if k in default and default[k] != v}
+                if changed:
+                    said.append(f"{task.name} ({', '.join(f'{k}={v!r}' for k, v in changed.items())})")
+            elif record is not None and record.use_chat_template and chat_template is None:
+                task.use_chat_template = True
+                said.append(f"{task.name} (use_chat_template=True)")
+        if chat_template is not None:
+            task.use_chat_template = bool(chat_template)
+        out.append(task)
+    if said and source is not None:
+        print(f"tasks as {source[0]} was trained: {'; '.join(said)} (--eval.chat_template to choose the template)")
+    return out
 
 
 def _label(model: str | LoadedModel) -> str:

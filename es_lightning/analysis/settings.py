@@ -69,6 +69,10 @@ class EvalSettings:
     dataset), a hub dataset name, or a local jsonl/parquet file."""
     device: str = "auto"
     """where models are evaluated: auto (CUDA when available), cpu, cuda, cuda:1, ..."""
+    chat_template: bool | None = None
+    """wrap prompts in the models' chat template: null = as the evaluated checkpoint was trained (a .ckpt, or a run's
+    export directory, records its task: a task of the same name is prompted as in training, others take its chat
+    template; nothing recorded: no template); true / false: for every model and task alike."""
 
     def __post_init__(self) -> None:
         def bad(field: str, rule: str) -> ValueError:

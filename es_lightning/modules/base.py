@@ -43,6 +43,7 @@ from es_lightning.precision import (
 )
 from es_lightning.scoring import Scores, score_completions
 from es_lightning.tasks import Task, get_task
+from es_lightning.tasks.base import TASK_KEY, task_record
 
 
 @dataclass
@@ -471,6 +472,10 @@ class ReasoningModule(L.LightningModule):
         record = self.stage_record()
         if record is not None:
             checkpoint[STAGE_KEY] = record
+        dm = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        task = self._task if self._task is not None else getattr(dm, "task", None)
+        if isinstance(task, Task):  # how the model was prompted: an evaluation of this checkpoint prompts it the same way
+            checkpoint[TASK_KEY] = task_record(task)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.policy_updated()  # the checkpoint's weights are loaded next: a vLLM engine takes them before it generates

@@ -12,9 +12,13 @@ the size of what they read (``max_completion_chars``).
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Sequence
 from typing import Any, ClassVar
+
+#: the checkpoint key of the training task's record (:func:`task_record`)
+TASK_KEY = "es_lightning_task"
 
 
 class Task(ABC):
@@ -68,6 +72,13 @@ class Task(ABC):
         function of its arguments (graded once per distinct completion and example object in a :meth:`grade` call)."""
 
     # ----------------------------------------------------------------- optional hooks
+    def pool_key(self, example: dict[str, Any]) -> str:
+        """The problem's identity for the train / held-out split of procedural problems
+        (:func:`es_lightning.data.in_heldout_pool`) and for telling problems apart: its prompt by default. A task whose
+        prompt text changes with how it is presented (a prompt format, the chat template) returns one canonical text,
+        so that a problem is held out, or not, whatever the presentation."""
+        return self.prompt(example)
+
     def preprocess(self, example: dict[str, Any]) -> dict[str, Any]:
         """Turn a raw dataset record (after column mapping) into the example the task reads. Default: unchanged."""
         return example
@@ -180,3 +191,21 @@ class Task(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+def task_record(task: Task) -> dict[str, Any]:
+    """``{"class_path", "init_args"}`` rebuilding ``task`` as configured (``get_task(class_path, **init_args)``): the
+    constructor's arguments that the task keeps as attributes of the same name with plain values (``prompt_format``,
+    ``use_chat_template``, the rewards, ...). A checkpoint records it so that an evaluation prompts the model as it was
+    trained (:func:`es_lightning.analysis.checkpoints.trained_task`)."""
+    cls = type(task)
+    args: dict[str, Any] = {}
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None or klass is object:
+            continue
+        for name in inspect.signature(init).parameters:
+            value = getattr(task, name, None)
+            if name != "self" and name not in args and isinstance(value, (bool, int, float, str)):
+                args[name] = value
+    return {"class_path": f"{cls.__module__}.{cls.__qualname__}", "init_args": args}

@@ -112,6 +112,11 @@ class CountdownTask(Task):
         # with a chat template the module wraps the user turn itself; the completion then opens with <think>
         return instruction if self.use_chat_template else _R1_BASE_TEMPLATE.format(instruction=instruction)
 
+    def pool_key(self, example: dict[str, Any]) -> str:
+        """The compact prompt, whatever the format and template: the built-in model's pretraining and every format
+        share one train / held-out split of the problems."""
+        return f"c:{' '.join(str(int(x)) for x in example['nums'])}>{example['target']}="
+
     @property
     def stop_strings(self) -> list[str]:
         return ["</answer>"] if self.prompt_format == "r1" else []
