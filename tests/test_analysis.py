@@ -268,6 +268,28 @@ def test_eval_prompts_and_loads_every_model_as_the_checkpoint_was_trained(qwen_l
     assert plain.results["base"]["countdown"]["entropy"] != report.results["base"]["countdown"]["entropy"]
 
 
+def test_tasks_as_trained_settings_given_recorded_and_chosen():
+    from es_lightning.analysis.checkpoints import TrainedWith
+    from es_lightning.analysis.evaluate import tasks_as_trained
+    from es_lightning.tasks import CountdownTask
+    from es_lightning.tasks.base import task_record
+
+    r1 = TrainedWith(task=task_record(CountdownTask(prompt_format="r1", use_chat_template=True)))
+    recipe_task = CountdownTask()  # a recipe's own task object (sweep, compare): as given
+    countdown, addition, given, spec = tasks_as_trained(
+        ["countdown", "addition", recipe_task, {"class_path": "countdown", "init_args": {"prompt_format": "r1"}}], None,
+        [("base", TrainedWith()), ("es.ckpt", r1)])
+    assert (countdown.prompt_format, countdown.use_chat_template, addition.use_chat_template) == ("r1", True, True)
+    assert (given.prompt_format, given.use_chat_template) == ("compact", False) and given is not recipe_task
+    assert (spec.prompt_format, spec.use_chat_template) == ("r1", False)
+    plain = tasks_as_trained(["countdown", recipe_task], False, [("es.ckpt", r1)])
+    assert [t.use_chat_template for t in plain] == [False, False] and plain[0].prompt_format == "r1"
+    assert [t.use_chat_template for t in tasks_as_trained(["addition"], True, [])] == [True]
+    assert vars(tasks_as_trained(["countdown"], None, [("builtin", TrainedWith())])[0]) == vars(CountdownTask())
+    with pytest.raises(ValueError, match="needs class_path"):
+        tasks_as_trained([{"name": "countdown"}], None, [])
+
+
 # --------------------------------------------------------------------------- ablation
 # --------------------------------------------------------------------------- ablation
 def test_ablation_at_zero_is_tuned_and_at_infinity_is_base_bitwise(monkeypatch):

@@ -151,7 +151,7 @@ class EvalReport:
 
 def evaluate_models(
     models: Sequence[str | LoadedModel],
-    tasks: Sequence[str | Task] = ("countdown",),
+    tasks: Sequence[str | dict[str, Any] | Task] = ("countdown",),
     labels: Sequence[str] | None = None,
     settings: EvalSettings = PAPER_EVAL,
     dtype: str | None = None,
@@ -203,13 +203,14 @@ def evaluate_models(
     return EvalReport(results=results, settings={"tasks": [t.name for t in task_objs], **asdict(settings)}, sources=sources)
 
 
-def tasks_as_trained(tasks: Sequence[str | Task], chat_template: bool | None,
+def tasks_as_trained(tasks: Sequence[str | dict[str, Any] | Task], chat_template: bool | None,
                      trained: Sequence[tuple[str, TrainedWith]]) -> list[Task]:
     """The task objects an evaluation prompts with: a task named by a string is built as the first model that
     records its training task (:func:`~es_lightning.analysis.checkpoints.trained_with`) was trained with it — its
     prompt format, its chat template — and any other task takes that model's ``use_chat_template``; ``chat_template``
-    (``--eval.chat_template``), when set, decides the template for every task. Task objects are taken as given (a
-    recipe's), except for an explicit ``chat_template``. Prints what it took from a checkpoint."""
+    (``--eval.chat_template``), when set, decides the template for every task. Task objects, and tasks given with their
+    settings (``{class_path, init_args}``), are taken as given, except for an explicit ``chat_template``. Prints what
+    it took from a checkpoint."""
     source = next(((spec, t.task) for spec, t in trained if t.task), None)
     record = None
     if source is not None:
@@ -219,6 +220,8 @@ def tasks_as_trained(tasks: Sequence[str | Task], chat_template: bool | None,
             record = None
     out, said = [], []
     for t in tasks:
+        if isinstance(t, dict):  # a task with its settings: {class_path: countdown, init_args: {prompt_format: r1}}
+            t = _task_from_spec(t)
         if isinstance(t, Task):
             task = copy.copy(t)
         else:
@@ -238,6 +241,14 @@ def tasks_as_trained(tasks: Sequence[str | Task], chat_template: bool | None,
     if said and source is not None:
         print(f"tasks as {source[0]} was trained: {'; '.join(said)} (--eval.chat_template to choose the template)")
     return out
+
+
+def _task_from_spec(spec: dict[str, Any]) -> Task:
+    unknown = set(spec) - {"class_path", "init_args"}
+    if "class_path" not in spec or unknown:
+        raise ValueError(f"a task given with its settings needs class_path and optionally init_args, got {spec}; e.g. "
+                         "--tasks '[{class_path: countdown, init_args: {prompt_format: r1, use_chat_template: true}}]'")
+    return get_task(spec["class_path"], **dict(spec.get("init_args") or {}))
 
 
 def _label(model: str | LoadedModel) -> str:
@@ -277,7 +288,7 @@ def write_eval_report(report: EvalReport, out_dir: str | Path, plot: bool = True
 
 def eval_command(
     checkpoints: list[str],
-    tasks: list[str] = ["countdown"],  # noqa: B006  (jsonargparse shows the default in --help)
+    tasks: list[str | dict[str, Any]] = ["countdown"],  # noqa: B006  (jsonargparse shows the default in --help)
     labels: list[str] | None = None,
     eval: EvalSettings = PAPER_EVAL,
     dtype: str | None = None,
@@ -290,7 +301,9 @@ def eval_command(
     Args:
         checkpoints: models to compare: Lightning ``.ckpt`` files of es-lightning runs, exported Hugging Face
             directories, hub ids or ``builtin:<name>``.
-        tasks: task names (``countdown``, ``addition``, ``sort``, ``gsm8k``, ``math``) or Task import paths.
+        tasks: task names (``countdown``, ``addition``, ``sort``, ``gsm8k``, ``math``) or Task import paths, prompted
+            as the first checkpoint that records its task was trained; or a task with its settings,
+            ``{class_path: countdown, init_args: {prompt_format: r1, use_chat_template: true}}``.
         labels: one name per checkpoint for tables and the plot (default: from the paths).
         eval: how every model is evaluated (the same for all; defaults: Ba et al.'s n = 32 at T = 0.6).
         dtype: parameter dtype (default: a .ckpt's own, else float32).
