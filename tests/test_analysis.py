@@ -290,6 +290,22 @@ def test_tasks_as_trained_settings_given_recorded_and_chosen():
         tasks_as_trained([{"name": "countdown"}], None, [])
 
 
+def test_forgetting_of_a_model_trained_on_a_file(tmp_path):
+    """--eval.source gives the training task's problems (GSM8K from a file, no generator) while the suite's probes
+    stay procedural: it applied to every task and the suite's probes lacked the file's columns."""
+    from es_lightning.analysis.forgetting import forgetting
+
+    rows = [{"question": f"What is {i} + {i}?", "answer": f"{i} + {i} = {2 * i}\n#### {2 * i}"} for i in range(6)]
+    (tmp_path / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    settings = EvalSettings(num_problems=2, num_samples=1, max_new_tokens=4, source=str(tmp_path / "test.jsonl"))
+    report = forgetting(BUILTIN, BUILTIN, tasks=["addition", "sort"], training_task="gsm8k", settings=settings,
+                        progress=False)
+    assert report.training_task == "gsm8k" and set(report.changes) == {"gsm8k", "addition", "sort"}
+    expected = evaluate_policy(load_policy(BUILTIN), "addition", heldout_problems(get_task("addition"), 2, 0),
+                               replace(settings, ks=[1]))
+    assert report.evaluation.results["base"]["addition"]["pass@1"] == expected["pass@1"]
+
+
 # --------------------------------------------------------------------------- ablation
 # --------------------------------------------------------------------------- ablation
 def test_ablation_at_zero_is_tuned_and_at_infinity_is_base_bitwise(monkeypatch):

@@ -156,8 +156,10 @@ def evaluate_models(
     settings: EvalSettings = PAPER_EVAL,
     dtype: str | None = None,
     progress: bool = True,
+    sources: dict[str, str] | None = None,
 ) -> EvalReport:
-    """Evaluate every model on every task, on the same problems with the same seeds; models are loaded one at a time."""
+    """Evaluate every model on every task, on the same problems with the same seeds; models are loaded one at a time.
+    ``sources`` overrides ``settings.source`` for the tasks it names (``{task name: source}``)."""
     if not models:
         raise ValueError("name at least one model to evaluate (a .ckpt, an HF directory, a hub id or builtin:<name>)")
     if labels is not None and len(labels) != len(models):
@@ -178,7 +180,8 @@ def evaluate_models(
             dtype = recorded[0][1]
             if len(recorded) < len(trained) or any(d != dtype for _, d in recorded):
                 print(f"every model in {dtype}, as {recorded[0][0]} was trained (--dtype to choose)")
-    problems = {t.name: heldout_problems(t, settings.num_problems, settings.seed, settings.source) for t in task_objs}
+    problems = {t.name: heldout_problems(t, settings.num_problems, settings.seed, (sources or {}).get(t.name, settings.source))
+                for t in task_objs}
     names = list(labels) if labels is not None else [_label(m) for m in models]
     names = _unique(names)
     from tqdm.auto import tqdm

@@ -82,8 +82,10 @@ def forgetting(
     if not suite:
         raise ValueError("the held-out suite is empty; name tasks other than the training task, e.g. --tasks addition sort")
     all_tasks = ([trained] if trained else []) + suite
+    # --eval.source gives the training task's problems (a file, the hub); the suite's probes stay procedural
+    sources = {name: "procedural" for name in suite} if trained and settings.source != "procedural" else None
     report = evaluate_models([base, tuned], tasks=all_tasks, labels=["base", "tuned"], settings=settings, dtype=dtype,
-                             progress=progress)
+                             progress=progress, sources=sources)
     return ForgettingReport(evaluation=report, training_task=trained)
 
 
@@ -105,7 +107,8 @@ def forgetting_command(
         base: the model it started from (default: a .ckpt's 'model' hyperparameter).
         tasks: the held-out suite (default: the built-in procedural addition and sort).
         training_task: the task it was trained on, evaluated as a reference row (null to skip).
-        eval: how both models are evaluated (the same problems and seeds for both).
+        eval: how both models are evaluated (the same problems and seeds for both); --eval.source gives the training
+            task's problems (a data file, the hub), the suite's stay procedural.
         dtype: parameter dtype (default: the checkpoint's own).
         out_dir: where forgetting.json and forgetting.png go.
         plot: write forgetting.png.
