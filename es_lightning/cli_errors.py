@@ -67,6 +67,12 @@ class UserError(Exception):
     """A mistake the user can fix; its message is already the one line to print (what, where, fix)."""
 
 
+class SettingError(UserError, ValueError):
+    """A refused value whose message names the setting itself (``trainer.precision ...``): raised by an object that
+    does not own that setting (a module refusing the trainer's precision), so it is not located at the object's own
+    options; still a ``ValueError`` for code that catches bad values."""
+
+
 class ConfigError(UserError):
     """The command line or a config file was refused by the parser (the raw jsonargparse message)."""
 

@@ -170,6 +170,8 @@ if not torch.cuda.is_available():  # a machine without a GPU (CI's): GPU setting
         ("GPU trainer fragment on a CPU machine", ["fit", "--config", str(ROOT / "configs" / "trainer" / "gpu.yaml"),
                                                    "--config", str(RECIPES / "es.yaml")],
          ["No supported gpu backend found", "configs/trainer/cpu.yaml"]),
+        ("fp16 trainer precision on a CPU", ES + SMALL + ["--trainer.precision", "16-true"],
+         ["trainer.precision 16-true computes in float16", "use trainer.precision bf16-true or 32-true"]),
         ("eval on cuda on a CPU machine", ["eval", "--checkpoints", "builtin:countdown-tiny", "--eval.device", "cuda",
                                            "--eval.num_problems", "2", "--eval.num_samples", "2"],
          ["eval.device 'cuda': this machine has no CUDA GPU", "--eval.device cpu"]),

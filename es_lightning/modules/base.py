@@ -33,7 +33,7 @@ from es_lightning.algorithms import SAMPLING_KEYS, Algorithm, get_algorithm
 from es_lightning.generation import Generator, Rollout, SamplingParams, check_generation_options, make_generator
 from es_lightning.metrics.training import StepMetrics, shared_metrics
 from es_lightning.modules.stage import STAGE_KEY, peek_stage_on_load
-from es_lightning.policy import Policy, load_policy
+from es_lightning.policy import Policy, load_policy, resolve_dtype
 from es_lightning.precision import (
     check_device_dtype,
     check_master_dtype,
@@ -247,8 +247,19 @@ class ReasoningModule(L.LightningModule):
         dtypes = {p.dtype for p in self.model.parameters() if p.is_floating_point()}
         precision = str(getattr(self._trainer, "precision", "")) if self._trainer is not None else ""
         autocast = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
+        configured = resolve_dtype(self.dtype_name)
         for dtype in sorted(dtypes | ({autocast} if autocast else set()), key=str):
-            check_device_dtype(self.device, dtype)
+            try:
+                check_device_dtype(self.device, dtype)
+            except ValueError as err:
+                if precision in ("16-true", "bf16-true", "16-mixed", "bf16-mixed") and dtype != configured:
+                    from es_lightning.cli_errors import SettingError  # the trainer's setting, not the module's dtype
+
+                    other = ("bf16-true or 32-true" if dtype == torch.float16 else
+                             "16-true or 32-true" if self.device.type == "cuda" else "32-true")
+                    raise SettingError(f"trainer.precision {precision} computes in {str(dtype).removeprefix('torch.')}: "
+                                    f"{str(err).split(';', 1)[0]}; use trainer.precision {other}") from err
+                raise
 
     # ------------------------------------------------------------------ rollouts and scoring
     def prompts(self, examples: Sequence[dict[str, Any]]) -> list[str]:
