@@ -103,6 +103,7 @@ class CommandMixin:
         cli_errors.remember(config=config)
         if self.subcommand in ("fit", "validate", "test"):
             run_dirs.resolve_last(config, self.subcommand)
+            run_dirs.check_ckpt_path(config)  # the run "last" found: a sharded one needs a sharding strategy too
         run_dirs.check_writable(config)
 
     def instantiate_classes(self) -> None:

@@ -68,6 +68,8 @@ def _files(tmp: Path) -> None:
     load_policy("builtin:countdown-tiny").model.save_pretrained(tmp / "notok")  # weights, no tokenizer
     (tmp / "sharded.ckpt").mkdir()
     (tmp / "sharded.ckpt" / ".metadata").write_bytes(b"")
+    (tmp / "fsdp" / "es" / "version_0" / "checkpoints" / "last.ckpt").mkdir(parents=True)  # a sharded newest run
+    (tmp / "fsdp" / "es" / "version_0" / "checkpoints" / "last.ckpt" / ".metadata").write_bytes(b"")
 
 
 GRPO = ["fit", "--config", str(RECIPES / "grpo.yaml")]
@@ -141,6 +143,9 @@ CASES = [
     ("test --ckpt_path last before any fit", ["test", "--config", str(RECIPES / "es.yaml"), "--ckpt_path", "last",
                                               "--trainer.logger.init_args.save_dir", "nologs"],
      ["--ckpt_path last: no last.ckpt under nologs/es/*/checkpoints", "nothing to test", "fit the recipe first"]),
+    ("--ckpt_path last of a sharded run without a sharding strategy",
+     ES + SMALL + ["--ckpt_path", "last", "--trainer.logger.init_args.save_dir", "fsdp"],
+     ["last.ckpt' is a sharded checkpoint", "configs/trainer/fsdp2_cpu.yaml"]),
     ("ES samples at temperature 0", ES + SMALL + ["--model.init_args.temperature", "0"],
      ["samples_per_member=2 at temperature 0 gives 2 identical", "temperature > 0"]),
     ("analysis out_dir that is a file", ["eval", "--checkpoints", "builtin:countdown-tiny", "--out_dir", "afile"],
@@ -241,7 +246,7 @@ def test_bad_input_is_one_line_and_exit_2(table, name, argv, fragments):
 
 def test_failed_runs_leave_no_run_directory(table):
     tmp, _ = table
-    leftovers = [p for p in tmp.rglob("version_*")]
+    leftovers = [p for p in tmp.rglob("version_*") if not p.is_relative_to(tmp / "fsdp")]  # fsdp/: a case's input
     assert not leftovers, leftovers
 
 
