@@ -217,10 +217,9 @@ class MasterState:
         for saved_id, p in zip(saved_ids, params):
             if not self.needs_master(p):  # a checkpoint with masters resumed with fp32 weights, or master_dtype: same
                 saved = state_dict["state"].get(saved_id, {}).get("master")
-                same_kind = hasattr(saved, "to_local") == hasattr(p, "to_local")  # both DTensors, or neither
-                if isinstance(saved, Tensor) and saved.shape == p.shape and same_kind:
-                    with torch.no_grad():  # the weight takes the master's bits (bf16-true resumed as 32-true: exact)
-                        p.copy_(saved.to(device=p.device, dtype=p.dtype))
+                if isinstance(saved, Tensor) and saved.shape == p.shape:
+                    with torch.no_grad():  # the weight takes the master's bits (bf16-true resumed as 32-true: exact),
+                        _copy_whole(p, saved)  # a whole master (a file checkpoint) into an FSDP2 shard too
                 if p in self.state:
                     self.state[p].pop("master", None)
                 continue
@@ -228,6 +227,19 @@ class MasterState:
                 if key != "step" and isinstance(value, Tensor) and value.is_floating_point():
                     self.state[p][key] = value.to(device=p.device, dtype=self.master_dtype)
             self.master(p)  # a checkpoint written without masters: take them from the (restored) weights
+
+
+def _copy_whole(target: Tensor, source: Tensor) -> None:
+    """``target.copy_(source)`` in ``target``'s dtype and device, where either may be an FSDP2 DTensor and the other
+    the whole tensor: a rank takes its own shard of a whole ``source`` (every rank holds the same; no collective)."""
+    if hasattr(target, "to_local") and not hasattr(source, "to_local"):
+        from torch.distributed.tensor import distribute_tensor
+
+        source = distribute_tensor(source.to(target.to_local().device), target.device_mesh, target.placements,
+                                   src_data_rank=None)
+    elif hasattr(source, "to_local") and not hasattr(target, "to_local"):
+        source = source.full_tensor()
+    target.copy_(source.to(device=target.device, dtype=target.dtype))
 
 
 @torch.no_grad()
@@ -246,12 +258,20 @@ def masters_from_weights(optimizers: Iterable, named_params: Iterable[tuple[str,
         for p in chain.from_iterable(g["params"] for g in opt.param_groups):
             master = opt.state[p].get("master") if p in opt.state else None
             full = weights.get(by_param.get(p, ""))
-            if (master is None or full is None or hasattr(master, "to_local") or full.shape != p.shape
-                    or not lower_precision(p.dtype, full.dtype)):
+            if master is None or full is None or full.shape != p.shape or not lower_precision(p.dtype, full.dtype):
                 continue
-            full = full.to(p.device)
-            if torch.equal(full.to(p.dtype), p.detach()):
-                master.copy_(full.to(master.dtype))
+            param, mine = p.detach(), full
+            if hasattr(p, "to_local"):  # an FSDP2 shard: this rank's part of the checkpoint's weight, no collective
+                from torch.distributed.tensor import DTensor, distribute_tensor
+
+                if not isinstance(full, DTensor):
+                    mine = distribute_tensor(full.to(p.to_local().device), p.device_mesh, p.placements, src_data_rank=None)
+                if mine.placements != p.placements:
+                    continue
+                param, mine, master = param.to_local(), mine.to_local(), master.to_local()
+            mine = mine.to(param.device)
+            if torch.equal(mine.to(param.dtype), param):
+                master.copy_(mine.to(master.dtype))
                 taken += 1
     return taken
 

@@ -125,6 +125,7 @@ def check_ckpt_path(config: Any) -> None:
                     "the sharded trainer fragment it was written with (e.g. --config configs/trainer/fsdp2_cpu.yaml), "
                     f"or turn it into one file first: python -m es_lightning.distributed {path} out.ckpt"
                 )
+            _check_sharded_precision(config, target, str(path))
             return
         inside = sorted(target.glob("**/last.ckpt"))
         hint = f"; did you mean {str(inside[-1])!r}?" if inside else ""
@@ -134,6 +135,41 @@ def check_ckpt_path(config: Any) -> None:
     if not zipfile.is_zipfile(target):
         raise UserError(f"--ckpt_path {path!r} is not a checkpoint (not a torch.save archive); pass a .ckpt file a fit "
                         "wrote, e.g. lightning_logs/es/version_0/checkpoints/last.ckpt")
+
+
+_LOW_PRECISION_WEIGHTS = ("bfloat16", "bf16", "float16", "fp16", "half")
+
+
+def _check_sharded_precision(config: Any, target: Path, path: str) -> None:
+    """Refuse a sharded checkpoint resumed under a precision that changes whether the optimizers hold fp32 masters
+    (``32-true`` ↔ ``bf16-true``): torch.distributed.checkpoint loads exactly the keys the new optimizers have, so a
+    missing master fails on every rank and an extra one is dropped in silence (the run's sub-bf16 bits lost). A
+    single-file checkpoint converts either way (ReasoningModule.on_load_checkpoint, MasterState.load_state_dict)."""
+    if not (target / ".metadata").is_file():
+        return
+    try:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        keys = FileSystemReader(str(target)).read_metadata().state_dict_metadata.keys()
+    except Exception:  # unreadable metadata: Lightning's load says what is wrong
+        return
+    if not any(k.startswith("optimizer_") for k in keys):
+        return
+    has_masters = any(k.endswith(".master") for k in keys)
+    precision = str(_get(_get(config, "trainer"), "precision") or "32-true")
+    model = _get(_get(config, "model"), "init_args")
+    dtype, master_dtype = str(_get(model, "dtype") or "float32"), str(_get(model, "master_dtype") or "float32")
+    if dtype == "auto":
+        return  # the weights' dtype is the model's own: not known before it loads
+    wants_masters = master_dtype.lower() not in ("none", "null") and (
+        precision in ("bf16-true", "16-true") or dtype.lower() in _LOW_PRECISION_WEIGHTS)
+    if has_masters != wants_masters:
+        written = "with fp32 master weights (bf16-true or 16-true)" if has_masters else "without master weights (32-true)"
+        raise UserError(
+            f"--ckpt_path {path!r} is a sharded checkpoint written {written}; it resumes only under the precision it "
+            f"was written with, not trainer.precision {precision}. Resume it with that precision, or turn it into one "
+            f"file (python -m es_lightning.distributed {path} out.ckpt) and resume the file, which converts"
+        )
 
 
 def output_dirs(config: Any) -> list[tuple[str, str]]:

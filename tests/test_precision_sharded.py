@@ -48,12 +48,12 @@ def _full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def _fsdp2_model(model_dir, mesh):
+def _fsdp2_model(model_dir, mesh, dtype="bfloat16"):
     from torch.distributed.fsdp import fully_shard
 
     from es_lightning.policy import load_policy
 
-    model = load_policy(model_dir, dtype="bfloat16").model
+    model = load_policy(model_dir, dtype=dtype).model
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -216,6 +216,40 @@ def _fsdp1_checks(model_dir) -> dict:
     return res
 
 
+def _masters_from_weights_checks(model_dir, mesh) -> dict:
+    """A 32-true checkpoint resumed under FSDP2 bf16-true: the sharded masters (ES and MasterAdamW) take the
+    checkpoint's fp32 weights, not the rounded parameters (they kept the untrained masters of a fresh ES run)."""
+    from es_lightning.es.sharding import clean_name
+    from es_lightning.es.update import ESOptimizer
+    from es_lightning.policy import load_policy
+    from es_lightning.precision import MasterAdamW, masters_from_weights
+
+    fp32 = {clean_name(n): p.detach() for n, p in load_policy(model_dir, dtype="float32").model.named_parameters()}
+    res = {}
+    for kind in ("es", "adamw"):
+        model = _fsdp2_model(model_dir, mesh)
+        named = [(clean_name(n), p) for n, p in model.named_parameters()]
+        opt = (ESOptimizer(named, lr=ALPHA, sigma=SIGMA, master_dtype=torch.float32) if kind == "es" else
+               MasterAdamW([p for _, p in named], master_dtype=torch.float32))
+        centre = opt.centre if kind == "es" else opt.master  # made from the rounded bf16 parameters
+        rounded_before = not all([torch.equal(_full(centre(p)), fp32[n]) for n, p in named])  # every master made
+        taken = masters_from_weights([opt], named, fp32)
+        res[f"{kind}_masters_from_fp32"] = (rounded_before and taken == len(named)
+                                            and all(torch.equal(_full(centre(p)), fp32[n]) for n, p in named))
+    # the other way: a file checkpoint's whole fp32 masters (bf16-true) loaded into an FSDP2 32-true run's optimizer,
+    # which keeps none: its sharded fp32 weights take the masters' bits (they kept the rounded bf16 weights)
+    model = _fsdp2_model(model_dir, mesh, dtype="float32")
+    named = [(clean_name(n), p) for n, p in model.named_parameters()]
+    opt = ESOptimizer(named, lr=ALPHA, sigma=SIGMA, master_dtype=torch.float32)
+    masters = {n: fp32[n] + 1e-3 * torch.linspace(-1, 1, fp32[n].numel()).view(fp32[n].shape) for n, _ in named}
+    state = opt.state_dict()
+    ids = [i for g in state["param_groups"] for i in g["params"]]
+    state["state"] = {i: {"master": masters[n]} for i, (n, _) in zip(ids, named)}
+    opt.load_state_dict(state)
+    res["fp32_weights_take_whole_masters"] = all(torch.equal(_full(p), masters[n]) for n, p in named)
+    return res
+
+
 def worker(rank: int, init: str, out: str, model_dir: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -223,7 +257,8 @@ def worker(rank: int, init: str, out: str, model_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
     mesh = init_device_mesh("cpu", (2,))
-    res = {**_adamw_checks(model_dir, mesh, out), **_es_checks(model_dir, mesh, out), **_fsdp1_checks(model_dir)}
+    res = {**_adamw_checks(model_dir, mesh, out), **_es_checks(model_dir, mesh, out), **_fsdp1_checks(model_dir),
+           **_masters_from_weights_checks(model_dir, mesh)}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(res, f)
     dist.barrier()
@@ -265,3 +300,9 @@ def test_es_masters_on_fsdp1_reach_shards_and_gathered_mirrors(sharded_run):
         assert res["fsdp1_has_mirrors"]
         assert res["fsdp1_masters_equal"] and res["fsdp1_shards_equal"] and res["fsdp1_mirrors_equal"]
         assert res["fsdp1_perturbed_mirrors"] and res["fsdp1_restore_bitwise"]
+
+
+def test_fsdp2_masters_take_a_32_true_checkpoints_weights(sharded_run):
+    for res in sharded_run:
+        assert res["es_masters_from_fp32"] and res["adamw_masters_from_fp32"]
+        assert res["fp32_weights_take_whole_masters"]

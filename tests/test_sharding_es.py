@@ -99,10 +99,18 @@ SCRIPT = textwrap.dedent(
             self.weights[trainer.global_step] = full_weights(module)
             self.drift[trainer.global_step] = float(trainer.callback_metrics["train/drift"])
 
-    def fit(ckpt_path=None, checkpoints=None, full=False, max_steps=2):
+    class Masters(L.Callback):  # the fp32 masters as the first step of a fit starts
+        masters = None
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            if self.masters is None:
+                opt = trainer.optimizers[0]
+                full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t
+                self.masters = {{n: full(opt.centre(p)).flatten().tolist() for n, p in module.model.named_parameters()}}
+
+    def fit(ckpt_path=None, checkpoints=None, full=False, max_steps=2, precision="32-true", extra=()):
         module = ESModule(model={model!r}, task=LengthTask(), **ES_KW)
         record = Record()
-        callbacks = [ParameterDrift(), record]  # drift first: Record reads it at the same batch end
+        callbacks = [ParameterDrift(), record, *extra]  # drift first: Record reads it at the same batch end
         if checkpoints:
             callbacks.append(ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=1, save_top_k=-1,
                                              filename="{{step}}"))
@@ -111,7 +119,7 @@ SCRIPT = textwrap.dedent(
             callbacks.append(PassAtKCallback(num_samples=2, ks=(1,), every_n_train_steps=1, num_problems=3,
                                              batch_size=1))
         strategy = ModelParallelStrategy(save_distributed_checkpoint=not full)
-        trainer = L.Trainer(max_steps=max_steps, accelerator="cpu", devices=2, strategy=strategy,
+        trainer = L.Trainer(max_steps=max_steps, accelerator="cpu", devices=2, strategy=strategy, precision=precision,
                             logger=False, enable_checkpointing=bool(checkpoints), limit_val_batches=0,
                             num_sanity_val_steps=0, enable_progress_bar=False, enable_model_summary=False,
                             callbacks=callbacks)
@@ -127,6 +135,8 @@ SCRIPT = textwrap.dedent(
         trainer2, module2, resumed = fit(ckpt_path=out + "/ckpt/step=1.ckpt")
         fit(checkpoints=out + "/full", full=True, max_steps=1)  # a full (single-file) checkpoint of a sharded run
         _, _, from_full = fit(ckpt_path=out + "/full/step=1.ckpt")
+        masters = Masters()  # the fp32 single-file checkpoint resumed under bf16-true: masters from its fp32 weights
+        fit(ckpt_path=out + "/full/step=1.ckpt", precision="bf16-true", extra=[masters])
         try:  # the shard-view primitives on other layouts, in the same process group
             views = check_dtensor_views()
         except AssertionError as err:
@@ -135,7 +145,7 @@ SCRIPT = textwrap.dedent(
             json.dump({{"weights": first.weights, "drift": first.drift, "resumed_weights": resumed.weights,
                        "resumed_drift": resumed.drift, "steps": [trainer.global_step, trainer2.global_step],
                        "rewards": module.last_rewards.tolist(), "pass_history": history,
-                       "from_full_weights": from_full.weights}},
+                       "from_full_weights": from_full.weights, "bf16_masters": masters.masters}},
                       open(out + "/result.json", "w"))
         json.dump({{"shards": shards, "sharded": module.sharded, "views": views}},
                   open(out + f"/shards{{trainer.global_rank}}.json", "w"))
@@ -218,6 +228,40 @@ def test_fsdp2_full_checkpoint_is_one_file_and_resumes_exactly(fsdp2_run):
     for name, t0 in ckpt["callbacks"]["ParameterDrift"]["theta0"].items():  # θ₀ stored whole, as unsharded
         assert t0.shape == single[name].shape and torch.equal(t0, single[name].detach()), name
     assert _max_diff(result["from_full_weights"]["2"], result["weights"]["2"]) == 0.0
+
+
+def test_fsdp2_resume_of_a_32_true_file_under_bf16_true_starts_the_masters_from_its_fp32_weights(fsdp2_run):
+    """ModelParallelStrategy takes the state dict out of a file checkpoint before the module sees it: the sharded
+    masters kept the fresh model's weights (the checkpoint's training lost) until the file was read again."""
+    result, _, out = fsdp2_run
+    state = torch.load(out / "full" / "step=1.ckpt", map_location="cpu", weights_only=False)["state_dict"]
+    masters = result["bf16_masters"]
+    state = {k.removeprefix("model."): t.flatten() for k, t in state.items()}
+    assert masters.keys() <= state.keys() and len(masters) > 10  # a tied head is the embedding's master
+    assert all(torch.equal(torch.tensor(m), state[k]) for k, m in masters.items())
+    assert any(not torch.equal(state[k], state[k].bfloat16().float()) for k in masters)  # bits below bf16 kept
+
+
+def test_a_sharded_checkpoint_resumed_under_a_precision_that_changes_the_masters_is_refused(fsdp2_run):
+    """torch.distributed.checkpoint loads exactly the keys the new optimizers hold: 32-true shards resumed under
+    bf16-true failed on every rank with 196 lines (a missing master), and the other way dropped the masters silently."""
+    from es_lightning.cli_errors import UserError
+    from es_lightning.run_dirs import check_ckpt_path
+
+    _, _, out = fsdp2_run
+    path = str(out / "ckpt" / "step=1.ckpt")  # written under 32-true: no masters
+    strategy = "lightning.pytorch.strategies.ModelParallelStrategy"
+
+    def config(precision, **model):
+        return {"ckpt_path": path, "trainer": {"strategy": strategy, "precision": precision},
+                "model": {"init_args": model}}
+
+    with pytest.raises(UserError, match="written without master weights .* not trainer.precision bf16-true"):
+        check_ckpt_path(config("bf16-true"))
+    with pytest.raises(UserError, match="es_lightning.distributed .* resume the file"):
+        check_ckpt_path(config("32-true", dtype="bfloat16"))
+    check_ckpt_path(config("32-true"))  # the precision it was written with
+    check_ckpt_path(config("bf16-true", master_dtype="none"))  # no masters wanted either
 
 
 def test_training_time_pass_at_k_runs_sharded_with_uneven_rank_shares(fsdp2_run):

@@ -20,6 +20,7 @@ context (FSDP, meta device) — and lazily on first use of :attr:`policy` in pla
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -457,8 +458,19 @@ class ReasoningModule(L.LightningModule):
         raise ValueError(f"the checkpoint holds another model than the configured {self.model_name!r}: {detail}; "
                          f"{fix}")
 
+    def _more_precise_weights(self, state: dict[str, Any], lower: bool) -> dict[str, Tensor]:
+        """The checkpoint weights more precise than the parameters they load into (or, under bf16-true/16-true,
+        which converts the parameters after loading, any fp32/fp64 weight)."""
+        params = dict(self.named_parameters())
+        return {name: t for name, t in state.items()
+                if isinstance(t, Tensor) and t.is_floating_point() and name in params
+                and (lower_precision(params[name].dtype, t.dtype) or (lower and t.dtype in (torch.float32, torch.float64)))}
+
     def on_train_start(self) -> None:
         weights, self._checkpoint_weights = getattr(self, "_checkpoint_weights", None), None
+        if isinstance(weights, str):  # a sharding strategy loaded the file's weights itself: read them again, lazily
+            state = torch.load(weights, map_location="cpu", weights_only=False, mmap=True).get("state_dict", {})
+            weights = self._more_precise_weights(state, str(self.trainer.precision) in ("bf16-true", "16-true"))
         if weights:
             masters_from_weights(self.trainer.optimizers, self.named_parameters(), weights)
 
@@ -493,14 +505,12 @@ class ReasoningModule(L.LightningModule):
         self._check_checkpoint_model(checkpoint)
         # weights more precise than the parameters will be (a 32-true checkpoint resumed under bf16-true, converted
         # after this hook): kept until the optimizers exist, so their masters start from these bits (on_train_start)
-        params = dict(self.named_parameters())
         fitting = self._trainer is not None and self._trainer.state.fn == "fit"
         lower = fitting and str(self._trainer.precision) in ("bf16-true", "16-true")
-        self._checkpoint_weights = {} if not fitting else {
-            name: t for name, t in checkpoint.get("state_dict", {}).items()
-            if isinstance(t, Tensor) and t.is_floating_point() and name in params
-            and (lower_precision(params[name].dtype, t.dtype) or (lower and t.dtype in (torch.float32, torch.float64)))
-        }
+        self._checkpoint_weights = {} if not fitting else self._more_precise_weights(checkpoint.get("state_dict", {}), lower)
+        path = self._trainer.ckpt_path if fitting else None
+        if fitting and "state_dict" not in checkpoint and path is not None and os.path.isfile(path):
+            self._checkpoint_weights = str(path)  # ModelParallelStrategy took the state dict out of a file checkpoint
         record = checkpoint.get(STAGE_KEY)
         if record is None or self.algorithm is None or not self.restore_stage(record):
             return
