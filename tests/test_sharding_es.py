@@ -264,12 +264,28 @@ def test_a_sharded_checkpoint_resumed_under_a_precision_that_changes_the_masters
     check_ckpt_path(config("bf16-true", master_dtype="none"))  # no masters wanted either
 
 
-def test_training_time_pass_at_k_runs_sharded_with_uneven_rank_shares(fsdp2_run):
+def test_training_time_pass_at_k_runs_sharded_with_uneven_rank_shares(fsdp2_run, tiny_model_dir):
+    """Rank 0 evaluates problems 0 and 2, rank 1 problem 1: the figures combine both ranks' shares, each share as one
+    process evaluates it (val/reward_mean was rank 0's alone)."""
+    from es_lightning import PassAtKCallback
+
     result, _, _ = fsdp2_run
     steps = [step for step, _ in result["pass_history"]]
     assert steps == [1, 2]
-    for _, metrics in result["pass_history"]:
-        assert 0.0 <= metrics["val/pass@1"] <= 1.0 and metrics["val/entropy"] > 0
+    module = ESModule(model=tiny_model_dir, task=LengthTask(), **ES_KW)
+    dm = ReasoningDataModule(**DATA_KW)
+    dm.setup("validate")
+    problems = dm.splits["val"][:3]
+    for step, metrics in result["pass_history"]:
+        with torch.no_grad():
+            for name, p in module.policy.model.named_parameters():
+                p.copy_(torch.tensor(result["weights"][str(step)][name]).view(p.shape))
+        callback = PassAtKCallback(num_samples=2, ks=(1,), num_problems=3, batch_size=1)
+        shares = [callback.evaluate_examples(module, problems[rank::2]) for rank in (0, 1)]
+        reward = (shares[0]["val/reward_mean"] * 2 + shares[1]["val/reward_mean"]) / 3  # 2 problems and 1, n = 2
+        assert metrics["val/reward_mean"] == pytest.approx(reward, rel=1e-6)
+        assert metrics["val/pass@1"] == pytest.approx((shares[0]["val/pass@1"] * 2 + shares[1]["val/pass@1"]) / 3)
+        assert shares[0]["val/reward_mean"] != shares[1]["val/reward_mean"]  # rank 0's alone would differ
 
 
 def test_sharded_settings_are_checked_with_the_fix():

@@ -18,6 +18,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info
+from torchmetrics import MeanMetric
 
 from es_lightning.distributed import gathered_for_generation
 from es_lightning.generation import SamplingParams
@@ -79,8 +80,7 @@ class PassAtKCallback(L.Callback):
         self.pass_at_k = PassAtK(self.ks)
         self.maj_at_k = MajorityAtK(self.ks)
         self.entropy = TokenEntropy()
-        self.reward_sum = 0.0
-        self.reward_count = 0
+        self.reward = MeanMetric(nan_strategy="disable")  # synced across ranks on compute, as the metrics above
         #: ``[(global_step, {name: value})]`` of every evaluation, for plots and tables
         self.history: list[tuple[int, dict[str, float]]] = []
 
@@ -91,10 +91,9 @@ class PassAtKCallback(L.Callback):
         )
 
     def _reset(self, device: torch.device) -> None:
-        for m in (self.pass_at_k, self.maj_at_k, self.entropy):
+        for m in (self.pass_at_k, self.maj_at_k, self.entropy, self.reward):
             m.to(device)
             m.reset()
-        self.reward_sum, self.reward_count = 0.0, 0
 
     def _update(self, pl_module, examples: list[dict[str, Any]], batch_idx: int):
         with gathered_for_generation(pl_module):  # FSDP1: a callback generates outside the step's forward
@@ -104,15 +103,14 @@ class PassAtKCallback(L.Callback):
         votes = [pl_module.task.votes(answers, example) for answers, example in zip(result.answers, examples)]  # [P][n]
         self.maj_at_k.update(votes, result.correct.to(device))
         self.entropy.update(result.entropy.to(device), result.mask.to(device))
-        self.reward_sum += float(result.rewards.sum())
-        self.reward_count += result.rewards.numel()
+        self.reward.update(result.rewards.to(device=device, dtype=torch.float32))
         return result
 
     def _compute(self) -> dict[str, float]:
         out = {f"{self.prefix}/{k}": float(v) for k, v in self.pass_at_k.compute().items()}
         out.update({f"{self.prefix}/{k}": float(v) for k, v in self.maj_at_k.compute().items()})
         out[f"{self.prefix}/entropy"] = float(self.entropy.compute())
-        out[f"{self.prefix}/reward_mean"] = self.reward_sum / max(1, self.reward_count)
+        out[f"{self.prefix}/reward_mean"] = float(self.reward.compute())  # every rank's rewards (it was rank 0's)
         return out
 
     def evaluate(self, trainer: L.Trainer, pl_module) -> dict[str, float]:
