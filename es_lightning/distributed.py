@@ -204,8 +204,8 @@ def consolidate_checkpoint(directory: str, output: str) -> str:
     """Write the sharded checkpoint ``directory`` (``ModelParallelStrategy(save_distributed_checkpoint=True)``) as one
     Lightning checkpoint file ``output``: full ``state_dict``, Lightning's metadata (step, loops, callbacks,
     hyperparameters, θ₀) and the optimizer states as torch's distributed checkpointing keeps them (keyed by parameter
-    name). Runs in one process; needs memory for the whole model. For evaluation and analysis; resume a sharded run
-    from the directory itself."""
+    name). Runs in one process; needs memory for the whole model. For evaluation and analysis, and to resume under
+    another precision or layout (one process, DDP, FSDP2): a sharded directory resumes only as it was written."""
     import os
     import tempfile
 
@@ -213,8 +213,15 @@ def consolidate_checkpoint(directory: str, output: str) -> str:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     meta = os.path.join(directory, "meta.pt")
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"{directory!r} is not a directory: a sharded checkpoint is one (a shard per rank); a "
+                                "single .ckpt file needs no consolidation")
     if not os.path.isfile(meta):
-        raise FileNotFoundError(f"{directory} is not a sharded Lightning checkpoint (no meta.pt)")
+        raise FileNotFoundError(f"{directory!r} is not a sharded Lightning checkpoint (no meta.pt): pass the directory "
+                                "ModelParallelStrategy(save_distributed_checkpoint=True) wrote, e.g. .../checkpoints/last.ckpt")
+    parent = os.path.dirname(os.path.abspath(output))
+    if not os.path.isdir(parent):
+        raise FileNotFoundError(f"cannot write {output!r}: its directory {parent!r} does not exist")
     with tempfile.TemporaryDirectory() as tmp:
         flat = os.path.join(tmp, "state.pt")
         dcp_to_torch_save(directory, flat)
@@ -232,4 +239,8 @@ if __name__ == "__main__":
 
     if len(sys.argv) != 3:
         sys.exit("usage: python -m es_lightning.distributed SHARDED_CHECKPOINT_DIR OUTPUT.ckpt")
-    print(consolidate_checkpoint(sys.argv[1], sys.argv[2]))
+    try:
+        print(consolidate_checkpoint(sys.argv[1], sys.argv[2]))
+    except (OSError, ValueError, RuntimeError) as err:  # bad paths, a broken checkpoint: one line, status 2
+        print(f"python -m es_lightning.distributed: error: {err}", file=sys.stderr)
+        sys.exit(2)

@@ -346,3 +346,15 @@ def test_sharded_checkpoint_consolidates_to_the_full_one(fsdp2_run, tmp_path):
         assert torch.equal(merged["state_dict"][key], value), key
     theta0 = [c["callbacks"]["ParameterDrift"]["theta0"] for c in (merged, full)]
     assert theta0[1] and all(torch.equal(theta0[0][k], v) for k, v in theta0[1].items())
+
+
+def test_consolidation_command_refuses_bad_paths_in_one_line(fsdp2_run, tmp_path):
+    _, _, out = fsdp2_run
+    cases = [(str(out / "full" / "step=1.ckpt"), str(tmp_path / "a.ckpt"), "is not a directory"),  # a single file
+             (str(out / "ckpt" / "step=1.ckpt"), str(tmp_path / "no" / "such" / "a.ckpt"), "does not exist")]
+    for source, target, said in cases:
+        proc = subprocess.run([sys.executable, "-m", "es_lightning.distributed", source, target], capture_output=True,
+                              text=True, timeout=120)
+        lines = [ln for ln in proc.stderr.splitlines() if "error" in ln]
+        assert proc.returncode == 2 and len(lines) == 1 and said in lines[0], proc.stderr[-2000:]
+        assert "Traceback" not in proc.stderr
