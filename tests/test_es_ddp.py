@@ -10,6 +10,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 from es_helpers import teardown_bomb
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -273,3 +274,44 @@ def test_a_mistake_in_a_ddp_spawn_worker_is_one_line_and_status_2(tmp_path):
     line = ("es-lightning: error: --model.init_args.prompt_groups: prompt_groups=3 splits each batch into 3 equal "
             "slices, but a batch has 4 prompts; set data.batch_size to a multiple of 3")  # located as under ddp
     assert proc.stderr.splitlines().count(line) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+VALIDATE = textwrap.dedent(
+    """
+    import json, sys, torch, lightning as L
+    from es_lightning import CountdownTask, ESModule, PassAtKCallback, ReasoningDataModule
+
+    class LengthTask(CountdownTask):  # rewards that differ between problems
+        def reward(self, completions, examples):
+            return [sum(map(ord, c)) % 97 / 97 for c in completions]
+
+    model_dir, devices, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    torch.set_num_threads(1)
+    module = ESModule(model=model_dir, max_new_tokens=6, task=LengthTask())
+    dm = ReasoningDataModule(task="countdown", train_size=8, val_size=5, test_size=4, batch_size=4, val_batch_size=2)
+    callback = PassAtKCallback(num_samples=1, ks=[1], temperature=0.0)
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto", logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[callback])
+    trainer.validate(module, dm)
+    if trainer.global_rank == 0:
+        json.dump(callback.history[-1][1], open(out, "w"))
+    """
+)
+
+
+def test_ddp_validation_counts_each_problem_once(tmp_path):
+    """5 problems on 2 ranks: Lightning's DistributedSampler pads rank 1 with a repeat of problem 0, which was counted
+    (val Pass@1 0.5 against 0.4 in one process); the figures now equal one process's."""
+    script = tmp_path / "validate.py"
+    script.write_text(VALIDATE)
+    results = []
+    for devices in (1, 2):
+        out = tmp_path / f"val{devices}.json"
+        proc = subprocess.run([sys.executable, str(script), "builtin:countdown-tiny", str(devices), str(out)], capture_output=True,
+                              text=True, timeout=240)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results.append(json.loads(out.read_text()))
+    one, two = results
+    assert one.keys() == two.keys() and 0 < one["val/pass@1"] < 1  # problems that differ: a repeat would show
+    for key in one:
+        assert two[key] == pytest.approx(one[key], rel=1e-5, abs=1e-7), key

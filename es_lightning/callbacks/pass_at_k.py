@@ -175,8 +175,14 @@ class PassAtKCallback(L.Callback):
         self._reset(pl_module.device)
 
     def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
-        if not trainer.sanity_checking:
-            self._update(pl_module, batch, batch_idx)
+        if trainer.sanity_checking:
+            return
+        keep = _unpadded(trainer, len(batch), batch_idx, dataloader_idx)
+        if keep:
+            self._update(pl_module, batch[:keep], batch_idx)
+        elif trainer.world_size > 1 and getattr(pl_module, "sharded", False):
+            with gathered_for_generation(pl_module):  # sharded forwards are collectives: the other ranks generate
+                pl_module.evaluate_batch(batch[:1], self.num_samples, self._params(pl_module), self.seed)
 
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
         if trainer.sanity_checking or self.pass_at_k.num_problems == 0:
@@ -206,3 +212,19 @@ class PassAtKCallback(L.Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.history = list(state_dict.get("history", []))
+
+
+def _unpadded(trainer: L.Trainer, size: int, batch_idx: int, dataloader_idx: int) -> int:
+    """How many leading problems of this rank's evaluation batch are its own: the ``DistributedSampler`` Lightning puts
+    on validation/test loaders pads the problems to a multiple of the ranks with repeats (rank ``r`` takes padded
+    position ``r + i·world``; positions past the data are repeats, at the end of the last batches), which would count
+    those problems twice. Every batch is still generated (sharded forwards are collectives)."""
+    from torch.utils.data import DistributedSampler
+
+    loaders = trainer.test_dataloaders if trainer.testing else trainer.val_dataloaders
+    loader = loaders[dataloader_idx] if isinstance(loaders, (list, tuple)) else loaders
+    sampler = getattr(loader, "sampler", None)
+    if not isinstance(sampler, DistributedSampler) or sampler.drop_last or sampler.shuffle or not loader.batch_size:
+        return size
+    total, start = len(sampler.dataset), batch_idx * loader.batch_size
+    return sum(1 for j in range(size) if sampler.rank + (start + j) * sampler.num_replicas < total)
