@@ -123,11 +123,24 @@ def _full_state_dict(pl_module: L.LightningModule, model) -> dict | None:
         return None
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     if any(is_dtensor(p) for p in model.parameters()):  # FSDP2: the DTensors gather themselves
-        return get_model_state_dict(model, options=options)
-    # FSDP1: the units live in the strategy's wrapper around the LightningModule; its keys carry the attribute path
-    prefix = next(name for name, module in pl_module.named_children() if module is model) + "."
-    full = get_model_state_dict(root, options=options)
-    return {k.removeprefix(prefix): v for k, v in full.items() if k.startswith(prefix)}
+        full = get_model_state_dict(model, options=options)
+    else:  # FSDP1: the units live in the strategy's wrapper around the LightningModule; its keys carry the attribute path
+        prefix = next(name for name, module in pl_module.named_children() if module is model) + "."
+        full = get_model_state_dict(root, options=options)
+        full = {k.removeprefix(prefix): v for k, v in full.items() if k.startswith(prefix)}
+    return {k: v for k, v in full.items() if k not in _tied_copies(model)}
+
+
+def _tied_copies(model) -> set[str]:
+    """Names of parameters that are another parameter under a second name (a tied ``lm_head.weight``): a gathered
+    state dict holds them twice, ``save_pretrained`` of the model itself once (Qwen2.5-1.5B: 467 MB less)."""
+    seen: set[int] = set()
+    copies = set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            copies.add(name)
+        seen.add(id(p))
+    return copies
 
 
 def _swap_in(new: Path, target: Path) -> None:
