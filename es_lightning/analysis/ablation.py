@@ -95,7 +95,9 @@ def top_percent_threshold(base: Weights, tuned: Weights, percent: float) -> floa
     """The smallest τ such that at most ``percent`` % of all weights have |Δθ| > τ (keeping top-p % by magnitude).
 
     Non-negative float64 values order as their bit patterns do, so the search is an integer bisection — exact, with
-    at most ~64 counting passes. Ties at the threshold are all reset, so slightly fewer than p % may be kept.
+    at most ~64 counting passes. Ties at the threshold are all reset, so fewer than p % may be kept — many fewer
+    when |Δθ| takes few distinct values: a bf16 checkpoint's updates are multiples of coarse ulps (measured: top 50 %
+    kept 39.2 %, top 10 % kept 9.6 %). Each row's ``kept`` column is the fraction actually kept.
     """
     check_top_percents([percent])
     pairs = paired_weights(base, tuned)
