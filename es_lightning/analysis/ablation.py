@@ -237,7 +237,8 @@ def ablation_command(
     settings = replace(eval, ks=eval.pass_at_ks(default=[1, eval.num_samples]))
     settings.completion_cap()
     task_obj = tasks_as_trained([task], settings.chat_template, [(tuned, trained_with(tuned))])[0]
-    problems = heldout_problems(task_obj, settings.num_problems, settings.seed, settings.source)
+    problems = heldout_problems(task_obj, settings.num_problems, settings.seed, settings.source,
+                                settings.column_mapping)
     tuned_model = load_model(tuned, dtype=dtype)
     base = base or _base_of(tuned_model, "ablation")
     base_weights = snapshot(load_model(base, dtype=dtype or tuned_model.hyperparameters.get("dtype")).policy.model)

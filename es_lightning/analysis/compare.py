@@ -225,7 +225,8 @@ def compare_methods(
                 pace = train_s
             if problems is None:  # the same problems and samples for every row
                 task = fit_task
-                problems = heldout_problems(task, settings.num_problems, settings.seed, settings.source)
+                problems = heldout_problems(task, settings.num_problems, settings.seed, settings.source,
+                                            settings.column_mapping)
                 base_model = module.model_name
                 base = evaluate(load_policy(base_model))
                 print(f"base ({base_model}): " + _summary(base), flush=True)

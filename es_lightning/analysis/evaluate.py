@@ -39,15 +39,17 @@ from es_lightning.policy import Policy
 from es_lightning.tasks import Task, get_task
 
 
-def heldout_problems(task: Task, num_problems: int, seed: int = 0, source: str = "procedural") -> list[dict[str, Any]]:
+def heldout_problems(task: Task, num_problems: int, seed: int = 0, source: str = "procedural",
+                     column_mapping: dict[str, str] | None = None) -> list[dict[str, Any]]:
     """``num_problems`` evaluation problems of ``task``.
 
     Procedural tasks draw from the held-out pool (``procedural_split(task, "test", …)``: never in training data nor in
     the built-in model's pretraining); other sources (a hub dataset name, ``hub`` for the task's default, or a local
     file or directory, read as :class:`ReasoningDataModule` reads them) give ``num_problems`` rows of their test split,
     shuffled by ``seed`` — or, when the source has a single split of another name (one ``problems.jsonl``), of that
-    one; with several splits and no test split, rows carved off its train split as a fit carves them. Mistakes name
-    the evaluation options (``--eval.num_problems``, ``--eval.source``), not training's.
+    one; with several splits and no test split, rows carved off its train split as a fit carves them.
+    ``column_mapping`` renames a source's columns to the task's (``--eval.column_mapping``, as ``data.column_mapping``
+    in a fit). Mistakes name the evaluation options (``--eval.num_problems``, ``--eval.source``), not training's.
     """
     if num_problems < 1:
         raise ValueError(f"num_problems must be >= 1, got {num_problems}")
@@ -57,14 +59,22 @@ def heldout_problems(task: Task, num_problems: int, seed: int = 0, source: str =
         except (ValueError, NotImplementedError) as err:  # its hints name the data module's options, not eval's
             raise ValueError(str(err).replace("lower data.test_size", "lower --eval.num_problems")
                              .replace("set data.source", "set --eval.source")) from None
-    dm = ReasoningDataModule(task, source=source, train_size=None, val_size=None, test_size=num_problems, seed=seed)
+    dm = ReasoningDataModule(task, source=source, train_size=None, val_size=None, test_size=num_problems, seed=seed,
+                             column_mapping=column_mapping)
     dsets = dm.load_source()
     name = dm.test_split if dm.test_split in dsets else next(iter(dsets)) if len(dsets) == 1 else None
     if name is None:  # several splits, no test split: held-out rows carved off the train split, as a fit would
         dm.setup("test")
         return dm.splits["test"]
     ds = dsets[name]
-    check_columns(ds, task, f"eval.source {source!r}", repr(name), lambda missing: "Rename them in the file")
+    if column_mapping:
+        absent = [c for c in column_mapping if c not in ds.column_names]
+        if absent:
+            raise ValueError(f"eval.column_mapping renames {absent}, but eval.source {source!r} has columns {ds.column_names}")
+        ds = ds.rename_columns(column_mapping)
+    check_columns(ds, task, f"eval.source {source!r}", repr(name), lambda missing: (
+        f"Map them with --eval.column_mapping, e.g. '{{{ds.column_names[0] if ds.column_names else 'your_column'}: "
+        f"{missing[0]}}}'"))
     if len(ds) < num_problems:
         raise ValueError(f"eval.source {source!r} has {len(ds)} problems in its {name!r} split, fewer than "
                          f"eval.num_problems={num_problems}; lower --eval.num_problems (e.g. to {len(ds)})")
@@ -180,8 +190,8 @@ def evaluate_models(
             dtype = recorded[0][1]
             if len(recorded) < len(trained) or any(d != dtype for _, d in recorded):
                 print(f"every model in {dtype}, as {recorded[0][0]} was trained (--dtype to choose)")
-    problems = {t.name: heldout_problems(t, settings.num_problems, settings.seed, (sources or {}).get(t.name, settings.source))
-                for t in task_objs}
+    problems = {t.name: heldout_problems(t, settings.num_problems, settings.seed, (sources or {}).get(t.name, settings.source),
+                                         settings.column_mapping) for t in task_objs}
     names = list(labels) if labels is not None else [_label(m) for m in models]
     names = _unique(names)
     from tqdm.auto import tqdm

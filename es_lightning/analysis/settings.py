@@ -67,6 +67,8 @@ class EvalSettings:
     source: str = "procedural"
     """where held-out problems come from: procedural (the held-out pool of a procedural task), hub (the task's hub
     dataset), a hub dataset name, or a local jsonl/parquet file."""
+    column_mapping: dict[str, str] | None = None
+    """renames a source file's columns to the task's, {file column: task column} (as data.column_mapping in a fit)."""
     device: str = "auto"
     """where models are evaluated: auto (CUDA when available), cpu, cuda, cuda:1, ..."""
     chat_template: bool | None = None

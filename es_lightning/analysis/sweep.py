@@ -114,7 +114,8 @@ def population_sweep(
         task = cli.datamodule.task
 
         if problems is None:  # the base model, once: same problems and seeds for every row
-            problems = heldout_problems(task, settings.num_problems, settings.seed, settings.source)
+            problems = heldout_problems(task, settings.num_problems, settings.seed, settings.source,
+                                        settings.column_mapping)
             if settings.max_new_tokens is None:  # the recipe's own cap
                 settings = replace(settings, max_new_tokens=module.sampling.max_new_tokens)
         evaluate = functools.partial(evaluate_policy, module.policy, task, problems, settings)
