@@ -527,10 +527,10 @@ def describe_parse_error(message: str, argv: Sequence[str], options: Sequence[st
                 classes = [n for n in dir(module) if isinstance(getattr(module, n), type) and not n.startswith("_")]
                 close = difflib.get_close_matches(m.group(2), classes, n=1, cutoff=0.6)
                 hint = f"; did you mean {m.group(1)}.{close[0]}?" if close else f" (it has: {', '.join(classes)})"
-            found = locate(f"{key}.class_path", argv) if key else None  # the misspelt class's own line
+            found = locate(f"{key}.class_path", argv) if key else None
             if found and found.startswith("--"):
                 return f"{found}: no class {wrong_path!r}{hint}"
-            found = found or next((f"{f}" for f in reversed(configs) if wrong_path and wrong_path in _read(f)), None)
+            found = _line_setting("class_path", wrong_path, configs) or found  # the misspelt class's own line
             return f"{found + ': ' if found else ''}{key or 'class_path'}.class_path: no class {wrong_path!r}{hint}"
         if m := re.search(r"File does not exist: '([^']+)'", text):
             path = Path(m.group(1))
@@ -558,6 +558,20 @@ def describe_parse_error(message: str, argv: Sequence[str], options: Sequence[st
                 types = " or ".join(dict.fromkeys(t.replace("NoneType", "null") for t in expected))
                 return f"{where(key, cls)}expected {types}, got {given!r}"
     return _squash(message)
+
+
+def _line_setting(key: str, value: str, files: Sequence[str]) -> str | None:
+    """``file:line`` of the last config line that sets ``key`` to exactly ``value`` (quoted or not, a list item or
+    not), or ``None``."""
+    if not value:
+        return None
+    pattern = re.compile(rf"^\s*(-\s+)?{re.escape(key)}\s*:\s*['\"]?{re.escape(value)}['\"]?\s*(#.*)?$")
+    for file in reversed(files):
+        lines = _read(file).splitlines()
+        for number in range(len(lines), 0, -1):
+            if pattern.match(lines[number - 1]):
+                return f"{file}:{number}"
+    return None
 
 
 def _read(file: str) -> str:

@@ -95,7 +95,7 @@ class CommandMixin:
         warns which of the checkpoint's stage settings differ (``ReasoningModule.restore_stage``)."""
         subcommand = self.config.get("subcommand")
         if subcommand:
-            run_dirs.check_ckpt_path(self.config[subcommand])
+            run_dirs.check_ckpt_path(self.config[subcommand], fitting=subcommand == "fit")
 
     def before_instantiate_classes(self) -> None:
         super().before_instantiate_classes()
@@ -103,7 +103,7 @@ class CommandMixin:
         cli_errors.remember(config=config)
         if self.subcommand in ("fit", "validate", "test"):
             run_dirs.resolve_last(config, self.subcommand)
-            run_dirs.check_ckpt_path(config)  # the run "last" found: a sharded one needs a sharding strategy too
+            run_dirs.check_ckpt_path(config, fitting=self.subcommand == "fit")  # "last" found: a sharded one too
         run_dirs.check_writable(config)
 
     def instantiate_classes(self) -> None:

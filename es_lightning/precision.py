@@ -229,17 +229,28 @@ class MasterState:
             self.master(p)  # a checkpoint written without masters: take them from the (restored) weights
 
 
-def _copy_whole(target: Tensor, source: Tensor) -> None:
-    """``target.copy_(source)`` in ``target``'s dtype and device, where either may be an FSDP2 DTensor and the other
-    the whole tensor: a rank takes its own shard of a whole ``source`` (every rank holds the same; no collective)."""
-    if hasattr(target, "to_local") and not hasattr(source, "to_local"):
+def _local_like(whole: Tensor, like: Tensor) -> Tensor | None:
+    """This rank's part of ``whole`` in ``like``'s layout: ``whole`` itself for a plain ``like``; for an FSDP2 DTensor
+    ``like``, the local shard of a whole tensor (every rank holds the same one: no collective) or of a DTensor with
+    the same placements; ``None`` when the layouts cannot be matched without a collective."""
+    if not hasattr(like, "to_local"):
+        return whole.full_tensor() if hasattr(whole, "to_local") else whole
+    if not hasattr(whole, "to_local"):
         from torch.distributed.tensor import distribute_tensor
 
-        source = distribute_tensor(source.to(target.to_local().device), target.device_mesh, target.placements,
-                                   src_data_rank=None)
-    elif hasattr(source, "to_local") and not hasattr(target, "to_local"):
-        source = source.full_tensor()
-    target.copy_(source.to(device=target.device, dtype=target.dtype))
+        whole = distribute_tensor(whole.to(like.to_local().device), like.device_mesh, like.placements, src_data_rank=None)
+    return whole.to_local() if whole.placements == like.placements else None
+
+
+def _copy_whole(target: Tensor, source: Tensor) -> None:
+    """``target.copy_(source)`` in ``target``'s dtype and device, where either may be an FSDP2 DTensor and the other
+    the whole tensor."""
+    local = _local_like(source, target)
+    if local is None:  # two DTensors of other placements: DTensor's own copy redistributes
+        target.copy_(source.to(dtype=target.dtype))
+        return
+    mine = target.to_local() if hasattr(target, "to_local") else target
+    mine.copy_(local.to(device=mine.device, dtype=mine.dtype))
 
 
 @torch.no_grad()
@@ -260,15 +271,11 @@ def masters_from_weights(optimizers: Iterable, named_params: Iterable[tuple[str,
             full = weights.get(by_param.get(p, ""))
             if master is None or full is None or full.shape != p.shape or not lower_precision(p.dtype, full.dtype):
                 continue
-            param, mine = p.detach(), full
-            if hasattr(p, "to_local"):  # an FSDP2 shard: this rank's part of the checkpoint's weight, no collective
-                from torch.distributed.tensor import DTensor, distribute_tensor
-
-                if not isinstance(full, DTensor):
-                    mine = distribute_tensor(full.to(p.to_local().device), p.device_mesh, p.placements, src_data_rank=None)
-                if mine.placements != p.placements:
-                    continue
-                param, mine, master = param.to_local(), mine.to_local(), master.to_local()
+            mine = _local_like(full, p)  # an FSDP2 shard: this rank's part of the checkpoint's weight
+            if mine is None:
+                continue
+            param = p.detach().to_local() if hasattr(p, "to_local") else p.detach()
+            master = master.to_local() if hasattr(master, "to_local") else master
             mine = mine.to(param.device)
             if torch.equal(mine.to(param.dtype), param):
                 master.copy_(mine.to(master.dtype))

@@ -21,6 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from es_lightning.callbacks.checkpoint import OLD_SUFFIX, recover
@@ -100,7 +101,7 @@ def resolve_last(config: Any, subcommand: str = "fit") -> None:
 _CKPT_NAMES = ("last", "best", "hpc")
 
 
-def check_ckpt_path(config: Any) -> None:
+def check_ckpt_path(config: Any, fitting: bool = True) -> None:
     """Refuse, before anything loads, a ``--ckpt_path`` that is not a checkpoint: a missing path, a file that is not
     a ``torch.save`` archive, a run or other directory (naming the ``last.ckpt`` inside it when there is one), or a
     sharded checkpoint directory resumed without a sharding strategy."""
@@ -125,7 +126,8 @@ def check_ckpt_path(config: Any) -> None:
                     "the sharded trainer fragment it was written with (e.g. --config configs/trainer/fsdp2_cpu.yaml), "
                     f"or turn it into one file first: python -m es_lightning.distributed {path} out.ckpt"
                 )
-            _check_sharded_precision(config, target, str(path))
+            if fitting:  # validate / test load no optimizer state
+                _check_sharded_precision(config, target, str(path))
             return
         inside = sorted(target.glob("**/last.ckpt"))
         hint = f"; did you mean {str(inside[-1])!r}?" if inside else ""
@@ -137,11 +139,8 @@ def check_ckpt_path(config: Any) -> None:
                         "wrote, e.g. lightning_logs/es/version_0/checkpoints/last.ckpt")
 
 
-_LOW_PRECISION_WEIGHTS = ("bfloat16", "bf16", "float16", "fp16", "half")
-
-
 def _check_sharded_precision(config: Any, target: Path, path: str) -> None:
-    """Refuse a sharded checkpoint resumed under a precision that changes whether the optimizers hold fp32 masters
+    """Refuse a sharded checkpoint resumed under a precision that changes whether the optimizers hold masters
     (``32-true`` ↔ ``bf16-true``): torch.distributed.checkpoint loads exactly the keys the new optimizers have, so a
     missing master fails on every rank and an extra one is dropped in silence (the run's sub-bf16 bits lost). A
     single-file checkpoint converts either way (ReasoningModule.on_load_checkpoint, MasterState.load_state_dict)."""
@@ -155,20 +154,27 @@ def _check_sharded_precision(config: Any, target: Path, path: str) -> None:
         return
     if not any(k.startswith("optimizer_") for k in keys):
         return
-    has_masters = any(k.endswith(".master") for k in keys)
+    from es_lightning.policy import resolve_dtype
+    from es_lightning.precision import resolve_master_dtype
+
     precision = str(_get(_get(config, "trainer"), "precision") or "32-true")
     model = _get(_get(config, "model"), "init_args")
-    dtype, master_dtype = str(_get(model, "dtype") or "float32"), str(_get(model, "master_dtype") or "float32")
-    if dtype == "auto":
-        return  # the weights' dtype is the model's own: not known before it loads
-    wants_masters = master_dtype.lower() not in ("none", "null") and (
-        precision in ("bf16-true", "16-true") or dtype.lower() in _LOW_PRECISION_WEIGHTS)
+    weights = {"bf16-true": torch.bfloat16, "16-true": torch.float16}.get(precision)
+    try:
+        weights = weights or resolve_dtype(_get(model, "dtype", "float32") or "float32")
+        wants_masters = weights is not None and resolve_master_dtype(weights, _get(model, "master_dtype", "float32")) is not None
+    except ValueError:  # a bad dtype or master_dtype: the module refuses it with its own message
+        return
+    if weights is None:
+        return  # dtype: auto, the model's own: not known before it loads
+    has_masters = any(k.endswith(".master") for k in keys)
     if has_masters != wants_masters:
-        written = "with fp32 master weights (bf16-true or 16-true)" if has_masters else "without master weights (32-true)"
+        written = "with master weights (e.g. under bf16-true)" if has_masters else "without master weights (e.g. 32-true)"
         raise UserError(
-            f"--ckpt_path {path!r} is a sharded checkpoint written {written}; it resumes only under the precision it "
-            f"was written with, not trainer.precision {precision}. Resume it with that precision, or turn it into one "
-            f"file (python -m es_lightning.distributed {path} out.ckpt) and resume the file, which converts"
+            f"--ckpt_path {path!r} is a sharded checkpoint written {written}, which this run's trainer.precision "
+            f"{precision} and model dtype / master_dtype do not keep; a sharded checkpoint resumes only with the "
+            f"precision it was written with. Resume it with that precision, or turn it into one file (python -m "
+            f"es_lightning.distributed {path} out.ckpt) and resume the file, which converts"
         )
 
 

@@ -290,6 +290,22 @@ def test_tasks_as_trained_settings_given_recorded_and_chosen():
         tasks_as_trained([{"name": "countdown"}], None, [])
 
 
+def test_trained_with_reads_a_runs_config_and_ignores_other_yaml(tmp_path):
+    from es_lightning.analysis.checkpoints import trained_with
+
+    export = tmp_path / "run" / "export"
+    export.mkdir(parents=True)
+    (export / "config.json").write_text("{}")
+    config = tmp_path / "run" / "config.yaml"
+    config.write_text("model:\n  init_args: {dtype: bfloat16}\ndata:\n  init_args:\n    task:\n"
+                      "      class_path: countdown\n      init_args: {prompt_format: r1}\n")
+    found = trained_with(str(export))  # a run's export: its run's config.yaml
+    assert found.task == {"class_path": "countdown", "init_args": {"prompt_format": "r1"}} and found.dtype == "bfloat16"
+    for text in ("- a list\n", "model: a-string\n", "model: {init_args: [1]}\n", ": not yaml: ["):
+        config.write_text(text)  # a YAML of another shape beside a model directory is no run config: nothing, no crash
+        assert trained_with(str(export)).task is None and trained_with(str(export)).dtype is None
+
+
 def test_forgetting_of_a_model_trained_on_a_file(tmp_path):
     """--eval.source gives the training task's problems (GSM8K from a file, no generator) while the suite's probes
     stay procedural: it applied to every task and the suite's probes lacked the file's columns."""

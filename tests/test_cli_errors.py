@@ -47,6 +47,7 @@ def _files(tmp: Path) -> None:
     (tmp / "sigma.yaml").write_text(es.replace("sigma: 0.005 ", "sigma: -0.01 "))
     (tmp / "ptype.yaml").write_text(es.replace("population_size: 32 ", "population_size: abc"))
     (tmp / "klass.yaml").write_text(es.replace("es_lightning.ESModule", "es_lightning.ESModul"))
+    (tmp / "cbklass.yaml").write_text(es.replace("es_lightning.PassAtKCallback", "es_lightning.PassAtKCallbak"))
     (tmp / "mtemp.yaml").write_text(es.replace(MODEL_TEMPERATURE, MODEL_TEMPERATURE.replace("1.0", "hot")))
     (tmp / "ctemp.yaml").write_text(es.replace(CALLBACK_TEMPERATURE, CALLBACK_TEMPERATURE.replace("1.0", "hot")))
     grpo = yaml.safe_load((RECIPES / "grpo.yaml").read_text())
@@ -89,6 +90,9 @@ CASES = [
      ["ptype.yaml:16:", "model.init_args.population_size: expected int, got 'abc'"]),
     ("misspelt class_path in a YAML file", ["fit", "--config", "klass.yaml"],
      ["klass.yaml:13:", "model.class_path: no class 'es_lightning.ESModul'", "did you mean es_lightning.ESModule"]),
+    ("misspelt callback class_path in a YAML file", ["fit", "--config", "cbklass.yaml"],
+     [f"cbklass.yaml:{next(i for i, line in enumerate(ES_LINES, 1) if 'PassAtKCallback' in line and 'class_path' in line)}:",
+      "no class 'es_lightning.PassAtKCallbak'", "did you mean es_lightning.PassAtKCallback"]),
     ("model value named like a callback's option", ["fit", "--config", "mtemp.yaml"],
      [f"mtemp.yaml:{_line(MODEL_TEMPERATURE)}:", "model.init_args.temperature: expected float, got 'hot'"]),
     ("callback value named like a model's option", ["fit", "--config", "ctemp.yaml"],

@@ -258,12 +258,16 @@ def test_a_sharded_checkpoint_resumed_under_a_precision_that_changes_the_masters
         return {"ckpt_path": path, "trainer": {"strategy": strategy, "precision": precision},
                 "model": {"init_args": model}}
 
-    with pytest.raises(UserError, match="written without master weights .* not trainer.precision bf16-true"):
+    with pytest.raises(UserError, match="written without master weights .* trainer.precision bf16-true"):
         check_ckpt_path(config("bf16-true"))
     with pytest.raises(UserError, match="es_lightning.distributed .* resume the file"):
         check_ckpt_path(config("32-true", dtype="bfloat16"))
+    with pytest.raises(UserError, match="written without master weights"):
+        check_ckpt_path(config("32-true", master_dtype="float64"))  # fp64 masters of fp32 weights
     check_ckpt_path(config("32-true"))  # the precision it was written with
-    check_ckpt_path(config("bf16-true", master_dtype="none"))  # no masters wanted either
+    check_ckpt_path(config("bf16-true", master_dtype="same"))  # no masters wanted either (the documented off switch)
+    check_ckpt_path(config("bf16-true", master_dtype=None))
+    check_ckpt_path(config("bf16-true"), fitting=False)  # validate / test load no optimizer state
 
 
 def test_training_time_pass_at_k_runs_sharded_with_uneven_rank_shares(fsdp2_run, tiny_model_dir):

@@ -147,11 +147,16 @@ def _from_run_config(file: Path) -> tuple[dict[str, Any] | None, str | None]:
     import yaml
 
     try:
-        config = yaml.safe_load(file.read_text()) or {}
+        config = yaml.safe_load(file.read_text())
     except (OSError, yaml.YAMLError):
         return None, None
-    model = (config.get("model") or {}).get("init_args") or {}
-    data = (config.get("data") or {}).get("init_args") or {}
+
+    def section(node, *keys):  # a mapping at that path, or {} (a YAML of another shape is no run config)
+        for key in keys:
+            node = node.get(key) if isinstance(node, dict) else None
+        return node if isinstance(node, dict) else {}
+
+    model, data = section(config, "model", "init_args"), section(config, "data", "init_args")
     task = model.get("task") or data.get("task")
     if isinstance(task, str):
         task = {"class_path": task, "init_args": {}}
@@ -159,7 +164,8 @@ def _from_run_config(file: Path) -> tuple[dict[str, Any] | None, str | None]:
         task = {"class_path": task["class_path"], "init_args": dict(task.get("init_args") or {})}
     else:
         task = None
-    return task, model.get("dtype")
+    dtype = model.get("dtype")
+    return task, dtype if isinstance(dtype, str) else None
 
 
 def load_model(spec: str, dtype: str | torch.dtype | None = None, trust_remote_code: bool = False) -> LoadedModel:

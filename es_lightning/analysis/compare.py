@@ -167,7 +167,7 @@ def compare_methods(
 ) -> CompareReport:
     """Fit every method for every seed and evaluate everything the same way (see the module docstring).
     ``method_overrides``: further fit arguments for one method's fits, after ``overrides``."""
-    from es_lightning.analysis.evaluate import evaluate_policy, heldout_problems
+    from es_lightning.analysis.evaluate import evaluate_policy, heldout_problems, tasks_as_trained
     from es_lightning.policy import load_policy
 
     unknown = [m for m in methods if m not in METHODS]
@@ -224,7 +224,7 @@ def compare_methods(
             if budget == "time" and pace is None:
                 pace = train_s
             if problems is None:  # the same problems and samples for every row
-                task = fit_task
+                task = tasks_as_trained([fit_task], settings.chat_template, [])[0]  # the recipe's; --eval.chat_template
                 problems = heldout_problems(task, settings.num_problems, settings.seed, settings.source,
                                             settings.column_mapping)
                 base_model = module.model_name

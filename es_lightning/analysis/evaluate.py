@@ -64,7 +64,11 @@ def heldout_problems(task: Task, num_problems: int, seed: int = 0, source: str =
     dsets = dm.load_source()
     name = dm.test_split if dm.test_split in dsets else next(iter(dsets)) if len(dsets) == 1 else None
     if name is None:  # several splits, no test split: held-out rows carved off the train split, as a fit would
-        dm.setup("test")
+        try:
+            dm.setup("test")
+        except ValueError as err:  # its hints name the data module's options, not eval's
+            raise ValueError(str(err).replace("data.column_mapping", "eval.column_mapping")
+                             .replace("data.source", "eval.source").replace("data.test_size", "eval.num_problems")) from None
         return dm.splits["test"]
     ds = dsets[name]
     if column_mapping:
@@ -166,10 +170,10 @@ def evaluate_models(
     settings: EvalSettings = PAPER_EVAL,
     dtype: str | None = None,
     progress: bool = True,
-    sources: dict[str, str] | None = None,
+    task_sources: dict[str, str] | None = None,
 ) -> EvalReport:
     """Evaluate every model on every task, on the same problems with the same seeds; models are loaded one at a time.
-    ``sources`` overrides ``settings.source`` for the tasks it names (``{task name: source}``)."""
+    ``task_sources`` overrides ``settings.source`` for the tasks it names (``{task name: source}``)."""
     if not models:
         raise ValueError("name at least one model to evaluate (a .ckpt, an HF directory, a hub id or builtin:<name>)")
     if labels is not None and len(labels) != len(models):
@@ -190,7 +194,7 @@ def evaluate_models(
             dtype = recorded[0][1]
             if len(recorded) < len(trained) or any(d != dtype for _, d in recorded):
                 print(f"every model in {dtype}, as {recorded[0][0]} was trained (--dtype to choose)")
-    problems = {t.name: heldout_problems(t, settings.num_problems, settings.seed, (sources or {}).get(t.name, settings.source),
+    problems = {t.name: heldout_problems(t, settings.num_problems, settings.seed, (task_sources or {}).get(t.name, settings.source),
                                          settings.column_mapping) for t in task_objs}
     names = list(labels) if labels is not None else [_label(m) for m in models]
     names = _unique(names)

@@ -83,9 +83,9 @@ def forgetting(
         raise ValueError("the held-out suite is empty; name tasks other than the training task, e.g. --tasks addition sort")
     all_tasks = ([trained] if trained else []) + suite
     # --eval.source gives the training task's problems (a file, the hub); the suite's probes stay procedural
-    sources = {name: "procedural" for name in suite} if trained and settings.source != "procedural" else None
+    procedural = {name: "procedural" for name in suite} if trained and settings.source != "procedural" else None
     report = evaluate_models([base, tuned], tasks=all_tasks, labels=["base", "tuned"], settings=settings, dtype=dtype,
-                             progress=progress, sources=sources)
+                             progress=progress, task_sources=procedural)
     return ForgettingReport(evaluation=report, training_task=trained)
 
 

@@ -78,7 +78,7 @@ def population_sweep(
     save_models: bool = False,
 ) -> SweepReport:
     """Fit the ES recipe once per population size and evaluate every result the same way (see the module docstring)."""
-    from es_lightning.analysis.evaluate import evaluate_policy, heldout_problems
+    from es_lightning.analysis.evaluate import evaluate_policy, heldout_problems, tasks_as_trained
     from es_lightning.analysis.runs import recipe_cli
 
     if not Path(recipe).is_file():
@@ -111,7 +111,7 @@ def population_sweep(
         recorder = _RewardRecorder()
         trainer.callbacks.append(recorder)
         cli.datamodule.setup("fit")
-        task = cli.datamodule.task
+        task = tasks_as_trained([cli.datamodule.task], settings.chat_template, [])[0]  # --eval.chat_template if set
 
         if problems is None:  # the base model, once: same problems and seeds for every row
             problems = heldout_problems(task, settings.num_problems, settings.seed, settings.source,

@@ -128,7 +128,8 @@ def _full_state_dict(pl_module: L.LightningModule, model) -> dict | None:
         prefix = next(name for name, module in pl_module.named_children() if module is model) + "."
         full = get_model_state_dict(root, options=options)
         full = {k.removeprefix(prefix): v for k, v in full.items() if k.startswith(prefix)}
-    return {k: v for k, v in full.items() if k not in _tied_copies(model)}
+    copies = _tied_copies(model)
+    return {k: v for k, v in full.items() if k not in copies}
 
 
 def _tied_copies(model) -> set[str]:

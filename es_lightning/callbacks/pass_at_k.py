@@ -185,7 +185,8 @@ class PassAtKCallback(L.Callback):
                 pl_module.evaluate_batch(batch[:1], self.num_samples, self._params(pl_module), self.seed)
 
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
-        if trainer.sanity_checking or self.pass_at_k.num_problems == 0:
+        # several ranks: every rank computes (a collective), also one whose whole share was repeats (_unpadded)
+        if trainer.sanity_checking or (self.pass_at_k.num_problems == 0 and trainer.world_size == 1):
             return
         self._log(pl_module, self._compute())
 

@@ -253,7 +253,9 @@ class ReasoningModule(L.LightningModule):
             try:
                 check_device_dtype(self.device, dtype)
             except ValueError as err:
-                if precision in ("16-true", "bf16-true", "16-mixed", "bf16-mixed") and dtype != configured:
+                computes = {"16-true": torch.float16, "bf16-true": torch.bfloat16, "16-mixed": torch.float16,
+                            "bf16-mixed": torch.bfloat16}.get(precision)
+                if dtype == computes and dtype != configured:
                     from es_lightning.cli_errors import SettingError  # the trainer's setting, not the module's dtype
 
                     other = ("bf16-true or 32-true" if dtype == torch.float16 else

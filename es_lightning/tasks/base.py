@@ -197,7 +197,7 @@ def task_record(task: Task) -> dict[str, Any]:
     """``{"class_path", "init_args"}`` rebuilding ``task`` as configured (``get_task(class_path, **init_args)``): the
     constructor's arguments that the task keeps as attributes of the same name with plain values (``prompt_format``,
     ``use_chat_template``, the rewards, ...). A checkpoint records it so that an evaluation prompts the model as it was
-    trained (:func:`es_lightning.analysis.checkpoints.trained_task`)."""
+    trained (:func:`es_lightning.analysis.checkpoints.trained_with`)."""
     cls = type(task)
     args: dict[str, Any] = {}
     for klass in cls.__mro__:
