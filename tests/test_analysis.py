@@ -290,6 +290,12 @@ def test_tasks_as_trained_settings_given_recorded_and_chosen():
         tasks_as_trained([{"name": "countdown"}], None, [])
 
 
+def test_one_task_twice_is_refused():
+    with pytest.raises(ValueError, match=r"--tasks names \['countdown'\] more than once"):
+        evaluate_models([BUILTIN], tasks=["countdown", {"class_path": "countdown", "init_args": {"prompt_format": "r1"}}],
+                        settings=EvalSettings(num_problems=1, num_samples=1), progress=False)
+
+
 def test_trained_with_reads_a_runs_config_and_ignores_other_yaml(tmp_path):
     from es_lightning.analysis.checkpoints import trained_with
 

@@ -188,6 +188,11 @@ def evaluate_models(
     trained = [(m.spec if isinstance(m, LoadedModel) else m, trained_with(m.spec if isinstance(m, LoadedModel) else m))
                for m in models]
     task_objs = tasks_as_trained(tasks, settings.chat_template, trained)
+    named = [t.name for t in task_objs]
+    if len(set(named)) < len(named):  # rows and problems are keyed by the task's name
+        twice = sorted({n for n in named if named.count(n) > 1})
+        raise ValueError(f"--tasks names {twice} more than once (two settings of one task): evaluate each setting in a "
+                         "command of its own")
     if dtype is None:  # one dtype for every row: a base model is not compared in float32 with a bf16 checkpoint
         recorded = [(spec, t.dtype) for spec, t in trained if t.dtype]
         if recorded:
