@@ -420,18 +420,19 @@ def locate(key: str, argv: Sequence[str], cls: str | None = None) -> str | None:
             return option
     parents = wanted.split(".")[:-1]
     pattern = re.compile(rf"^\s*(-\s+)?{re.escape(leaf)}\s*:")
-    loose = None
-    for file in reversed(config_files(argv)):
-        try:
-            lines = Path(file).read_text().splitlines()
-        except OSError:
-            continue
+    files = config_files(argv)
+    return (_last_line(files, lambda lines, i: bool(pattern.match(lines[i])) and _encloses(lines, i, parents, cls))
+            or _last_line(files, lambda lines, i: bool(pattern.match(lines[i]))))
+
+
+def _last_line(files: Sequence[str], matches) -> str | None:
+    """``file:line`` of the last line, in the last of ``files`` that has one, for which ``matches(lines, index)``."""
+    for file in reversed(files):
+        lines = _read(file).splitlines()
         for index in range(len(lines) - 1, -1, -1):
-            if pattern.match(lines[index]):
-                if _encloses(lines, index, parents, cls):
-                    return f"{file}:{index + 1}"
-                loose = loose or f"{file}:{index + 1}"
-    return loose
+            if matches(lines, index):
+                return f"{file}:{index + 1}"
+    return None
 
 
 def _import(class_path: str):
@@ -566,12 +567,7 @@ def _line_setting(key: str, value: str, files: Sequence[str]) -> str | None:
     if not value:
         return None
     pattern = re.compile(rf"^\s*(-\s+)?{re.escape(key)}\s*:\s*['\"]?{re.escape(value)}['\"]?\s*(#.*)?$")
-    for file in reversed(files):
-        lines = _read(file).splitlines()
-        for number in range(len(lines), 0, -1):
-            if pattern.match(lines[number - 1]):
-                return f"{file}:{number}"
-    return None
+    return _last_line(files, lambda lines, i: bool(pattern.match(lines[i])))
 
 
 def _read(file: str) -> str:

@@ -101,9 +101,9 @@ class CommandMixin:
         super().before_instantiate_classes()
         config = self.config[self.subcommand]
         cli_errors.remember(config=config)
-        if self.subcommand in ("fit", "validate", "test"):
+        if self.subcommand in ("fit", "validate", "test") and config.get("ckpt_path") == "last":
             run_dirs.resolve_last(config, self.subcommand)
-            run_dirs.check_ckpt_path(config, fitting=self.subcommand == "fit")  # "last" found: a sharded one too
+            run_dirs.check_ckpt_path(config, fitting=self.subcommand == "fit")  # the run it found: a sharded one too
         run_dirs.check_writable(config)
 
     def instantiate_classes(self) -> None:

@@ -201,8 +201,8 @@ class ReasoningDataModule(L.LightningDataModule):
                     raise ValueError(f"source 'procedural' needs a number for {split}_size")
                 self.splits[split] = procedural_split(self.task, split, size, self.seed * 1000 + offset)
             # val and test come from the same held-out pool: keep them disjoint
-            val_prompts = {self.task.pool_key(e) for e in self.splits["val"]}
-            self.splits["test"] = [e for e in self.splits["test"] if self.task.pool_key(e) not in val_prompts]
+            val_keys = {self.task.pool_key(e) for e in self.splits["val"]}
+            self.splits["test"] = [e for e in self.splits["test"] if self.task.pool_key(e) not in val_keys]
             return
         self.splits = self._load_datasets()
 

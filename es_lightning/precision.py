@@ -78,6 +78,12 @@ def _as_dtype(value: str | torch.dtype, what: str) -> torch.dtype:
     return _NAMES[value]
 
 
+#: the dtype Lightning's ``*-true`` precisions convert the weights to (before the optimizers exist)
+WEIGHT_DTYPE_OF_PRECISION = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
+#: the dtype a precision computes in: the weights' for ``*-true``, autocast's for ``*-mixed``
+COMPUTE_DTYPE_OF_PRECISION = {**WEIGHT_DTYPE_OF_PRECISION, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+
+
 def lower_precision(dtype: torch.dtype, than: torch.dtype) -> bool:
     """Whether floating ``dtype`` holds fewer significant bits than ``than`` (bf16 and fp16 are lower than fp32)."""
     return dtype.is_floating_point and than.is_floating_point and torch.finfo(dtype).eps > torch.finfo(than).eps

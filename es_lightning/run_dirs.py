@@ -21,7 +21,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from es_lightning.callbacks.checkpoint import OLD_SUFFIX, recover
@@ -155,11 +154,11 @@ def _check_sharded_precision(config: Any, target: Path, path: str) -> None:
     if not any(k.startswith("optimizer_") for k in keys):
         return
     from es_lightning.policy import resolve_dtype
-    from es_lightning.precision import resolve_master_dtype
+    from es_lightning.precision import WEIGHT_DTYPE_OF_PRECISION, resolve_master_dtype
 
     precision = str(_get(_get(config, "trainer"), "precision") or "32-true")
     model = _get(_get(config, "model"), "init_args")
-    weights = {"bf16-true": torch.bfloat16, "16-true": torch.float16}.get(precision)
+    weights = WEIGHT_DTYPE_OF_PRECISION.get(precision)
     try:
         weights = weights or resolve_dtype(_get(model, "dtype", "float32") or "float32")
         wants_masters = weights is not None and resolve_master_dtype(weights, _get(model, "master_dtype", "float32")) is not None

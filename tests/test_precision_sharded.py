@@ -30,7 +30,7 @@ SCRIPT = textwrap.dedent(
     from test_precision_sharded import worker
 
     if __name__ == "__main__":
-        mp.spawn(worker, args=({init!r}, {out!r}, {model!r}), nprocs=2)
+        mp.spawn(worker, args=({init!r}, {out!r}, {model!r}, {qwen!r}), nprocs=2)
     """
 )
 
@@ -216,15 +216,18 @@ def _fsdp1_checks(model_dir) -> dict:
     return res
 
 
-def _masters_from_weights_checks(model_dir, mesh) -> dict:
+def _masters_from_weights_checks(model_dir, mesh, prefix="", jitter=False) -> dict:
     """A 32-true checkpoint resumed under FSDP2 bf16-true: the sharded masters (ES and MasterAdamW) take the
-    checkpoint's fp32 weights, not the rounded parameters (they kept the untrained masters of a fresh ES run)."""
+    checkpoint's fp32 weights, not the rounded parameters (they kept the untrained masters of a fresh ES run).
+    ``jitter``: a bf16 model directory (the Qwen-like fixture) has no bits below bf16, so the fp32 weights are its
+    weights times (1 + 2⁻¹²), which round back to them."""
     from es_lightning.es.sharding import clean_name
     from es_lightning.es.update import ESOptimizer
     from es_lightning.policy import load_policy
     from es_lightning.precision import MasterAdamW, masters_from_weights
 
-    fp32 = {clean_name(n): p.detach() for n, p in load_policy(model_dir, dtype="float32").model.named_parameters()}
+    fp32 = {clean_name(n): p.detach() * (1 + 2**-12 if jitter else 1)
+            for n, p in load_policy(model_dir, dtype="float32").model.named_parameters()}
     res = {}
     for kind in ("es", "adamw"):
         model = _fsdp2_model(model_dir, mesh)
@@ -234,7 +237,7 @@ def _masters_from_weights_checks(model_dir, mesh) -> dict:
         centre = opt.centre if kind == "es" else opt.master  # made from the rounded bf16 parameters
         rounded_before = not all([torch.equal(_full(centre(p)), fp32[n]) for n, p in named])  # every master made
         taken = masters_from_weights([opt], named, fp32)
-        res[f"{kind}_masters_from_fp32"] = (rounded_before and taken == len(named)
+        res[f"{prefix}{kind}_masters_from_fp32"] = (rounded_before and taken == len(named)
                                             and all(torch.equal(_full(centre(p)), fp32[n]) for n, p in named))
     # the other way: a file checkpoint's whole fp32 masters (bf16-true) loaded into an FSDP2 32-true run's optimizer,
     # which keeps none: its sharded fp32 weights take the masters' bits (they kept the rounded bf16 weights)
@@ -246,11 +249,11 @@ def _masters_from_weights_checks(model_dir, mesh) -> dict:
     ids = [i for g in state["param_groups"] for i in g["params"]]
     state["state"] = {i: {"master": masters[n]} for i, (n, _) in zip(ids, named)}
     opt.load_state_dict(state)
-    res["fp32_weights_take_whole_masters"] = all(torch.equal(_full(p), masters[n]) for n, p in named)
+    res[f"{prefix}fp32_weights_take_whole_masters"] = all(torch.equal(_full(p), masters[n]) for n, p in named)
     return res
 
 
-def worker(rank: int, init: str, out: str, model_dir: str) -> None:
+def worker(rank: int, init: str, out: str, model_dir: str, qwen_dir: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -258,7 +261,7 @@ def worker(rank: int, init: str, out: str, model_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
     mesh = init_device_mesh("cpu", (2,))
     res = {**_adamw_checks(model_dir, mesh, out), **_es_checks(model_dir, mesh, out), **_fsdp1_checks(model_dir),
-           **_masters_from_weights_checks(model_dir, mesh)}
+           **_masters_from_weights_checks(model_dir, mesh), **_masters_from_weights_checks(qwen_dir, mesh, "qwen_", True)}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(res, f)
     dist.barrier()
@@ -266,11 +269,12 @@ def worker(rank: int, init: str, out: str, model_dir: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def sharded_run(tiny_model_dir, tmp_path_factory):
+def sharded_run(tiny_model_dir, qwen_like_small_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("precision-sharded")
     script = out / "run.py"
     tests = os.path.dirname(os.path.abspath(__file__))
-    script.write_text(SCRIPT.format(tests=tests, init=str(out / "pg"), out=str(out), model=tiny_model_dir))
+    script.write_text(SCRIPT.format(tests=tests, init=str(out / "pg"), out=str(out), model=tiny_model_dir,
+                                    qwen=qwen_like_small_dir))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run([sys.executable, str(script)], cwd=out, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -306,3 +310,6 @@ def test_fsdp2_masters_take_a_32_true_checkpoints_weights(sharded_run):
     for res in sharded_run:
         assert res["es_masters_from_fp32"] and res["adamw_masters_from_fp32"]
         assert res["fp32_weights_take_whole_masters"]
+        # the Qwen-like fixture (bf16 on disk, tied embeddings, 1,024-row vocabulary) the same way
+        assert res["qwen_es_masters_from_fp32"] and res["qwen_adamw_masters_from_fp32"]
+        assert res["qwen_fp32_weights_take_whole_masters"]

@@ -36,6 +36,8 @@ from es_lightning.metrics.training import StepMetrics, shared_metrics
 from es_lightning.modules.stage import STAGE_KEY, peek_stage_on_load
 from es_lightning.policy import Policy, load_policy, resolve_dtype
 from es_lightning.precision import (
+    COMPUTE_DTYPE_OF_PRECISION,
+    WEIGHT_DTYPE_OF_PRECISION,
     check_device_dtype,
     check_master_dtype,
     lower_precision,
@@ -247,14 +249,12 @@ class ReasoningModule(L.LightningModule):
             return
         dtypes = {p.dtype for p in self.model.parameters() if p.is_floating_point()}
         precision = str(getattr(self._trainer, "precision", "")) if self._trainer is not None else ""
-        autocast = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
+        computes = COMPUTE_DTYPE_OF_PRECISION.get(precision)  # under *-mixed the autocast dtype, beside the weights'
         configured = resolve_dtype(self.dtype_name)
-        for dtype in sorted(dtypes | ({autocast} if autocast else set()), key=str):
+        for dtype in sorted(dtypes | ({computes} if computes else set()), key=str):
             try:
                 check_device_dtype(self.device, dtype)
             except ValueError as err:
-                computes = {"16-true": torch.float16, "bf16-true": torch.bfloat16, "16-mixed": torch.float16,
-                            "bf16-mixed": torch.bfloat16}.get(precision)
                 if dtype == computes and dtype != configured:
                     from es_lightning.cli_errors import SettingError  # the trainer's setting, not the module's dtype
 
@@ -472,7 +472,7 @@ class ReasoningModule(L.LightningModule):
         weights, self._checkpoint_weights = getattr(self, "_checkpoint_weights", None), None
         if isinstance(weights, str):  # a sharding strategy loaded the file's weights itself: read them again, lazily
             state = torch.load(weights, map_location="cpu", weights_only=False, mmap=True).get("state_dict", {})
-            weights = self._more_precise_weights(state, str(self.trainer.precision) in ("bf16-true", "16-true"))
+            weights = self._more_precise_weights(state, str(self.trainer.precision) in WEIGHT_DTYPE_OF_PRECISION)
         if weights:
             masters_from_weights(self.trainer.optimizers, self.named_parameters(), weights)
 
@@ -508,7 +508,7 @@ class ReasoningModule(L.LightningModule):
         # weights more precise than the parameters will be (a 32-true checkpoint resumed under bf16-true, converted
         # after this hook): kept until the optimizers exist, so their masters start from these bits (on_train_start)
         fitting = self._trainer is not None and self._trainer.state.fn == "fit"
-        lower = fitting and str(self._trainer.precision) in ("bf16-true", "16-true")
+        lower = fitting and str(self._trainer.precision) in WEIGHT_DTYPE_OF_PRECISION
         self._checkpoint_weights = {} if not fitting else self._more_precise_weights(checkpoint.get("state_dict", {}), lower)
         path = self._trainer.ckpt_path if fitting else None
         if fitting and "state_dict" not in checkpoint and path is not None and os.path.isfile(path):

@@ -104,18 +104,17 @@ class CountdownTask(Task):
 
     # ----------------------------------------------------------------- prompt and stop
     def prompt(self, example: dict[str, Any]) -> str:
-        nums = [int(x) for x in example["nums"]]
-        target = example["target"]
         if self.prompt_format == "compact":
-            return f"c:{' '.join(map(str, nums))}>{target}="
-        instruction = _R1_INSTRUCTION.format(nums=nums, target=target)
+            return _compact_prompt(example)
+        nums = [int(x) for x in example["nums"]]
+        instruction = _R1_INSTRUCTION.format(nums=nums, target=example["target"])
         # with a chat template the module wraps the user turn itself; the completion then opens with <think>
         return instruction if self.use_chat_template else _R1_BASE_TEMPLATE.format(instruction=instruction)
 
     def pool_key(self, example: dict[str, Any]) -> str:
-        """The compact prompt, whatever the format and template: the built-in model's pretraining and every format
-        share one train / held-out split of the problems."""
-        return f"c:{' '.join(str(int(x)) for x in example['nums'])}>{example['target']}="
+        """The compact prompt (``c:3 5 7>22=``), whatever the format and template: the built-in model's pretraining
+        and every format share one train / held-out split of the problems."""
+        return _compact_prompt(example)
 
     @property
     def stop_strings(self) -> list[str]:
@@ -252,3 +251,8 @@ def _r1_answer(completion: str) -> str | None:
     if not content or len(content) > MAX_EXPRESSION_CHARS or "</answer>" in content:
         return None
     return content
+
+
+def _compact_prompt(example: dict[str, Any]) -> str:
+    """``c:3 5 7>22=``: the built-in model's prompt, and every format's problem identity (:meth:`CountdownTask.pool_key`)."""
+    return f"c:{' '.join(str(int(x)) for x in example['nums'])}>{example['target']}="
