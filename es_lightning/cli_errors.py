@@ -48,6 +48,8 @@ from typing import Any
 import jsonargparse
 from lightning.pytorch.cli import LightningArgumentParser
 
+from es_lightning.signatures import accepted_options
+
 DEBUG_ENV = "ES_LIGHTNING_DEBUG"
 DEBUG_FLAG = "--debug"
 _PACKAGE_DIR = Path(__file__).resolve().parent
@@ -441,25 +443,6 @@ def _import(class_path: str):
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError, ValueError):
         return None
-
-
-def accepted_options(cls) -> list[str]:
-    """The keyword arguments a class accepts (its ``__init__`` and those its ``**kwargs`` pass on to parents)."""
-    names: list[str] = []
-    for klass in getattr(cls, "__mro__", [cls]):
-        init = klass.__dict__.get("__init__")
-        if init is None:
-            continue
-        try:
-            params = list(inspect.signature(init).parameters.values())
-        except (TypeError, ValueError):
-            break
-        names += [p.name for p in params if p.name != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-        if not any(p.kind == p.VAR_KEYWORD for p in params):
-            break
-    with contextlib.suppress(TypeError, ValueError):
-        names += [p for p in inspect.signature(cls).parameters if p not in names]
-    return list(dict.fromkeys(n for n in names if not n.startswith("_")))
 
 
 def _did_you_mean(word: str, candidates: Sequence[str]) -> str:

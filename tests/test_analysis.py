@@ -38,7 +38,7 @@ from es_lightning.analysis.settings import SWEEP_EVAL, EvalSettings, default_ks
 from es_lightning.cli import cli_main, join_list_values
 from es_lightning.generation import SamplingParams
 from es_lightning.policy import load_policy
-from es_lightning.tasks import get_task
+from es_lightning.tasks import CountdownTask, get_task
 
 ROOT = Path(__file__).resolve().parents[1]
 BUILTIN = "builtin:countdown-tiny"
@@ -237,7 +237,6 @@ def test_eval_prompts_and_loads_every_model_as_the_checkpoint_was_trained(qwen_l
     beside its base model prompts both as in training and loads both in bf16 — it used the default compact prompt
     without the template, and the base in float32. --eval.chat_template false overrides the template."""
     from es_lightning.analysis.checkpoints import trained_with
-    from es_lightning.tasks import CountdownTask
     from es_lightning.tasks.base import task_record
 
     task = CountdownTask(prompt_format="r1", use_chat_template=True)
@@ -271,7 +270,6 @@ def test_eval_prompts_and_loads_every_model_as_the_checkpoint_was_trained(qwen_l
 def test_tasks_as_trained_settings_given_recorded_and_chosen():
     from es_lightning.analysis.checkpoints import TrainedWith
     from es_lightning.analysis.evaluate import tasks_as_trained
-    from es_lightning.tasks import CountdownTask
     from es_lightning.tasks.base import task_record
 
     r1 = TrainedWith(task=task_record(CountdownTask(prompt_format="r1", use_chat_template=True)))
@@ -627,3 +625,23 @@ def test_builtin_evaluate_script_runs_on_the_shared_evaluation(tmp_path):
     assert results["addition"] == {"pass@1": sampled["pass@1"], "pass@2": sampled["pass@2"], "format": sampled["format"],
                                    "greedy": greedy["pass@1"]}
     assert json.loads(out.read_text()) == results
+
+
+class _FixedRewardTask(CountdownTask):
+    """A user's task that fixes its parents' settings (no ``**kwargs``): only its own arguments may be recorded."""
+
+    def __init__(self, num_numbers: int = 3) -> None:
+        super().__init__(num_numbers=num_numbers, format_reward=0.0, prompt_format="r1")
+
+
+def test_task_record_rebuilds_a_task_whose_constructor_fixes_its_parents():
+    """The record is what the class accepts: a task without ``**kwargs`` recorded its parents' arguments too
+    (``format_reward``, ``prompt_format``), and rebuilding it from the checkpoint failed with a TypeError."""
+    from es_lightning.tasks.base import task_record
+
+    record = task_record(_FixedRewardTask(num_numbers=4))
+    assert record["init_args"] == {"num_numbers": 4}
+    rebuilt = get_task(record["class_path"], **record["init_args"])
+    assert (type(rebuilt), rebuilt.num_numbers, rebuilt.format_reward) == (_FixedRewardTask, 4, 0.0)
+    full = task_record(CountdownTask(prompt_format="r1"))
+    assert {"prompt_format", "num_numbers", "format_reward", "use_chat_template", "max_completion_chars"} <= set(full["init_args"])

@@ -12,10 +12,11 @@ the size of what they read (``max_completion_chars``).
 
 from __future__ import annotations
 
-import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Sequence
 from typing import Any, ClassVar
+
+from es_lightning.signatures import accepted_options
 
 #: the checkpoint key of the training task's record (:func:`task_record`)
 TASK_KEY = "es_lightning_task"
@@ -199,13 +200,6 @@ def task_record(task: Task) -> dict[str, Any]:
     ``use_chat_template``, the rewards, ...). A checkpoint records it so that an evaluation prompts the model as it was
     trained (:func:`es_lightning.analysis.checkpoints.trained_with`)."""
     cls = type(task)
-    args: dict[str, Any] = {}
-    for klass in cls.__mro__:
-        init = klass.__dict__.get("__init__")
-        if init is None or klass is object:
-            continue
-        for name in inspect.signature(init).parameters:
-            value = getattr(task, name, None)
-            if name != "self" and name not in args and isinstance(value, (bool, int, float, str)):
-                args[name] = value
+    values = {name: getattr(task, name, None) for name in accepted_options(cls)}
+    args = {name: value for name, value in values.items() if isinstance(value, (bool, int, float, str))}
     return {"class_path": f"{cls.__module__}.{cls.__qualname__}", "init_args": args}
