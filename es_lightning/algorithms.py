@@ -130,6 +130,13 @@ class Algorithm(ABC):
         members per call on vLLM). Called when the module is built and before a stage switch."""
         return None
 
+    def check_stage(self, module: LightningModule) -> None:
+        """Refuse (``ValueError`` naming the fix) what this algorithm would refuse once it runs on ``module``'s loaded
+        policy (ES: a noise rank beyond a matrix, parameters LoRA members cannot perturb on vLLM). Called at fit
+        start for a :class:`~es_lightning.SequentialStrategy`'s second stage, so that nothing is refused at the switch,
+        after the first stage has trained."""
+        return None
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.settings!r})"
 

@@ -46,6 +46,8 @@ the modules adapt. This file holds the two things a sharded policy needs beyond 
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -105,6 +107,7 @@ def default_fsdp1_wrapping(strategy: Any, model: nn.Module) -> None:
 
 
 _EXIT_HANDLER = []
+_CLOSE_FIRST: list[weakref.WeakMethod] = []  # close_before_group_exit
 
 
 def multiprocess_group_alive() -> bool:
@@ -112,6 +115,13 @@ def multiprocess_group_alive() -> bool:
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def close_before_group_exit(close: Callable[[], None]) -> None:
+    """Have the ``atexit`` handler of :func:`destroy_process_group_at_exit` call ``close`` (a bound method, held weakly)
+    before it destroys the default group: a vLLM engine shuts its own groups down, which fails once the default group
+    is gone (each rank of a DDP fit on vLLM printed two tracebacks at exit)."""
+    _CLOSE_FIRST.append(weakref.WeakMethod(close))
 
 
 def destroy_process_group_at_exit() -> None:
@@ -125,6 +135,10 @@ def destroy_process_group_at_exit() -> None:
         return
 
     def destroy() -> None:
+        for ref in _CLOSE_FIRST:  # what holds subgroups of the default group (a vLLM engine) goes first
+            close = ref()
+            if close is not None:
+                close()
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -174,6 +174,15 @@ def test_an_es_stage_whose_prompt_groups_cannot_split_the_batch_is_refused_up_fr
     assert trainer.global_step == 0  # refused before the GRPO stage ran
 
 
+def test_an_es_stage_the_loaded_model_cannot_run_is_refused_before_the_first_stage_trains(tmp_path, tiny_model_dir):
+    """A noise rank beyond the model's matrices is known once the model is loaded: it was refused at the switch, after
+    the GRPO stage had trained (on vLLM: LoRA members over parameters LoRA cannot perturb, tests/vllm_backend)."""
+    trainer = _trainer(tmp_path, 4, [SequentialStrategy(switch_step=2, es={**ES, "noise_rank": 100_000})])
+    with pytest.raises(ValueError, match=r"noise_rank=100000"):
+        trainer.fit(_grpo(tiny_model_dir), _dm())
+    assert trainer.global_step == 0  # refused before the GRPO stage ran
+
+
 def test_a_module_already_in_the_second_stage_is_refused(tmp_path, tiny_model_dir):
     module = ESModule(model=tiny_model_dir, max_new_tokens=4, **ES)
     with pytest.raises(TypeError, match="already runs ES"):

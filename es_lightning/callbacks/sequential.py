@@ -116,6 +116,10 @@ class SequentialStrategy(L.Callback):
                 f"(e.g. switch_step: {upper})"
             )
 
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if pl_module.algorithm.name != self.target:  # what needs the loaded policy (e.g. LoRA coverage on vLLM): now
+            get_algorithm(self.target)(copy.deepcopy(self.stage_settings)).check_stage(pl_module)
+
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         algorithm = pl_module.algorithm
         if algorithm.name == self.target and trainer.global_step > self.switch_step:

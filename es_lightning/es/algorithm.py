@@ -107,6 +107,10 @@ class ESAlgorithm(Algorithm):
         if backend == "vllm":  # several full-rank members per engine call cannot be run (es_lightning/es/vllm_evaluators.py)
             check_vllm_settings(self.settings)
 
+    def check_stage(self, module: ReasoningModule) -> None:
+        self.configure_model(module)
+        select_evaluator(module, self.settings).check_ahead(module)
+
     def on_fit_start(self, module: ReasoningModule) -> None:
         for p in module.policy.model.parameters():
             p.grad = None  # ES allocates no gradients (none survive a switch from GRPO either)

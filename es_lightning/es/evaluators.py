@@ -112,6 +112,11 @@ class PopulationEvaluator(ABC):
         """Refuse (or warn about) a setting this evaluator cannot run, naming the fix. Called at fit start."""
         return None
 
+    def check_ahead(self, module: ReasoningModule) -> None:
+        """What :meth:`check` refuses, without preparing anything: called at fit start for a later stage (a
+        :class:`~es_lightning.SequentialStrategy` switch), on the first stage's module."""
+        self.check(module)
+
     @abstractmethod
     def evaluate(
         self, module: ReasoningModule, examples: list[dict[str, Any]], step: int, members: Sequence[Member]
@@ -227,9 +232,9 @@ class MemberTally:
     one rank, the others add zeros) or by prompt (FSDP: every rank adds its prompts' share). float64 throughout.
     """
 
-    def __init__(self, population: int, prompts: int, samples: int, sampled: bool) -> None:
+    def __init__(self, population: int, prompts: int, samples: int, entropy: bool) -> None:
         z = torch.zeros
-        self.samples, self.sampled = samples, sampled
+        self.samples, self.entropy = samples, entropy  # entropy: measure the members' token entropy (sampled rows)
         self.sums = z(population, 6, dtype=torch.float64)  # reward, completions, length, truncated, entropy, tokens
         self.success = z(population, prompts, dtype=torch.float64)  # [N, B] accepted samples per prompt
         self.generate_s = self.score_s = 0.0
@@ -240,7 +245,7 @@ class MemberTally:
         mask = rollout.completion_mask[rows].to(torch.float64)  # [R, C]
         lengths = mask.sum(-1)  # [R]
         entropy = 0.0
-        if self.sampled and rollout.entropy is not None:
+        if self.entropy and rollout.entropy is not None:
             entropy = float((rollout.entropy[rows].to(torch.float64) * mask).sum())
         self.sums[member] += torch.tensor([
             float(scores.rewards.to(torch.float64).sum()), len(scores), float(lengths.sum()),
@@ -261,7 +266,7 @@ class MemberTally:
             success=(success / self.samples).float(),
             mean_length=(length / completions).float(),
             clipped_ratio=(truncated / completions).float(),
-            entropy=(entropy / tokens.clamp(min=1.0)).float() if self.sampled else None,
+            entropy=(entropy / tokens.clamp(min=1.0)).float() if self.entropy else None,
             generate_s=self.generate_s,
             score_s=self.score_s,
             noise_cache=noise_cache or {},
@@ -273,14 +278,18 @@ class PopulationStep:
     ``local`` share, default all) and the tally — and the generate → grade → tally of one block of members."""
 
     def __init__(self, module: ReasoningModule, settings: ESSettings, examples: list[dict[str, Any]], step: int,
-                 local: list[dict[str, Any]] | None = None) -> None:
+                 local: list[dict[str, Any]] | None = None, entropy: bool = True) -> None:
+        """``entropy=False``: the members' token entropy is not measured (``PopulationScores.entropy`` is None) — for
+        evaluators whose members live only in a vLLM engine (perturbed inside it, or LoRA adapters), where the
+        policy's forward, which measures it, holds the centre weights."""
         local = examples if local is None else local
         self.module, self.step, self.samples = module, step, settings.samples_per_member
         self.params = module.sampling_params()
         self.seed = rollout_seed(module.seed, step)
         self.prompts = module.prompts(local)  # rendered once per step
         self.repeated = [e for e in local for _ in range(self.samples)]  # one example per completion
-        self.tally = MemberTally(settings.population_size, len(examples), self.samples, self.params.temperature > 0)
+        self.tally = MemberTally(settings.population_size, len(examples), self.samples,
+                                 entropy and self.params.temperature > 0)
         # prompt groups: the batch's slice each member is scored on, by member index (one group: all of it)
         slices = group_columns(len(local), settings.prompt_groups)
         groups = member_groups(settings.population_size, settings.prompt_groups)
@@ -301,7 +310,7 @@ class PopulationStep:
             repeated = [e for c in spans for e in self.repeated[c.start * n:c.stop * n]]
         blocks = {"common_random_blocks": k} if k > 1 else {}  # a population-batched call (HF generator)
         rollout = self.module.generator.generate(prompts, self.samples, self.params, seed=self.seed,
-                                                 return_logprobs=self.tally.sampled, **blocks)
+                                                 return_logprobs=self.tally.entropy, **blocks)
         t1 = time.perf_counter()
         scores = self.module.score(rollout.texts, repeated, step=self.step)  # each completion graded once
         self.tally.generate_s += t1 - t0

@@ -96,7 +96,7 @@ class VLLMEngineEvaluator(PopulationEvaluator):
         gen = module.generator
         mine = _mine(module, members)
         self._set_centre(module)
-        run = PopulationStep(module, s, examples, step)
+        run = PopulationStep(module, s, examples, step, entropy=False)  # the member is in the engine, not the policy
         report_progress(module, 0, len(mine))
         try:
             for done, member in enumerate(mine, 1):
@@ -187,10 +187,13 @@ class VLLMLowRankEvaluator(PopulationEvaluator):
     def check(self, module):
         """Refuse matrices LoRA cannot perturb (see :mod:`es_lightning.es.vllm_lora`) and make the engine LoRA-able:
         ``max_loras`` = members per call, ``max_lora_rank`` ≥ r (set before the engine starts, or it is rebuilt)."""
-        named = perturbed_parameters(module.policy.model, self.settings.trainable)
-        check_lora_coverage(module.policy.model, named, self.rank)
+        self.check_ahead(module)
         module.require_generation_options(**lora_engine_options(module.engine_options(), self.rank,
                                                                 self._per_call(module)))
+
+    def check_ahead(self, module):
+        check_lora_coverage(module.policy.model, perturbed_parameters(module.policy.model, self.settings.trainable),
+                            self.rank)
 
     def evaluate(self, module, examples, step, members):
         s = self.settings
@@ -199,7 +202,7 @@ class VLLMLowRankEvaluator(PopulationEvaluator):
         named = perturbed_parameters(module.policy.model, s.trainable)
         modules = lora_matrices(module.policy.model)
         k = self._per_call(module)
-        run = PopulationStep(module, s, examples, step)
+        run = PopulationStep(module, s, examples, step, entropy=False)  # the members are adapters in the engine
         cache: dict = {}  # (noise id, name) -> (A, B): drawn once this step, reused by the update
         report_progress(module, 0, len(mine))
         for start in range(0, len(mine), k):

@@ -77,6 +77,7 @@ import hashlib
 import os
 import random
 import tempfile
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -205,8 +206,10 @@ class VLLMGenerator(Generator):
         self.policy = policy
         device = next(policy.model.parameters()).device
         self.on_cpu = device.type == "cpu"
+        self.cpu_kv_cache_gib = cpu_kv_cache_gib
         if dtype == "auto":
             dtype = str(next(policy.model.parameters()).dtype).removeprefix("torch.")
+        max_model_len = _within_positions(policy.model.config, max_model_len)
         self._dist_was_initialized = torch.distributed.is_available() and torch.distributed.is_initialized()
         self._config_dir = tempfile.TemporaryDirectory(prefix="es-lightning-vllm-")
         self._write_config(self._config_dir.name)
@@ -242,6 +245,12 @@ class VLLMGenerator(Generator):
         self.es_centre_current = False
         self._adapters: list[str] | None = None
         self.llm = self._build_engine(kwargs)
+        #: the longest prompt + completion the engine takes (vLLM's, from max_model_len or the model's config)
+        self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
+        if self._dist_was_initialized:  # shut down before the trainer's group goes at exit (es_lightning/distributed.py)
+            from es_lightning.distributed import close_before_group_exit
+
+            close_before_group_exit(self.close)
         self.push_weights()
 
     # ------------------------------------------------------------------ engine
@@ -273,7 +282,17 @@ class VLLMGenerator(Generator):
             except (ValueError, RuntimeError, NotImplementedError, TypeError, AssertionError) as err:
                 if llm is not None:
                     llm.llm_engine.engine_core.shutdown()
-                raise ValueError(f"vLLM cannot load this model: {_first_line(err)}") from err
+                raise ValueError(self._engine_error(err)) from err
+
+    def _engine_error(self, err: BaseException) -> str:
+        """One line: the engine settings vLLM refused (``generation_options``), or why it cannot load the model."""
+        reason = _first_line(err)
+        if self.on_cpu and "memory for the cache blocks" in reason:  # its advice (gpu_memory_utilization) is for GPUs
+            return (f"generation_options.cpu_kv_cache_gib={self.cpu_kv_cache_gib:g} holds no KV-cache block for this model on a CPU: "
+                    f"raise it (e.g. 0.25)")
+        if "validation error" in str(err).splitlines()[0] or "memory for the cache blocks" in reason:
+            return f"generation_options: vLLM refused the engine settings: {reason}"
+        return f"vLLM cannot load this model: {reason}"
 
     def close(self) -> None:
         """Shut the engine down and remove the ``torch.distributed`` group vLLM created for it (if it created one)."""
@@ -292,7 +311,9 @@ class VLLMGenerator(Generator):
         if not self.engine_side_es:
             raise RuntimeError("engine-side ES needs VLLMGenerator(..., engine_side_es=True)")
         with preserved_host_state():
-            return self.llm.collective_rpc(method, args=args)
+            result = self.llm.collective_rpc(method, args=args)
+            self.llm.reset_prefix_cache()  # the engine's weights changed: no cached prefix of other weights survives
+            return result
 
     @property
     def engine_worker(self):
@@ -375,6 +396,8 @@ class VLLMGenerator(Generator):
         if not 1 <= len(paths) <= self.max_loras:
             raise ValueError(f"{len(paths)} adapters in one call, the engine holds at most max_loras={self.max_loras}")
         self._adapters = list(paths)
+        with preserved_host_state():  # slot j's adapter is new weights under last call's LoRA id: no cached prefix
+            self.llm.reset_prefix_cache()
         try:
             yield
         finally:
@@ -417,6 +440,13 @@ class VLLMGenerator(Generator):
         seeds = row_seeds(prompts, num_samples, seed, common_random_blocks)
         enc = encode_prompts(tokenizer, list(prompts))  # the ids HFGenerator feeds: one BOS, never two
         token_lists = [row[mask.bool()].tolist() for row, mask in zip(enc["input_ids"], enc["attention_mask"])]
+        longest = max(len(ids) for ids in token_lists)
+        if longest + params.max_new_tokens > self.max_model_len:  # vLLM would refuse the prompt or cut the completion
+            raise ValueError(
+                f"a prompt of {longest} tokens plus max_new_tokens={params.max_new_tokens} exceeds the vLLM engine's "
+                f"max_model_len={self.max_model_len}; set generation_options.max_model_len to at least "
+                f"{longest + params.max_new_tokens} (the longest prompt + max_new_tokens), or shorten the prompts"
+            )
         eos = self.eos_token_ids
         adapters = self._lora_requests(len(prompts), common_random_blocks)
         requests, sampling, loras = [], [], []
@@ -435,7 +465,9 @@ class VLLMGenerator(Generator):
                     include_stop_str_in_output=True,  # HF keeps the stop string in the text
                     stop_token_ids=eos,
                     logprobs=0 if return_logprobs else None,
-                    skip_special_tokens=True,
+                    # vLLM matches stop strings in its detokenized text: keep special tokens in it, so that a stop
+                    # string such as "<|im_start|>" stops a row as in HFGenerator (texts are decoded again below)
+                    skip_special_tokens=False,
                 ))
         self.sync()
         with preserved_host_state():
@@ -499,9 +531,10 @@ class VLLMGenerator(Generator):
 @torch.no_grad()
 def policy_token_stats(model: torch.nn.Module, rollout: Rollout, temperature: float, chunk_rows: int = 8):
     """Per-token log-prob of the completion tokens and entropy ``[B*n, C]`` at ``temperature`` (1 if greedy), from a
-    forward pass of ``model`` over prompt + completion, ``chunk_rows`` rows at a time (no ``[B*n, C, V]`` tensor in
-    fp32). Position ids count real tokens, as ``generate`` does with left padding."""
-    from es_lightning.metrics import token_entropy
+    forward pass of ``model`` over prompt + completion, ``chunk_rows`` rows at a time, through the training forward's
+    chunked vocabulary projection (:func:`~es_lightning.grpo.logprobs.completion_logprobs`: never a ``[rows, C, V]``
+    tensor in fp32 — at V = 151,936 that was ~6x the memory). Position ids count real tokens, as ``generate`` does."""
+    from es_lightning.grpo.logprobs import completion_logprobs
 
     T = temperature if temperature > 0 else 1.0
     was_training = model.training
@@ -509,20 +542,27 @@ def policy_token_stats(model: torch.nn.Module, rollout: Rollout, temperature: fl
     logps, ents = [], []
     try:
         for start in range(0, rollout.completion_ids.shape[0], chunk_rows):
-            rows = slice(start, start + chunk_rows)
-            completion = rollout.completion_ids[rows]  # [r, C]
-            ids = torch.cat([rollout.prompt_ids[rows], completion], 1)  # [r, P+C]
-            attn = torch.cat([rollout.prompt_mask[rows], rollout.completion_mask[rows]], 1)  # [r, P+C]
-            pos = (attn.cumsum(-1) - 1).clamp(min=0)  # [r, P+C]
-            C = completion.shape[1]
-            out = model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=C + 1, use_cache=False)
-            logits = out.logits[:, :-1].float() / T  # [r, C, V]
-            logps.append(torch.log_softmax(logits, -1).gather(-1, completion.unsqueeze(-1)).squeeze(-1))  # [r, C]
-            ents.append(token_entropy(logits))  # [r, C]
+            logp, ent = completion_logprobs(model, rollout, slice(start, start + chunk_rows), T, entropy=True)
+            logps.append(logp)  # [r, C], 0 on padding
+            ents.append(ent)  # [r, C]
     finally:
         model.train(was_training)
-    mask = rollout.completion_mask
-    return torch.cat(logps) * mask, torch.cat(ents) * mask
+    return torch.cat(logps), torch.cat(ents)
+
+
+def _within_positions(config, max_model_len: int | None) -> int | None:
+    """``max_model_len`` capped, with a warning, at a model's ``max_position_embeddings`` when its position encoding
+    is not scaled (vLLM refuses a longer one, and its override makes RoPE produce NaN): a generation fragment's
+    ``max_model_len: 2048`` then also serves the built-in model's 128 positions. Scaled RoPE (YaRN, …) is vLLM's to
+    judge."""
+    limit = getattr(config, "max_position_embeddings", None)
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    scaled = isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) != "default"
+    if max_model_len is None or not isinstance(limit, int) or scaled or max_model_len <= limit:
+        return max_model_len
+    warnings.warn(f"generation_options.max_model_len={max_model_len} is beyond the model's max_position_embeddings "
+                  f"({limit}): the vLLM engine takes {limit}", stacklevel=3)
+    return limit
 
 
 def _prepare_cpu_kernels() -> None:

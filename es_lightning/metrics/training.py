@@ -13,7 +13,8 @@ Each algorithm fills a :class:`StepMetrics` after its update; :meth:`ReasoningMo
 ``train/completions/mean_length``  mean completion length in tokens; ``clipped_ratio``: share that hit
                                    ``max_new_tokens`` (TRL's names)
 ``train/entropy``                  mean token entropy (nats) of the sampling distribution — only when the
-                                   rollouts are sampled (temperature > 0)
+                                   rollouts are sampled (temperature > 0) and, for ES, the policy's forward holds
+                                   each member (not vLLM members perturbed engine-side or served as LoRA adapters)
 ``train/lr``                       the optimizer's learning rate (GRPO: AdamW's; ES: α)
 ``train/time/*_s``                 seconds spent generating, scoring and updating on this rank
 =================================  ===========================================================================

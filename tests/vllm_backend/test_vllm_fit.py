@@ -131,6 +131,10 @@ def test_es_recipe_sampled_engine_side_equals_pushed(tmp_path, fit):
     b_module, _ = fit(recipe, *ES_SMALL, *VLLM, "--model.init_args.generation_options.engine_side_es", "false")
     assert a_module.sampling.temperature == 1.0 and a_module.algorithm.settings.samples_per_member == 2
     assert torch.equal(a_module.last_rewards, b_module.last_rewards)
+    # the members' token entropy is measured where the policy holds the member (pushed), not of the engine-side
+    # member (the policy's forward holds the centre there: it logged the centre's entropy)
+    assert "train/entropy" in b_module.trainer.logged_metrics
+    assert "train/entropy" not in a_module.trainer.logged_metrics
     a, b = _weights(a_module), _weights(b_module)
     assert all(torch.equal(a[n], b[n]) for n in a)
 
@@ -152,13 +156,17 @@ def test_grpo_recipe_pushes_after_each_optimizer_step(tmp_path, keep_alive):
     from es_lightning.lightning_cli import ESLightningCLI
 
     check = _EngineFollowsPolicy()
-    args = ["--config", _recipe(tmp_path, "grpo.yaml"), *SMALL, *VLLM, "--trainer.max_steps", "3",
+    fragment = [a for a in VLLM if a not in ("--model.init_args.generation_options.max_model_len", "96")]
+    args = ["--config", _recipe(tmp_path, "grpo.yaml"), *SMALL, *fragment, "--trainer.max_steps", "3",
             "--trainer.default_root_dir", str(tmp_path),
             "--data.init_args.batch_size", "2", "--model.init_args.group_size", "4"]
     cli = ESLightningCLI(args=args, run=False)  # `es-lightning fit`, with a checking callback added
     keep_alive.append(cli.model)
     cli.trainer.callbacks.append(check)
-    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    # the fragment's max_model_len 2048 is beyond the built-in model's 128 positions (vLLM refused it): capped
+    with pytest.warns(UserWarning, match=r"max_model_len=2048 is beyond the model's max_position_embeddings \(128\)"):
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    assert cli.model.generator.max_model_len == 128
     assert cli.trainer.global_step == 3 and check.checked == 2
     assert _moved(_weights(cli.model))
     metrics = cli.trainer.logged_metrics
@@ -189,9 +197,37 @@ def test_batched_full_rank_members_refused_before_training(tmp_path, fit):
         fit(_recipe(tmp_path, "grpo_es.yaml"), *SMALL, *VLLM, "--data.init_args.batch_size", "2")
 
 
-def test_unknown_generation_option_refused_at_construction(tmp_path, fit):
-    with pytest.raises(ValueError, match=r"unknown vLLM generation_options \['max_model_length'\]; accepted: \['max_model_len'"):
-        fit(_recipe(tmp_path, "grpo.yaml"), *SMALL, *VLLM, "--model.init_args.generation_options.max_model_length", "9")
+def test_a_lowrank_es_stage_lora_cannot_cover_is_refused_before_the_grpo_stage(tmp_path, keep_alive):
+    """A GRPO → low-rank ES fit on vLLM whose ES stage perturbs what LoRA cannot (the default trainable: embeddings,
+    norms) was refused at the switch, after GRPO had trained; now at fit start."""
+    from es_lightning.lightning_cli import ESLightningCLI
+
+    recipe = _recipe(tmp_path, "grpo_es.yaml", population_size=4, members_per_batch=4, noise_rank=1)
+    cli = ESLightningCLI(args=["--config", recipe, *SMALL, *VLLM, "--data.init_args.batch_size", "2",
+                               "--model.init_args.group_size", "4", "--trainer.default_root_dir", str(tmp_path)],
+                         run=False)
+    keep_alive.append(cli.model)
+    with pytest.raises(ValueError, match="perturbs the transformer blocks' linear layers only"):
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    assert cli.trainer.global_step == 0 and cli.model.algorithm.name == "grpo"
+
+
+@pytest.mark.parametrize("option, value, match", [
+    ("max_model_length", "9", r"unknown vLLM generation_options \['max_model_length'\]; accepted: \['max_model_len'"),
+    ("max_num_seqs", "0", r"generation_options.max_num_seqs must be a whole number >= 1, got 0"),  # was: "max_num_batched_tokens"
+    ("gpu_memory_utilization", "1.5", r"generation_options.gpu_memory_utilization .* in \(0, 1\], got 1.5"),
+    ("dtype", "float64", r"generation_options.dtype must be one of \['auto', 'bfloat16'"),
+])
+def test_bad_generation_option_refused_at_construction(tmp_path, fit, option, value, match):
+    with pytest.raises(ValueError, match=match):
+        fit(_recipe(tmp_path, "grpo.yaml"), *SMALL, *VLLM, f"--model.init_args.generation_options.{option}", value)
+
+
+def test_a_cpu_kv_cache_too_small_names_its_option(tmp_path, fit):
+    """vLLM's advice ("increase gpu_memory_utilization") does nothing on a CPU, where the cache is cpu_kv_cache_gib."""
+    with pytest.raises(ValueError, match=r"generation_options.cpu_kv_cache_gib=1e-05 holds no KV-cache block"):
+        fit(_recipe(tmp_path, "grpo.yaml"), *SMALL, *VLLM, "--model.init_args.generation_options.cpu_kv_cache_gib",
+            "0.00001")
 
 
 def test_bf16_engine_side_keeps_the_trainers_master(es_fit):
@@ -326,6 +362,7 @@ def test_ddp_two_processes_equal_one(tmp_path, fit):
                            "--trainer.default_root_dir", str(tmp_path)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and "MEMBER: 2/2" in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]  # the engines shut down before the trainer's group
     module, _ = fit(recipe, *args)
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export").state_dict()
     weights = _weights(module)

@@ -155,3 +155,44 @@ def test_common_random_numbers_across_members(builtin_pair):
     same = sum(x == y for x, y in zip(member.texts, centre.texts))
     assert same == len(centre.texts)
     assert sum(x == y for x, y in zip(other_seed.texts, centre.texts)) < len(centre.texts)
+
+
+def test_prompt_plus_completion_beyond_max_model_len_is_refused(builtin_pair):
+    """vLLM refused a too-long prompt with a 40-line traceback, and cut a completion that ran past max_model_len
+    without a word (rewards of shorter completions than asked): one line with the length to set."""
+    _, gen = builtin_pair
+    prompt = "1 2 3 = " * 12  # 96 tokens of the character tokenizer
+    with pytest.raises(ValueError, match=r"a prompt of 9\d tokens plus max_new_tokens=40 exceeds the vLLM engine's "
+                                         r"max_model_len=128; set generation_options.max_model_len to at least 13\d"):
+        gen.generate([prompt, "1 2 ="], 1, SamplingParams(max_new_tokens=40, temperature=0.0))
+    assert gen.generate([prompt], 1, SamplingParams(max_new_tokens=8, temperature=0.0)).completion_ids.shape[0] == 1
+
+
+def test_a_special_token_stop_string_stops_as_in_hf(qwen_pair, hf_generate):
+    """A stop string that is a special token ("<|im_start|>", a chat model starting a new turn) ends a row on vLLM as
+    on HF: vLLM matched stop strings in text with special tokens skipped, so the row ran on to the cap."""
+    policy, gen = qwen_pair
+    start = policy.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    emb = policy.model.get_input_embeddings().weight  # tied: the head's row of <|im_start|> too
+    saved = emb[start].detach().clone()
+    prompts = _prompts("qwen_like", policy)
+    try:
+        with torch.no_grad():
+            enc = policy.tokenizer(prompts, return_tensors="pt", padding=True)
+            hidden = policy.model(**enc, output_hidden_states=True).hidden_states[-1][enc["attention_mask"].bool()]
+            typical = hidden.mean(0)
+            emb[start] = 3.0 * typical / typical.norm() ** 2  # a logit ~3 above typical: greedy picks it early
+        gen.push_weights()
+        params = SamplingParams(max_new_tokens=12, temperature=0.0, stop=["<|im_start|>"])
+        a = gen.generate(prompts, 1, params, seed=0)
+        b = hf_generate(policy, prompts, 1, params, seed=0)
+        ended = [int(a.completion_ids[i, n - 1]) == start and not bool(a.truncated[i])
+                 for i, n in enumerate(a.completion_mask.sum(-1).tolist())]
+        assert any(ended), a.completion_ids
+        for field in ("completion_ids", "completion_mask", "truncated"):
+            assert torch.equal(getattr(a, field), getattr(b, field)), field
+        assert a.texts == b.texts
+    finally:
+        with torch.no_grad():
+            emb[start] = saved
+        gen.push_weights()

@@ -175,3 +175,28 @@ def test_bf16_engine_keeps_an_fp32_master(keep_alive):
     assert int((engine != naive).sum()) > 0  # updates the bf16 path rounded away
     out = gen.generate(["12 34 56 = "], 1, SamplingParams(max_new_tokens=6, temperature=0.0))
     assert out.completion_lengths.item() > 0
+
+
+def test_prefix_caching_never_serves_another_members_prefix(keep_alive, qwen_like_dir):
+    """``enable_prefix_caching: true`` (any vllm.LLM option may be given): an engine-side member's prompts were
+    served from the centre's cached key/values (prompts longer than a cache block, 128 tokens on a CPU) — its
+    log-probs differed by up to 1.4 from the member's own. The cache is now reset after every change of weights."""
+    from es_lightning.generation.vllm import VLLMGenerator
+    from es_lightning.policy import load_policy
+
+    policy = load_policy(qwen_like_dir, dtype="float32")
+    gen = VLLMGenerator(policy, max_model_len=512, cpu_kv_cache_gib=0.0625, max_num_seqs=8, enable_prefix_caching=True)
+    keep_alive.append(gen)
+    prompts = policy.render_prompts([f"Question {i}: " + "tell me a long story about apples " * 6 for i in range(2)],
+                                    use_chat_template=True)
+    assert len(policy.tokenizer(prompts[0])["input_ids"]) > 2 * 128
+    gen.es_set_centre(policy.model.named_parameters())
+    gen.generate(prompts, 1, GREEDY, return_logprobs=True)  # the centre's prefixes, cached
+    for noise_id in (1, 2):
+        gen.es_perturb(SEED, STEP, noise_id, 1.0, 0.5)
+        member = gen.generate(prompts, 1, GREEDY, return_logprobs=True)
+        gen.llm.reset_prefix_cache()
+        fresh = gen.generate(prompts, 1, GREEDY, return_logprobs=True)
+        assert torch.equal(member.completion_ids, fresh.completion_ids)
+        assert torch.equal(member.logprobs, fresh.logprobs)
+        gen.es_restore()
