@@ -38,3 +38,20 @@ def test_format_table_lines_up_hand_rows():
     assert "base (step 0)" in lines[0] and "final (step 10)" in lines[0]
     assert lines[2].split() == ["pass@1", "0.250", "0.500"]
     assert lines[3].split() == ["entropy", "0.500", "0.250"]
+
+
+def test_a_training_time_evaluation_draws_what_the_validation_loop_draws():
+    """The report's base row (eval_at_start, the callback's own batches of 64) and its later rows (the validation
+    loop's batches of val_batch_size) sampled the same weights with different random numbers: an ES fit with lr 0
+    showed Pass@16 0.880 → 0.850. Every evaluation of a fit now batches as the validation loop does."""
+    from es_lightning import ESModule
+
+    callback = PassAtKCallback(num_samples=4, ks=[1, 4], batch_size=64)
+    data = ReasoningDataModule(task="countdown", train_size=8, val_size=12, test_size=2, batch_size=2, val_batch_size=5)
+    module = ESModule(population_size=2, max_new_tokens=16)  # the built-in model: it solves some
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[callback])
+    trainer.validate(module, data)
+    validated = callback.history[-1][1]
+    assert 0 < validated["val/pass@1"] < validated["val/pass@4"]  # sampled: the draws matter
+    assert callback.evaluate(trainer, module) == validated

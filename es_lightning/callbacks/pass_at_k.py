@@ -2,8 +2,9 @@
 
 Coverage is the point of this library (Ba et al. 2026: GRPO raises Pass@1 while Pass@K stalls), so Pass@K is measured
 the same way everywhere: at every validation run, every ``every_n_train_steps`` training steps, and in plain scripts
-(``Trainer(callbacks=[PassAtKCallback(...)])``). Evaluation samples are seeded by problem batch, so successive
-evaluations of a changing model use the same random numbers and their differences come from the weights.
+(``Trainer(callbacks=[PassAtKCallback(...)])``). Evaluation samples are seeded by problem batch, and every evaluation
+of a fit batches the problems as the validation loop does, so successive evaluations of a changing model use the same
+random numbers and their differences come from the weights.
 
 Defaults follow the paper's evaluation: ``temperature`` 1.0 on the built-in model (Ba et al. use T=0.6 and n=32 for
 Qwen2.5; see ``recipes/qwen2.5-1.5b-instruct``), unbiased Pass@K of Chen et al. 2021.
@@ -38,7 +39,10 @@ class PassAtKCallback(L.Callback):
             validation runs).
         eval_at_start: evaluate the starting weights before the first training step (logged at step 0).
         num_problems: evaluate on at most this many validation problems during training (``None`` = all).
-        batch_size: problems per generation call during training-time evaluation.
+        batch_size: problems per generation call of an evaluation outside a fit (``es-lightning eval``, the
+            analyses). Within a fit every evaluation — at start, every N steps, at validation — takes the
+            datamodule's validation batches (``val_batch_size``), so that all of them draw the same random numbers
+            for the same problem and their differences come from the weights alone.
         seed: base seed of the evaluation samples.
         prefix: logged names are ``{prefix}/pass@k``, ``{prefix}/maj@k``, ``{prefix}/entropy``, ``{prefix}/reward_mean``.
     """
@@ -114,31 +118,37 @@ class PassAtKCallback(L.Callback):
         return out
 
     def evaluate(self, trainer: L.Trainer, pl_module) -> dict[str, float]:
-        """Evaluate the current weights on the validation problems (this rank's share) and return the figures."""
+        """Evaluate the current weights on the validation problems (this rank's share) and return the figures: in the
+        validation loop's batches (rank ``r`` takes problems ``r, r + W, …`` as its ``DistributedSampler`` does), so
+        that a training-time evaluation and a validation run of the same weights give the same figures."""
         examples = self._val_examples(trainer)
+        size = getattr(trainer.datamodule, "val_batch_size", None) or self.batch_size
         mine = examples[trainer.global_rank :: trainer.world_size]
         if trainer.world_size > 1 and getattr(pl_module, "sharded", False):
             # sharded forwards are collectives: every rank makes as many generate calls as the busiest one (rank 0),
             # the spare ones (results dropped) before the metrics' own cross-rank sync
-            busiest = math.ceil(math.ceil(len(examples) / trainer.world_size) / self.batch_size)
-            for _ in range(busiest - math.ceil(len(mine) / self.batch_size)):
+            busiest = math.ceil(math.ceil(len(examples) / trainer.world_size) / size)
+            for _ in range(busiest - math.ceil(len(mine) / size)):
                 with gathered_for_generation(pl_module):
                     pl_module.evaluate_batch(examples[:1], self.num_samples, self._params(pl_module), self.seed)
-        return self.evaluate_examples(pl_module, mine)
+        return self.evaluate_examples(pl_module, mine, batch_size=size)
 
     def evaluate_examples(
-        self, pl_module, examples: Sequence[dict[str, Any]], on_batch: Callable[[Sequence[dict], Any], None] | None = None
+        self, pl_module, examples: Sequence[dict[str, Any]], on_batch: Callable[[Sequence[dict], Any], None] | None = None,
+        batch_size: int | None = None,
     ) -> dict[str, float]:
-        """Evaluate ``pl_module``'s current weights on ``examples``, ``batch_size`` problems per generation call.
+        """Evaluate ``pl_module``'s current weights on ``examples``, ``batch_size`` (default: the callback's) problems
+        per generation call.
 
         No trainer needed: ``es-lightning eval`` and the analyses call this with a
         :class:`~es_lightning.modules.base.ReasoningModule` around any policy. ``on_batch(examples, eval_batch)`` is
         called after each batch (progress bars, extra counts).
         """
+        size = batch_size or self.batch_size
         self._reset(pl_module.device)
-        for i in range(0, len(examples), self.batch_size):
-            chunk = examples[i : i + self.batch_size]
-            result = self._update(pl_module, chunk, i // self.batch_size)
+        for i in range(0, len(examples), size):
+            chunk = examples[i : i + size]
+            result = self._update(pl_module, chunk, i // size)
             if on_batch is not None:
                 on_batch(chunk, result)
         return self._compute()
