@@ -406,11 +406,16 @@ class Checksum(L.Callback):
     def on_train_start(self, trainer, pl_module):
         self.start = checksum(pl_module).tolist()
 
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.rewards = trainer.strategy.all_gather(pl_module.last_rewards.double())  # [ranks, B*G] of the step
+
     def on_train_end(self, trainer, pl_module):
         sums = trainer.strategy.all_gather(checksum(pl_module))
         if trainer.is_global_zero:
+            logged = trainer.logged_metrics
             json.dump({{"sums": sums.tolist(), "start": self.start, "step": trainer.global_step,
-                       "reward": float(trainer.logged_metrics["train/reward_mean"])}}, open({out!r}, "w"))
+                       "reward": float(logged["train/reward_mean"]), "reward_std": float(logged["train/reward_std"]),
+                       "rewards": self.rewards.tolist()}}, open({out!r}, "w"))
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
@@ -438,6 +443,11 @@ def test_ddp_two_cpu_processes_stay_in_sync(tiny_model_dir, tmp_path):
     rank0, rank1 = result["sums"]
     assert rank0 == rank1, "ranks hold identical weights after 2 DDP steps"
     assert rank0 != result["start"], "and the weights moved"
+    # the logged reward mean/std are of both ranks' completions (the std was the mean of the ranks' own stds)
+    rewards = torch.tensor(result["rewards"], dtype=torch.float64)  # [2, B*G]
+    assert not torch.equal(rewards[0], rewards[1])
+    assert result["reward"] == pytest.approx(float(rewards.mean()), abs=1e-6)
+    assert result["reward_std"] == pytest.approx(float(rewards.flatten().std(unbiased=False)), abs=1e-6)
 
 
 def test_recipe_parses_against_the_code(capsys):

@@ -35,7 +35,8 @@ __all__ = ["StepMetrics", "shared_metrics"]
 
 @dataclass
 class StepMetrics:
-    """What one training step reports. Values are rank-local; the module averages them over ranks."""
+    """What one training step reports. Values are rank-local; the module averages them over ranks (TRL's convention),
+    except ``train/reward_mean`` and ``train/reward_std``, which are of every rank's rewards."""
 
     rewards: Tensor  # the rewards the update used: ES [N] (per member), GRPO [B*G] (per completion); non-finite = dropped
     frac_reward_zero_std: float

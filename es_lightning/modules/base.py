@@ -20,6 +20,7 @@ context (FSDP, meta device) — and lazily on first use of :attr:`policy` in pla
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -379,9 +380,17 @@ class ReasoningModule(L.LightningModule):
         self.last_rewards = metrics.rewards.detach().cpu().clone()
         values = shared_metrics(metrics, self.optimizers().param_groups[0]["lr"])
         if self.trainer.world_size > 1:
-            flat = torch.tensor(list(values.values()), dtype=torch.float64, device=self.device)
+            # rank means (TRL's convention), except the reward mean and spread: of every rank's rewards, from the
+            # ranks' count, sum and sum of squares (a mean of the ranks' own spreads misses the spread between them)
+            rewards = metrics.rewards.detach().double().cpu()
+            kept = rewards[torch.isfinite(rewards)]
+            moments = [float(kept.numel()), float(kept.sum()), float((kept * kept).sum())]
+            flat = torch.tensor([*values.values(), *moments], dtype=torch.float64, device=self.device)
             flat = self.trainer.strategy.reduce(flat, reduce_op="mean").tolist()
-            values = dict(zip(values, flat))
+            values, (count, total, squares) = dict(zip(values, flat[:len(values)])), flat[len(values):]
+            mean = total / count if count else float("nan")
+            values["train/reward_mean"] = mean
+            values["train/reward_std"] = math.sqrt(max(squares / count - mean * mean, 0.0)) if count else float("nan")
         reward = values.pop("train/reward_mean")
         kw = dict(on_step=True, on_epoch=False, batch_size=metrics.batch_size)
         self.log("train/reward_mean", reward, prog_bar=True, **kw)
