@@ -56,7 +56,10 @@ class Rollout:
     truncated: Tensor  # [B*n] bool: hit max_new_tokens without EOS or stop string
     num_samples: int
     logprobs: Tensor | None = None  # [B*n, C] log-prob of each sampled token at the sampling temperature (T=1 if greedy)
-    entropy: Tensor | None = None  # [B*n, C] entropy (nats) of the sampling distribution at each position
+    #: [B*n, C] entropy (nats) of the policy's next-token distribution at each position, at the sampling temperature
+    #: (T = 1 when greedy) and before top-p truncation — the policy's entropy (Ba et al.'s token entropy), not the
+    #: truncated sampler's
+    entropy: Tensor | None = None
 
     @property
     def num_prompts(self) -> int:

@@ -12,7 +12,8 @@ Each algorithm fills a :class:`StepMetrics` after its update; :meth:`ReasoningMo
 ``train/accuracy``                 share of the step's completions the verifier accepts
 ``train/completions/mean_length``  mean completion length in tokens; ``clipped_ratio``: share that hit
                                    ``max_new_tokens`` (TRL's names)
-``train/entropy``                  mean token entropy (nats) of the sampling distribution — only when the
+``train/entropy``                  mean token entropy (nats) of the policy at the sampling temperature (before
+                                   top-p; ``Rollout.entropy``) — only when the
                                    rollouts are sampled (temperature > 0) and, for ES, the policy's forward holds
                                    each member (not vLLM members perturbed engine-side or served as LoRA adapters)
 ``train/lr``                       the optimizer's learning rate (GRPO: AdamW's; ES: α)
