@@ -48,6 +48,7 @@ from typing import Any
 import jsonargparse
 from lightning.pytorch.cli import LightningArgumentParser
 
+from es_lightning.scoring import RewardError
 from es_lightning.signatures import accepted_options
 
 DEBUG_ENV = "ES_LIGHTNING_DEBUG"
@@ -240,6 +241,8 @@ def explain(exc: BaseException) -> str | None:
             return describe_parse_error(str(e), _CONTEXT["argv"])
         if isinstance(e, UserError):
             return str(e)
+        if isinstance(e, RewardError):  # a task broke the scoring contract: the message says which way and the fix
+            return _squash(str(e)) + (f" ({DEBUG_FLAG} for the traceback)" if e.__cause__ is not None else "")
         if _is_worker_error(e):
             return _worker_mistake(e.msg)
     for e in chain:
@@ -288,7 +291,7 @@ def _worker_mistake(text: str) -> str | None:
         return None
     kind = head.group("type").rsplit(".", 1)[-1]
     message = _squash("\n".join([head.group("message") or "", *rest[1:]]))
-    if kind == UserError.__name__:
+    if kind in (UserError.__name__, RewardError.__name__):
         return message
     if _deliberate_frame(last.group("file"), last.group("source")) and kind in {t.__name__ for t in _DELIBERATE} \
             and message:

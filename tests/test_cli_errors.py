@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -395,3 +396,30 @@ def test_locate_finds_a_key_under_its_own_section(tmp_path):
     assert locate("model.init_args.temperature", both + ["--model.init_args.temperature=2"]) == "--model.init_args.temperature"
     assert locate("trainer.callbacks.init_args.temperature", both + ["--model.init_args.temperature=2"],
                   "es_lightning.PassAtKCallback") == f"{tmp_path / 'a.yaml'}:12"  # the model's option is not the callback's
+
+
+def test_a_task_breaking_the_scoring_contract_is_one_line():
+    """A reward function that raises, or returns the wrong number of rewards, stopped the run with a 64–81-line
+    traceback (RewardError is not a bad-input type): its message already says what broke and the fix."""
+    from es_lightning.cli_errors import explain
+    from es_lightning.scoring import RewardError, score_completions
+    from es_lightning.tasks import AdditionTask
+
+    class Raising(AdditionTask):
+        def grade(self, completions, examples):
+            raise ZeroDivisionError("division by zero")
+
+    class Short(AdditionTask):
+        def grade(self, completions, examples):
+            return [None], [False], [0.0]
+
+    example = {"a": 1, "b": 2}
+    for task, expected in ((Raising(), r"Raising at step 3: scoring 2 completions raised ZeroDivisionError: division by "
+                                       r"zero\. .* \(--debug for the traceback\)$"),
+                           (Short(), r"Short at step 3: grade\(\) returned 1 answers for 2 completions; return one per "
+                                     r"completion, in order$")):
+        with pytest.raises(RewardError) as err:
+            score_completions(task, ["3", "4"], [example, example], step=3)
+        assert re.match(expected, explain(err.value))
+    assert re.match(r"Short at step 3: grade\(\) returned 1 answers", explain(_worker_failure(
+        lambda: score_completions(Short(), ["3", "4"], [example, example], step=3))))
