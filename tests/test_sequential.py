@@ -183,6 +183,12 @@ def test_an_es_stage_the_loaded_model_cannot_run_is_refused_before_the_first_sta
     assert trainer.global_step == 0  # refused before the GRPO stage ran
 
 
+def test_a_switch_the_fit_never_reaches_is_said(tmp_path, tiny_model_dir):
+    trainer = _trainer(tmp_path, 1, [SequentialStrategy(switch_step=1, es=ES)])
+    with pytest.warns(UserWarning, match=r"switch_step=1 is not below trainer.max_steps=1, so this fit never reaches ES"):
+        trainer.fit(_grpo(tiny_model_dir), _dm())
+
+
 def test_a_module_already_in_the_second_stage_is_refused(tmp_path, tiny_model_dir):
     module = ESModule(model=tiny_model_dir, max_new_tokens=4, **ES)
     with pytest.raises(TypeError, match="already runs ES"):

@@ -107,6 +107,10 @@ class SequentialStrategy(L.Callback):
         if first.name != self.target:  # e.g. a full-rank ES stage batching members on vLLM: refused now, not at the switch
             get_algorithm(self.target)(copy.deepcopy(self.stage_settings)).check_generation(
                 pl_module.generation_backend, pl_module.generation_options)
+        if first.name != self.target and 0 <= trainer.max_steps <= self.switch_step:
+            rank_zero_warn(f"SequentialStrategy: switch_step={self.switch_step} is not below trainer.max_steps="
+                           f"{trainer.max_steps}, so this fit never reaches {self.target.upper()}; raise max_steps or "
+                           f"lower switch_step")
         k = first.steps_per_batch
         if first.name != self.target and self.switch_step % k:
             lower, upper = self.switch_step // k * k, (self.switch_step // k + 1) * k
