@@ -506,8 +506,8 @@ def describe_parse_error(message: str, argv: Sequence[str], options: Sequence[st
         if m := re.search(r"module '([\w.]+)' has no attribute '(\w+)'|No module named '([\w.]+)'", text):
             key, _ = _key_path(lines, i)
             key = key.removesuffix(".init_args")
-            wrong = _CLASS_PROBLEM.search(" ".join(_ancestors(lines, i) + [text]))
-            wrong_path = wrong.group(1) if wrong else (m.group(3) or "")
+            wrong = _CLASS_PROBLEM.findall(" ".join(_ancestors(lines, i) + [text]))  # the innermost class: the task's,
+            wrong_path = wrong[-1] if wrong else (m.group(3) or "")  # not the data module's that holds it
             hint = ""
             if m.group(1):
                 module = importlib.import_module(m.group(1))

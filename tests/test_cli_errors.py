@@ -87,6 +87,8 @@ CASES = [
     ("misspelt trainer key", ES + ["--trainer.max_stepz", "3"], ["--trainer.max_stepz", "did you mean 'max_steps'"]),
     ("wrong class_path", ES + ["--model.class_path", "es_lightning.ESModul"],
      ["--model.class_path", "no class 'es_lightning.ESModul'", "did you mean es_lightning.ESModule"]),
+    ("misspelt class_path of a class inside another", ES + ["--data.init_args.task.class_path", "es_lightning.CountdwnTask"],
+     ["--data.init_args.task.class_path", "no class 'es_lightning.CountdwnTask'", "did you mean es_lightning.CountdownTask"]),
     ("value of the wrong type in a YAML file", ["fit", "--config", "ptype.yaml"],
      ["ptype.yaml:16:", "model.init_args.population_size: expected int, got 'abc'"]),
     ("misspelt class_path in a YAML file", ["fit", "--config", "klass.yaml"],
