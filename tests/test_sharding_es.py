@@ -23,7 +23,7 @@ import torch
 from es_lightning import CountdownTask, ESModule, ReasoningDataModule
 
 ES_KW = dict(population_size=4, sigma=0.5, lr=0.05, max_new_tokens=6, temperature=0.0, reward_normalization="centered")
-DATA_KW = dict(task="countdown", train_size=32, val_size=4, test_size=4, batch_size=4)
+DATA_KW = dict(task="countdown", train_size=32, val_size=4, test_size=4, batch_size=4, val_batch_size=1)  # 1: uneven eval calls
 
 
 class LengthTask(CountdownTask):

@@ -288,8 +288,8 @@ class VLLMGenerator(Generator):
         """One line: the engine settings vLLM refused (``generation_options``), or why it cannot load the model."""
         reason = _first_line(err)
         if self.on_cpu and "memory for the cache blocks" in reason:  # its advice (gpu_memory_utilization) is for GPUs
-            return (f"generation_options.cpu_kv_cache_gib={self.cpu_kv_cache_gib:g} holds no KV-cache block for this model on a CPU: "
-                    f"raise it (e.g. 0.25)")
+            return (f"generation_options.cpu_kv_cache_gib={self.cpu_kv_cache_gib:g} holds no KV-cache block for this "
+                    f"model on a CPU: raise it (e.g. 0.25)")
         if "validation error" in str(err).splitlines()[0] or "memory for the cache blocks" in reason:
             return f"generation_options: vLLM refused the engine settings: {reason}"
         return f"vLLM cannot load this model: {reason}"

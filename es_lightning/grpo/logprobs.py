@@ -58,7 +58,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from es_lightning.generation import Rollout
+from es_lightning.generation.base import Rollout
 
 __all__ = ["DEFAULT_CHUNK_SIZE", "completion_logprobs", "enable_gradient_checkpointing", "selective_logprobs"]
 
