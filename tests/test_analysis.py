@@ -504,6 +504,9 @@ def test_evaluation_problems_from_files_and_mistakes_in_eval_terms(tmp_path):
     assert mapped == [{"nums": [1, 2], "target": 3}] * 2  # as a fit with data.column_mapping reads it
     with pytest.raises(ValueError, match=r"eval.column_mapping renames \['nmbrs'\], but .* has columns"):
         heldout_problems(task, 2, source=str(tmp_path / "cols.jsonl"), column_mapping={"nmbrs": "nums"})
+    (tmp_path / "bad.jsonl").write_text('{"nums": "abc", "target": 3}\n' * 2)
+    with pytest.raises(ValueError, match=r"'nums' column is 'abc'.* with --eval.column_mapping$"):
+        heldout_problems(task, 2, source=str(tmp_path / "bad.jsonl"))
     with pytest.raises(ValueError, match="has no procedural generator; set --eval.source"):
         heldout_problems(get_task("gsm8k"), 2)
 

@@ -152,6 +152,41 @@ def test_countdown_preprocess_hub_record():
     assert task.is_correct("44+19+35", record)
 
 
+@pytest.mark.parametrize("record, column", [
+    ({"nums": "abc", "target": 5}, "'nums' column is 'abc'"),
+    ({"nums": [3, None, 7], "target": 5}, r"'nums' column is \[3, None, 7\]"),
+    ({"nums": [-3, 5], "target": 2}, "'nums' column is"),  # no answer can use a negative number
+    ({"nums": [10**12, 5], "target": 2}, "'nums' column is"),  # nor one longer than the verifier reads
+    ({"nums": [3, 5, 7], "target": None}, "'target' column is None"),
+    ({"nums": [3, 5, 7], "target": "abc"}, "'target' column is 'abc'"),
+])
+def test_countdown_preprocess_refuses_a_malformed_record_in_one_line(record, column):
+    from es_lightning.cli_errors import explain
+
+    with pytest.raises(ValueError, match=f"Countdown record whose {column}.*fix the column.*data.column_mapping") as info:
+        CountdownTask().preprocess(record)
+    line = explain(info.value)  # the command prints it as one line, not a traceback
+    assert line is not None and "\n" not in line and str(info.value) in line
+
+
+def test_task_settings_the_constructors_accept_have_answers_the_verifiers_read():
+    sort = SortTask(min_length=32, max_length=32, max_value=10**19 - 1)
+    addition = AdditionTask(max_digits=18)
+    countdown = CountdownTask(min_number=10**12 - 9, max_number=10**12 - 1, num_numbers=2, min_target=0,
+                              max_target=10**25)
+    largest = {"x": 10**18 - 1, "y": 10**18 - 1}  # a 19-digit sum
+    assert addition.is_correct(str(2 * 10**18 - 2), largest) and not addition.is_correct(str(2 * 10**18 - 1), largest)
+    for task in (sort, addition, countdown):
+        examples = task.procedural(50, seed=0)
+        assert all(task.is_correct(ex["solutions"][0], ex) for ex in examples), task
+    assert max(len(ex["solutions"][0]) for ex in sort.procedural(50, seed=0)) > 256
+    for make, bound in ((lambda: SortTask(max_value=10**19), r"max_value must be between 0 and 10\*\*19 - 1"),
+                        (lambda: AdditionTask(max_digits=19), "max_digits must be between 1 and 18"),
+                        (lambda: CountdownTask(max_number=10**12), r"max_number must be below 10\*\*12")):
+        with pytest.raises(ValueError, match=bound):
+            make()
+
+
 ADVERSARIAL = {
     "huge power": "2**99999999",
     "tower": "9**9**9",

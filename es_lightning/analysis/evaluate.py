@@ -82,7 +82,10 @@ def heldout_problems(task: Task, num_problems: int, seed: int = 0, source: str =
     if len(ds) < num_problems:
         raise ValueError(f"eval.source {source!r} has {len(ds)} problems in its {name!r} split, fewer than "
                          f"eval.num_problems={num_problems}; lower --eval.num_problems (e.g. to {len(ds)})")
-    return [task.preprocess(dict(r)) for r in ds.shuffle(seed=seed).select(range(num_problems))]
+    try:
+        return [task.preprocess(dict(r)) for r in ds.shuffle(seed=seed).select(range(num_problems))]
+    except ValueError as err:  # a malformed record: its hint names the data module's option, not eval's
+        raise ValueError(str(err).replace("data.column_mapping", "--eval.column_mapping")) from None
 
 
 def evaluation_module(policy: Policy, task: Task, max_new_tokens: int, device: torch.device | str = "cpu"):

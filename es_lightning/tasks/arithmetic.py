@@ -16,7 +16,11 @@ from es_lightning.tasks.base import Task
 
 __all__ = ["AdditionTask", "SortTask"]
 
-_MAX_ANSWER_CHARS = 256
+#: bounds of what the verifiers read, sized so that every setting the constructors accept has answers that fit: a
+#: number has at most 19 digits (the sum of two 18-digit addends; ``SortTask.max_value`` < 10**19), an answer at most
+#: 1024 characters (32 sorted numbers of 19 digits and their spaces are 639)
+_MAX_DIGITS = 19
+_MAX_ANSWER_CHARS = 1024
 
 
 def _parse_naturals(text: str, max_count: int) -> list[int] | None:
@@ -25,7 +29,7 @@ def _parse_naturals(text: str, max_count: int) -> list[int] | None:
     if not text or len(text) > _MAX_ANSWER_CHARS:
         return None
     tokens = text.split()
-    if len(tokens) > max_count or not all(tok.isascii() and tok.isdigit() and len(tok) <= 18 for tok in tokens):
+    if len(tokens) > max_count or not all(tok.isascii() and tok.isdigit() and len(tok) <= _MAX_DIGITS for tok in tokens):
         return None
     return [int(tok) for tok in tokens]
 
@@ -34,8 +38,9 @@ class AdditionTask(Task):
     """``a:{x}+{y}=`` → the decimal sum, e.g. ``"a:57+8="`` → ``"65"``.
 
     Args:
-        max_digits: operands have 1..``max_digits`` digits. The digit count is drawn uniformly first, then the value,
-            so short operands are as common as long ones (uniform values would make almost all of them long).
+        max_digits: operands have 1..``max_digits`` digits (at most 18: a sum has one digit more). The digit count is
+            drawn uniformly first, then the value, so short operands are as common as long ones (uniform values would
+            make almost all of them long).
         **task_kwargs: see :class:`Task`.
     """
 
@@ -44,8 +49,8 @@ class AdditionTask(Task):
 
     def __init__(self, max_digits: int = 3, **task_kwargs: Any) -> None:
         super().__init__(**task_kwargs)
-        if not 1 <= max_digits <= 18:
-            raise ValueError(f"max_digits must be between 1 and 18, got {max_digits}")
+        if not 1 <= max_digits <= _MAX_DIGITS - 1:  # the sum has one digit more, and answers are read up to _MAX_DIGITS
+            raise ValueError(f"max_digits must be between 1 and {_MAX_DIGITS - 1}, got {max_digits}")
         self.max_digits = int(max_digits)
 
     def prompt(self, example: dict[str, Any]) -> str:
@@ -81,7 +86,8 @@ class SortTask(Task):
 
     Args:
         min_length, max_length: how many numbers (drawn uniformly; default 4–6).
-        max_value: numbers are drawn uniformly from ``0..max_value`` with repetition (default 99: two digits).
+        max_value: numbers are drawn uniformly from ``0..max_value`` with repetition (default 99: two digits; at most
+            10**19 - 1, the 19 digits an answer's numbers are read up to).
         **task_kwargs: see :class:`Task`.
     """
 
@@ -92,8 +98,9 @@ class SortTask(Task):
         super().__init__(**task_kwargs)
         if not 1 <= min_length <= max_length <= 32:
             raise ValueError(f"need 1 <= min_length <= max_length <= 32, got {min_length}..{max_length}")
-        if max_value < 0:
-            raise ValueError(f"max_value must be >= 0, got {max_value}")
+        if not 0 <= max_value < 10**_MAX_DIGITS:
+            raise ValueError(f"max_value must be between 0 and 10**{_MAX_DIGITS} - 1 (answers are read as numbers of at "
+                             f"most {_MAX_DIGITS} digits), got {max_value}")
         self.min_length, self.max_length, self.max_value = int(min_length), int(max_length), int(max_value)
 
     def prompt(self, example: dict[str, Any]) -> str:

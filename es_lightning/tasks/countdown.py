@@ -15,6 +15,7 @@ see :mod:`es_lightning.tasks.base`). Examples follow the columns of the hub data
 
 from __future__ import annotations
 
+import operator
 import random
 from collections import Counter
 from collections.abc import Hashable
@@ -24,6 +25,7 @@ from typing import Any, ClassVar
 from es_lightning.tasks.base import Task
 from es_lightning.tasks.expressions import (
     MAX_EXPRESSION_CHARS,
+    MAX_LITERAL_DIGITS,
     num_solutions,
     parse_expression,
     reachable_values,
@@ -36,6 +38,8 @@ __all__ = ["CountdownTask", "solve", "num_solutions"]
 PROMPT_FORMATS = ("compact", "r1")
 #: default ``max_completion_chars`` for reasoning formats (~16k tokens); parsing only scans the tail, so it stays cheap
 LONG_COMPLETION_CHARS = 65536
+#: longest target text a record may hold: no value of at most ``MAX_VALUE_BITS`` (1024) bits has more than 309 digits
+_MAX_TARGET_CHARS = 400
 
 # TinyZero's Countdown prompt (examples/data_preprocess/countdown.py), base-model and instruct (chat) variants.
 _R1_INSTRUCTION = (
@@ -57,7 +61,8 @@ class CountdownTask(Task):
         prompt_format: ``"compact"`` (built-in char model) or ``"r1"`` (TinyZero ``<think>/<answer>`` prompt).
         num_numbers: how many numbers a procedural instance has (2–5; 3 is the tiny-model default, the hub set has 3–4).
         min_number, max_number: range of the procedural numbers (default 1..20: two digits keep the prompt short
-            for a character-level model while leaving ~40–70 reachable targets per instance).
+            for a character-level model while leaving ~40–70 reachable targets per instance); ``max_number`` below
+            10**12, the longest number (``MAX_LITERAL_DIGITS``) the verifier reads in an answer.
         min_target, max_target: procedural targets are integers in this range (default 1..100). The target is drawn
             uniformly among the *reachable* integers in range, like TinyZero's generator, which redraws unsolvable
             instances; so every instance is solvable.
@@ -95,6 +100,9 @@ class CountdownTask(Task):
             raise ValueError(f"num_numbers must be between 2 and 5 (the solver is exhaustive), got {num_numbers}")
         if not 0 <= min_number <= max_number:
             raise ValueError(f"need 0 <= min_number <= max_number, got {min_number}..{max_number}")
+        if max_number >= 10**MAX_LITERAL_DIGITS:  # the verifier reads numbers of at most MAX_LITERAL_DIGITS digits
+            raise ValueError(f"max_number must be below 10**{MAX_LITERAL_DIGITS} (answers are read with numbers of at "
+                             f"most {MAX_LITERAL_DIGITS} digits), got {max_number}")
         if not min_target <= max_target:
             raise ValueError(f"need min_target <= max_target, got {min_target}..{max_target}")
         self.prompt_format = prompt_format
@@ -168,13 +176,25 @@ class CountdownTask(Task):
 
     # ----------------------------------------------------------------- data
     def preprocess(self, example: dict[str, Any]) -> dict[str, Any]:
-        nums = example["nums"]
-        if isinstance(nums, str):  # a jsonl/csv that stored the list as text, e.g. "[3, 5, 7]"
-            nums = [int(tok) for tok in nums.strip("[]() ").replace(",", " ").split()]
+        """``nums`` as a list of ints (a text such as ``"[3, 5, 7]"`` is read too) and an integer text ``target`` as an
+        int. A record whose numbers are not non-negative integers of at most ``MAX_LITERAL_DIGITS`` digits, or whose
+        target is not a number, is refused (ValueError naming the column): it could never be answered correctly."""
+        nums = _record_numbers(example["nums"])
+        if nums is None:
+            raise ValueError(
+                f"Countdown record whose 'nums' column is {_shown(example['nums'])}, not a list of non-negative integers "
+                f"(of at most {MAX_LITERAL_DIGITS} digits): fix the column (e.g. [3, 5, 7]), or map your dataset's "
+                "columns to nums/target with data.column_mapping"
+            )
         target = example["target"]
-        if isinstance(target, str) and target.strip().lstrip("-").isdigit():
+        if isinstance(target, str) and len(target) <= _MAX_TARGET_CHARS and target.strip().lstrip("-").isdigit():
             target = int(target)  # other non-integers (e.g. "27.4") stay as they are; check_answer reads them exactly
-        return {**example, "nums": [int(x) for x in nums], "target": target}
+        if not _is_number(target):
+            raise ValueError(
+                f"Countdown record whose 'target' column is {_shown(example['target'])}, not a number: fix the column "
+                "(e.g. 22), or map your dataset's columns to nums/target with data.column_mapping"
+            )
+        return {**example, "nums": nums, "target": target}
 
     def procedural(self, num_examples: int, seed: int) -> list[dict[str, Any]]:
         """``num_examples`` solvable instances, a pure function of ``seed`` (``random.Random(seed)``).
@@ -256,3 +276,54 @@ def _r1_answer(completion: str) -> str | None:
 def _compact_prompt(example: dict[str, Any]) -> str:
     """``c:3 5 7>22=``: the built-in model's prompt, and every format's problem identity (:meth:`CountdownTask.pool_key`)."""
     return f"c:{' '.join(str(int(x)) for x in example['nums'])}>{example['target']}="
+
+
+def _record_numbers(value: Any) -> list[int] | None:
+    """A record's ``nums`` as non-negative ints of at most ``MAX_LITERAL_DIGITS`` digits, or ``None``: a list (or
+    tuple) of integers, integral floats or digit texts, or a text that lists them (``"[3, 5, 7]"``, ``"3 5 7"``)."""
+    if isinstance(value, str):  # a jsonl/csv that stored the list as text
+        tokens = value.strip("[]() ").replace(",", " ").split()
+        if not all(_digits(tok) for tok in tokens):
+            return None
+        value = [int(tok) for tok in tokens]
+    if not isinstance(value, (list, tuple)) or not value:
+        return None
+    nums = []
+    for x in value:
+        if isinstance(x, str) and _digits(x.strip()):
+            x = int(x)
+        elif isinstance(x, float) and x.is_integer():
+            x = int(x)
+        if isinstance(x, bool) or not hasattr(x, "__index__"):  # an int, a numpy integer; not a text, None, 2.5
+            return None
+        x = operator.index(x)
+        if not 0 <= x < 10**MAX_LITERAL_DIGITS:
+            return None
+        nums.append(x)
+    return nums
+
+
+def _digits(text: str) -> bool:
+    """Whether ``text`` is a natural number in ASCII digits short enough to read (``int`` of a long text is slow)."""
+    return text.isascii() and text.isdigit() and len(text.lstrip("0")) <= MAX_LITERAL_DIGITS
+
+
+def _is_number(value: Any) -> bool:
+    """Whether ``check_answer`` can read ``value`` as an exact number (an int, a finite float or a decimal text)."""
+    if isinstance(value, bool):
+        return False
+    if hasattr(value, "__index__"):  # an int, a numpy integer
+        return True
+    if not isinstance(value, (float, str)) or len(str(value)) > _MAX_TARGET_CHARS:
+        return False
+    try:
+        Fraction(str(value))
+    except (ValueError, OverflowError):  # "abc", "nan", "inf"
+        return False
+    return True
+
+
+def _shown(value: Any) -> str:
+    """``value`` as a message shows it: its repr, cut at 80 characters."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
