@@ -28,6 +28,8 @@ from es_lightning.hub import hub_errors
 from es_lightning.tasks import Task, get_task
 
 HELDOUT_FRACTION = 0.1
+#: most procedural problems one split may ask for: they are generated in memory (a held-out split draws ~20x as many)
+MAX_PROCEDURAL_PROBLEMS = 1_000_000
 _LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
 
 
@@ -47,6 +49,13 @@ def in_heldout_pool(prompt: str, fraction: float = HELDOUT_FRACTION) -> bool:
 
 def procedural_split(task: Task, split: str, num_examples: int, seed: int) -> list[dict[str, Any]]:
     """``num_examples`` distinct procedural problems from the pool of ``split`` (``train`` or ``val``/``test``)."""
+    if not 0 <= num_examples <= MAX_PROCEDURAL_PROBLEMS:
+        raise ValueError(
+            f"{num_examples} {split} problems asked for; a procedural split holds 0 to {MAX_PROCEDURAL_PROBLEMS:,} "
+            f"(they are generated in memory); lower data.{split}_size"
+        )
+    if num_examples == 0:
+        return []
     want_heldout = split != "train"
     out: list[dict[str, Any]] = []
     seen: set[str] = set()
@@ -151,7 +160,9 @@ class ReasoningDataModule(L.LightningDataModule):
         train_split, val_split, test_split: split names in the source; a missing val/test split is carved off the train
             split (``val_size``/``test_size`` examples, seeded).
         column_mapping: ``{source_column: task_column}`` renames applied before the task reads a record.
-        train_size, val_size, test_size: number of examples per split (``None`` = all; procedural needs numbers).
+        train_size, val_size, test_size: number of examples per split (``None`` = all; procedural needs numbers, at
+            most ``MAX_PROCEDURAL_PROBLEMS``). ``val_size``/``test_size`` may be 0 (no such problems: then also turn
+            validation off, ``trainer.limit_val_batches: 0``, and drop ``PassAtKCallback``); ``train_size`` is >= 1.
         batch_size: prompts per training step (ES: prompts shared by the whole population; GRPO: groups per step).
         val_batch_size: prompts per validation step.
         seed: seeds generation, shuffling and carving.
@@ -190,6 +201,11 @@ class ReasoningDataModule(L.LightningDataModule):
         for name, value in (("batch_size", batch_size), ("val_batch_size", val_batch_size)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if train_size is not None and train_size < 1:
+            raise ValueError(f"train_size must be >= 1 (or null: all rows of a dataset), got {train_size}")
+        for name, value in (("val_size", val_size), ("test_size", test_size)):
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0 (0: no {name[:-5]} problems; null: all rows), got {value}")
 
     # ------------------------------------------------------------------ loading
     def setup(self, stage: str | None = None) -> None:
@@ -215,10 +231,14 @@ class ReasoningDataModule(L.LightningDataModule):
         out: dict[str, Any] = {"train": dsets[self.train_split]}
         for split, name in (("val", self.val_split), ("test", self.test_split)):
             out[split] = dsets[name] if name is not None and name in dsets else None  # None: carved off train below
+        self._map_columns(out["train"], "train")  # a missing column first: no row count can mend it
         self._check_carving(out)
         for split, size in (("test", self.test_size), ("val", self.val_size)):
             if out[split] is None:
                 n = size if size is not None else max(1, len(out["train"]) // 10)
+                if n == 0:  # data.{split}_size: 0, no held-out rows (train_test_split refuses a test size of 0)
+                    out[split] = out["train"].select([])
+                    continue
                 parts = out["train"].train_test_split(test_size=n, seed=self.seed, shuffle=True)
                 out["train"], out[split] = parts["train"], parts["test"]
         result = {}

@@ -1,6 +1,7 @@
 """ReasoningDataModule from procedural data and real local files (jsonl, parquet, save_to_disk) via `datasets`."""
 
 import json
+from types import SimpleNamespace
 
 import datasets
 import pytest
@@ -78,6 +79,11 @@ def test_missing_column_names_the_column_and_the_mapping_option(tmp_path):
                                   column_mapping={"nonexistent": "nums"})
     with pytest.raises(ValueError, match="nonexistent"):
         bad_map.setup()
+    _write_jsonl(tmp_path / "two.jsonl", [{"numbers": [1, 2, 3], "target": 6}] * 2)
+    few = ReasoningDataModule(task="countdown", source=str(tmp_path / "two.jsonl"), val_size=2, test_size=2,
+                              train_size=None)
+    with pytest.raises(ValueError, match=r"lacks column\(s\) \['nums'\]"):  # before "too few rows": no count mends it
+        few.setup()
 
 
 def test_parquet_and_save_to_disk_sources_with_preprocess(tmp_path):
@@ -116,6 +122,30 @@ def test_asking_for_more_problems_than_exist_fails_fast():
 
     with pytest.raises(ValueError, match="distinct val problems"):
         procedural_split(AdditionTask(max_digits=1), "val", 50, 0)  # 100 sums exist, ~10 in the held-out pool
+
+
+def test_zero_sized_splits_work_and_absurd_sizes_are_refused(tmp_path):
+    from es_lightning.callbacks.pass_at_k import PassAtKCallback
+    from es_lightning.tasks import AdditionTask
+
+    assert procedural_split(AdditionTask(max_digits=1), "val", 0, 0) == []  # it used to hunt for a 0th problem
+    class Counted(AdditionTask):
+        def procedural(self, num_examples, seed):
+            raise AssertionError(f"asked to generate {num_examples} problems in memory")
+
+    with pytest.raises(ValueError, match=r"100000000 test problems asked for.*1,000,000.*lower data.test_size"):
+        procedural_split(Counted(), "test", 10**8, 0)
+    with pytest.raises(ValueError, match=r"train_size must be >= 1 \(or null"):
+        ReasoningDataModule(task="countdown", train_size=0)
+    with pytest.raises(ValueError, match=r"test_size must be >= 0 \(0: no test problems"):
+        ReasoningDataModule(task="countdown", test_size=-1)
+    _write_jsonl(tmp_path / "data.jsonl", [{"nums": [1, 2, i], "target": 3 + i} for i in range(6)])
+    dm = ReasoningDataModule(task="countdown", source=str(tmp_path / "data.jsonl"), train_size=None, val_size=0,
+                             test_size=2)
+    dm.setup()  # no rows carved for validation (train_test_split refuses a test size of 0)
+    assert [len(dm.splits[split]) for split in ("train", "val", "test")] == [4, 0, 2]
+    with pytest.raises(ValueError, match="the val split is empty; raise data.val_size, or remove the callback"):
+        PassAtKCallback(num_samples=1, ks=[1])._val_examples(SimpleNamespace(datamodule=dm))  # not Pass@1 = NaN
 
 
 def test_countdowns_held_out_problems_do_not_depend_on_the_prompt_format():

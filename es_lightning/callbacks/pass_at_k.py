@@ -172,6 +172,9 @@ class PassAtKCallback(L.Callback):
             raise RuntimeError("PassAtKCallback's training-time evaluation needs a ReasoningDataModule")
         dm.setup("validate")
         examples = dm.splits["val"]
+        if not examples:  # data.val_size: 0 — the figures would be NaN
+            raise ValueError("PassAtKCallback evaluates the validation problems, but the val split is empty; raise "
+                             "data.val_size, or remove the callback")
         return examples[: self.num_problems] if self.num_problems else examples
 
     def _log(self, pl_module, metrics: dict[str, float]) -> None:
