@@ -532,6 +532,21 @@ def describe_parse_error(message: str, argv: Sequence[str], options: Sequence[st
             if option.startswith("--"):
                 return _unknown_top_key(option[2:].split("=")[0], argv, options, command)
             return f"unexpected argument {m.group(1)!r}; options take the form --key value (see es-lightning fit --help)"
+        if m := re.search(r"Problems parsing config ?:\s*(.*)", text):  # which file: jsonargparse says "<unicode string>"
+            bad = next((f for f in configs if _not_yaml(f)), None)
+            detail = re.sub(r'\s+in "<unicode string>",?', " at", _squash(" ".join([m.group(1), *lines[i + 1:]])))
+            return f"--config {bad}: not valid YAML: {detail}" if bad else _squash(message)
+        if m := re.search(r"the following arguments are required: (.*)", text):  # named as they are given
+            names = [o.removeprefix("--") for o in options]
+            flags = [key if key in names or not names else next((n for n in names if n.rpartition(".")[2] == key
+                                                                  .rpartition(".")[2]), key)
+                     for key in (k.strip() for k in m.group(1).split(","))]
+            return f"{command} needs {', '.join('--' + f for f in flags)} (see {command} --help)"
+        if m := re.search(r"Unable to load config ['\"]([^'\"]+)['\"]", text):  # said once, with the option
+            keys = _PARSER_KEY.findall(" ".join(lines[: i + 1]))  # the key may head the message on its own line
+            option = f"--{keys[-1]}" if keys else "--config"
+            why = "does not exist" if not Path(m.group(1)).exists() else "could not be read as a YAML mapping"
+            return f"{option} {m.group(1)}: the file {why}"
         if m := re.search(r"invalid choice: '([^']+)'", text):
             return f"unknown command {m.group(1)!r}{_did_you_mean(m.group(1), _SUBCOMMANDS)} (commands: {', '.join(_SUBCOMMANDS)})"
     # a value of the wrong type: the innermost key with only "Expected a <class ...>" errors, and the given value
@@ -545,6 +560,16 @@ def describe_parse_error(message: str, argv: Sequence[str], options: Sequence[st
                 types = " or ".join(dict.fromkeys(t.replace("NoneType", "null") for t in expected))
                 return f"{where(key, cls)}expected {types}, got {given!r}"
     return _squash(message)
+
+
+def _not_yaml(file: str) -> bool:
+    import yaml
+
+    try:
+        yaml.safe_load(_read(file))
+    except yaml.YAMLError:
+        return True
+    return False
 
 
 def _line_setting(key: str, value: str, files: Sequence[str]) -> str | None:

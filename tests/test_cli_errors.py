@@ -63,6 +63,7 @@ def _files(tmp: Path) -> None:
     (tmp / "nocfg").mkdir()
     (tmp / "nocfg" / "model.safetensors").write_bytes(b"")
     (tmp / "afile").write_text("a file, not a directory")
+    (tmp / "notyaml.yaml").write_text("a: [\n")
     (tmp / "run" / "checkpoints").mkdir(parents=True)
     (tmp / "run" / "checkpoints" / "last.ckpt").write_bytes(b"")
     from es_lightning.policy import load_policy
@@ -161,6 +162,11 @@ CASES = [
      ["es-lightning eval: error:", "--eval.tempreature", "no option", "did you mean --eval.temperature?"]),
     ("analysis option without its section", ["eval", "--checkpoints", "builtin:countdown-tiny", "--num_problem", "2"],
      ["--num_problem", "es-lightning eval has no option", "did you mean --eval.num_problems?"]),
+    ("analysis command without its required option", ["eval"], ["es-lightning eval needs --checkpoints"]),
+    ("analysis settings file that does not exist", ["eval", "--checkpoints", "builtin:countdown-tiny", "--eval", "no.yaml"],
+     ["--eval no.yaml: the file does not exist"]),
+    ("config file that is not YAML", ["fit", "--config", "notyaml.yaml"],
+     ["--config notyaml.yaml: not valid YAML", "at line 2, column 1"]),
     ("unknown analysis option, nothing close", ["analyze", "drift", "--tuned", "builtin:countdown-tiny", "--xyz", "1"],
      ["es-lightning analyze drift has no option --xyz", "(it accepts: --tuned, --base, --taus"]),
     ("analysis value of the wrong type", ["analyze", "drift", "--tuned", "builtin:countdown-tiny", "--taus", "abc"],
