@@ -268,6 +268,28 @@ def test_math_verify_rewards():
     assert time.perf_counter() - start < 0.5
 
 
+def test_math_verifies_each_answer_once(monkeypatch):
+    """A population repeats answers; a hostile one (a power tower) cost math-verify's whole timeout at every
+    comparison. Each (gold, answer) pair is now verified once, and its verdict stays the verifier's."""
+    math_verify = pytest.importorskip("math_verify")
+    calls = []
+    real = math_verify.verify
+
+    def counting(gold, predicted, **kwargs):
+        calls.append(str(predicted))
+        return real(gold, predicted, **kwargs)
+
+    monkeypatch.setattr(math_verify, "verify", counting)
+    task = MathTask()
+    example = {"problem": "p", "answer": "\\frac{7}{9}"}
+    # members and steps write different texts around the same answers (a call already grades a repeated text once)
+    for step in range(2):
+        completions = [f"{prefix} step {step}: \\boxed{{{answer}}}" for prefix in ("so", "thus", "hence")
+                       for answer in ("\\frac{7}{9}", "7/9", "0.5")]
+        assert task.reward(completions, [example] * 9) == [1.0, 1.0, 0.1] * 3
+    assert len(calls) == 3
+
+
 # ------------------------------------------------------------------------------------------ addition and sorting
 def test_addition_task():
     task = AdditionTask()

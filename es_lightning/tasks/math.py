@@ -61,6 +61,17 @@ def _parse_boxed(content: str, timeout: int | None) -> list:
     return _math_verify().parse("\\boxed{" + content + "}", parsing_timeout=timeout)
 
 
+@functools.lru_cache(maxsize=4096)
+def _verified(gold: str, answer: str, timeout: int | None) -> bool:
+    """math-verify's verdict on one (gold, boxed answer) pair, once: a population or a group often repeats an answer,
+    and a hostile one (a power tower, ``9^{9^{9}}``) costs the whole timeout every time it is compared."""
+    gold_parsed = _parse_boxed(gold, timeout)
+    predicted = _parse_boxed(answer, timeout)
+    if not gold_parsed or not predicted:
+        return False
+    return bool(_math_verify().verify(gold_parsed, predicted, timeout_seconds=timeout))
+
+
 class MathTask(Task):
     """Problems with a short final answer: ``HuggingFaceH4/MATH-500`` by default (columns ``problem``, ``answer``).
 
@@ -121,12 +132,7 @@ class MathTask(Task):
             gold = last_boxed(gold, self.max_answer_chars) or ""
         if len(answer) > self.max_answer_chars or not gold:
             return False
-        timeout = self._timeout()
-        gold_parsed = _parse_boxed(gold, timeout)
-        predicted = _parse_boxed(answer, timeout)
-        if not gold_parsed or not predicted:
-            return False
-        return bool(_math_verify().verify(gold_parsed, predicted, timeout_seconds=timeout))
+        return _verified(gold, answer, self._timeout())
 
     def _timeout(self) -> int | None:
         """math-verify's timeouts use SIGALRM, which Python allows only in the main thread."""
