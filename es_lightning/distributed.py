@@ -46,6 +46,7 @@ the modules adapt. This file holds the two things a sharded policy needs beyond 
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -121,6 +122,7 @@ def close_before_group_exit(close: Callable[[], None]) -> None:
     """Have the ``atexit`` handler of :func:`destroy_process_group_at_exit` call ``close`` (a bound method, held weakly)
     before it destroys the default group: a vLLM engine shuts its own groups down, which fails once the default group
     is gone (each rank of a DDP fit on vLLM printed two tracebacks at exit)."""
+    _CLOSE_FIRST[:] = [ref for ref in _CLOSE_FIRST if ref() is not None]  # engines rebuilt: the old ones are gone
     _CLOSE_FIRST.append(weakref.WeakMethod(close))
 
 
@@ -137,8 +139,11 @@ def destroy_process_group_at_exit() -> None:
     def destroy() -> None:
         for ref in _CLOSE_FIRST:  # what holds subgroups of the default group (a vLLM engine) goes first
             close = ref()
-            if close is not None:
-                close()
+            try:
+                if close is not None:
+                    close()
+            except Exception as err:  # one that fails must not keep the group (and the others) alive
+                print(f"es-lightning: closing {close} at exit failed: {err}", file=sys.stderr)
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -144,7 +144,7 @@ def test_zero_sized_splits_work_and_absurd_sizes_are_refused(tmp_path):
                              test_size=2)
     dm.setup()  # no rows carved for validation (train_test_split refuses a test size of 0)
     assert [len(dm.splits[split]) for split in ("train", "val", "test")] == [4, 0, 2]
-    with pytest.raises(ValueError, match="the val split is empty; raise data.val_size, or remove the callback"):
+    with pytest.raises(ValueError, match="the val split is empty; raise data.val_size, or remove PassAtKCallback"):
         PassAtKCallback(num_samples=1, ks=[1])._val_examples(SimpleNamespace(datamodule=dm))  # not Pass@1 = NaN
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import lightning as L
+import pytest
 
 from es_lightning import PassAtKCallback, ReasoningDataModule, SequentialStrategy, TrainingReport
 from es_lightning.callbacks.report import format_table
@@ -54,4 +55,5 @@ def test_a_training_time_evaluation_draws_what_the_validation_loop_draws():
     trainer.validate(module, data)
     validated = callback.history[-1][1]
     assert 0 < validated["val/pass@1"] < validated["val/pass@4"]  # sampled: the draws matter
-    assert callback.evaluate(trainer, module) == validated
+    with pytest.warns(UserWarning, match=r"PassAtKCallback\(batch_size=64\) applies outside a fit: .*val_batch_size=5"):
+        assert callback.evaluate(trainer, module) == validated

@@ -280,6 +280,9 @@ def test_math_verifies_each_answer_once(monkeypatch):
         return real(gold, predicted, **kwargs)
 
     monkeypatch.setattr(math_verify, "verify", counting)
+    from es_lightning.tasks.math import _verified
+
+    _verified.cache_clear()  # a verdict another test cached is not this test's call
     task = MathTask()
     example = {"problem": "p", "answer": "\\frac{7}{9}"}
     # members and steps write different texts around the same answers (a call already grades a repeated text once)

@@ -18,12 +18,15 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torchmetrics import MeanMetric
 
 from es_lightning.distributed import gathered_for_generation
 from es_lightning.generation import SamplingParams
 from es_lightning.metrics import MajorityAtK, PassAtK, TokenEntropy
+
+#: problems per generation call of an evaluation outside a fit when ``batch_size`` is not given
+DEFAULT_BATCH_SIZE = 64
 
 
 class PassAtKCallback(L.Callback):
@@ -40,9 +43,10 @@ class PassAtKCallback(L.Callback):
         eval_at_start: evaluate the starting weights before the first training step (logged at step 0).
         num_problems: evaluate on at most this many validation problems during training (``None`` = all).
         batch_size: problems per generation call of an evaluation outside a fit (``es-lightning eval``, the
-            analyses). Within a fit every evaluation — at start, every N steps, at validation — takes the
+            analyses; default 64). Within a fit every evaluation — at start, every N steps, at validation — takes the
             datamodule's validation batches (``val_batch_size``), so that all of them draw the same random numbers
-            for the same problem and their differences come from the weights alone.
+            for the same problem and their differences come from the weights alone (a ``batch_size`` given here that
+            differs is said once; set ``data.val_batch_size`` for memory).
         seed: base seed of the evaluation samples.
         prefix: logged names are ``{prefix}/pass@k``, ``{prefix}/maj@k``, ``{prefix}/entropy``, ``{prefix}/reward_mean``.
     """
@@ -57,7 +61,7 @@ class PassAtKCallback(L.Callback):
         every_n_train_steps: int = 0,
         eval_at_start: bool = False,
         num_problems: int | None = None,
-        batch_size: int = 64,
+        batch_size: int | None = None,
         seed: int = 1234,
         prefix: str = "val",
     ) -> None:
@@ -78,7 +82,10 @@ class PassAtKCallback(L.Callback):
         self.every_n_train_steps = every_n_train_steps
         self.eval_at_start = eval_at_start
         self.num_problems = num_problems
+        if batch_size is not None and batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1 problems per generation call, got {batch_size}")
         self.batch_size = batch_size
+        self._said_batch_size = False
         self.seed = seed
         self.prefix = prefix
         self.pass_at_k = PassAtK(self.ks)
@@ -122,7 +129,12 @@ class PassAtKCallback(L.Callback):
         validation loop's batches (rank ``r`` takes problems ``r, r + W, …`` as its ``DistributedSampler`` does), so
         that a training-time evaluation and a validation run of the same weights give the same figures."""
         examples = self._val_examples(trainer)
-        size = getattr(trainer.datamodule, "val_batch_size", None) or self.batch_size
+        size = getattr(trainer.datamodule, "val_batch_size", None) or self.batch_size or DEFAULT_BATCH_SIZE
+        if self.batch_size not in (None, size) and not self._said_batch_size:
+            self._said_batch_size = True
+            rank_zero_warn(f"PassAtKCallback(batch_size={self.batch_size}) applies outside a fit: a fit's evaluations "
+                           f"take data.val_batch_size={size} (the validation loop's batches, the same random numbers); "
+                           "set data.val_batch_size to change it")
         mine = examples[trainer.global_rank :: trainer.world_size]
         if trainer.world_size > 1 and getattr(pl_module, "sharded", False):
             # sharded forwards are collectives: every rank makes as many generate calls as the busiest one (rank 0),
@@ -144,7 +156,7 @@ class PassAtKCallback(L.Callback):
         :class:`~es_lightning.modules.base.ReasoningModule` around any policy. ``on_batch(examples, eval_batch)`` is
         called after each batch (progress bars, extra counts).
         """
-        size = batch_size or self.batch_size
+        size = batch_size or self.batch_size or DEFAULT_BATCH_SIZE
         self._reset(pl_module.device)
         for i in range(0, len(examples), size):
             chunk = examples[i : i + size]
@@ -174,7 +186,7 @@ class PassAtKCallback(L.Callback):
         examples = dm.splits["val"]
         if not examples:  # data.val_size: 0 — the figures would be NaN
             raise ValueError("PassAtKCallback evaluates the validation problems, but the val split is empty; raise "
-                             "data.val_size, or remove the callback")
+                             "data.val_size, or remove PassAtKCallback (and TrainingReport, which reads it)")
         return examples[: self.num_problems] if self.num_problems else examples
 
     def _log(self, pl_module, metrics: dict[str, float]) -> None:

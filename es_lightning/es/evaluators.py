@@ -91,7 +91,7 @@ class PopulationScores:
     success: Tensor  # [N, B] float32 share of each member's n samples of prompt b the verifier accepts
     mean_length: Tensor  # [N] float32 mean completion length (tokens)
     clipped_ratio: Tensor  # [N] float32 share of completions that hit max_new_tokens
-    entropy: Tensor | None  # [N] float32 token-mean entropy of the sampling distribution; None when greedy
+    entropy: Tensor | None  # [N] float32 token-mean entropy of the policy; None when greedy or not measured (vLLM)
     generate_s: float = 0.0  # seconds this rank spent generating
     score_s: float = 0.0  # seconds this rank spent grading
     #: ``(noise id, parameter name) -> flat fp32 noise`` still held from the evaluation, for the update to reuse

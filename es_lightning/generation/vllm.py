@@ -244,6 +244,7 @@ class VLLMGenerator(Generator):
         #: whether the engine-side ES centre (es_set_centre) is the engine's current weights; a push ends it
         self.es_centre_current = False
         self._adapters: list[str] | None = None
+        self._warned_lengths: set[int] = set()
         self.llm = self._build_engine(kwargs)
         #: the longest prompt + completion the engine takes (vLLM's, from max_model_len or the model's config)
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
@@ -290,7 +291,9 @@ class VLLMGenerator(Generator):
         if self.on_cpu and "memory for the cache blocks" in reason:  # its advice (gpu_memory_utilization) is for GPUs
             return (f"generation_options.cpu_kv_cache_gib={self.cpu_kv_cache_gib:g} holds no KV-cache block for this "
                     f"model on a CPU: raise it (e.g. 0.25)")
-        if "validation error" in str(err).splitlines()[0] or "memory for the cache blocks" in reason:
+        header = (str(err).splitlines() or [""])[0]  # a bare assert has no message
+        settings = "validation error" in header and "ModelConfig" not in header  # ModelConfig: the model's own config
+        if settings or "memory for the cache blocks" in reason:
             return f"generation_options: vLLM refused the engine settings: {reason}"
         return f"vLLM cannot load this model: {reason}"
 
@@ -440,13 +443,7 @@ class VLLMGenerator(Generator):
         seeds = row_seeds(prompts, num_samples, seed, common_random_blocks)
         enc = encode_prompts(tokenizer, list(prompts))  # the ids HFGenerator feeds: one BOS, never two
         token_lists = [row[mask.bool()].tolist() for row, mask in zip(enc["input_ids"], enc["attention_mask"])]
-        longest = max(len(ids) for ids in token_lists)
-        if longest + params.max_new_tokens > self.max_model_len:  # vLLM would refuse the prompt or cut the completion
-            raise ValueError(
-                f"a prompt of {longest} tokens plus max_new_tokens={params.max_new_tokens} exceeds the vLLM engine's "
-                f"max_model_len={self.max_model_len}; set generation_options.max_model_len to at least "
-                f"{longest + params.max_new_tokens} (the longest prompt + max_new_tokens), or shorten the prompts"
-            )
+        self._check_lengths(max(len(ids) for ids in token_lists), params.max_new_tokens)
         eos = self.eos_token_ids
         adapters = self._lora_requests(len(prompts), common_random_blocks)
         requests, sampling, loras = [], [], []
@@ -473,6 +470,21 @@ class VLLMGenerator(Generator):
         with preserved_host_state():
             outputs = self.llm.generate(requests, sampling, use_tqdm=False, lora_request=loras or None)
         return self._rollout(token_lists, outputs, num_samples, params, return_logprobs)
+
+    def _check_lengths(self, longest: int, max_new_tokens: int) -> None:
+        """A prompt the engine cannot take is refused (vLLM would raise mid-fit in 41 frames); a prompt whose
+        completion would run past ``max_model_len`` is generated — vLLM ends it there, marked truncated as at
+        ``max_new_tokens`` — with one warning per length, since the fit's rewards then come from shorter completions
+        than asked for."""
+        fix = f"set generation_options.max_model_len to at least {longest + max_new_tokens} (prompt + max_new_tokens)"
+        if longest >= self.max_model_len:
+            raise ValueError(f"a prompt of {longest} tokens leaves no room in the vLLM engine's max_model_len="
+                             f"{self.max_model_len}; {fix}, or shorten the prompts")
+        if longest + max_new_tokens > self.max_model_len and longest not in self._warned_lengths:
+            self._warned_lengths.add(longest)
+            warnings.warn(f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} exceeds the vLLM "
+                          f"engine's max_model_len={self.max_model_len}: its completions end at "
+                          f"{self.max_model_len - longest} tokens (counted as truncated); {fix}", stacklevel=3)
 
     def _lora_requests(self, prompts: int, blocks: int) -> list | None:
         """One LoRA request per block of prompts inside :meth:`member_adapters`, else ``None``."""

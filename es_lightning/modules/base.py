@@ -57,7 +57,7 @@ class EvalBatch:
     correct: Tensor  # [P, n] bool
     answers: list[list[str | None]]  # [P][n] extracted answers (None = unparseable)
     rewards: Tensor  # [P, n]
-    entropy: Tensor  # [P*n, C] per-token entropy of the sampling distribution
+    entropy: Tensor  # [P*n, C] per-token entropy of the policy at the sampling temperature (Rollout.entropy)
     mask: Tensor  # [P*n, C] completion mask
     rollout: Rollout
 

@@ -64,7 +64,8 @@ def _parse_boxed(content: str, timeout: int | None) -> list:
 @functools.lru_cache(maxsize=4096)
 def _verified(gold: str, answer: str, timeout: int | None) -> bool:
     """math-verify's verdict on one (gold, boxed answer) pair, once: a population or a group often repeats an answer,
-    and a hostile one (a power tower, ``9^{9^{9}}``) costs the whole timeout every time it is compared."""
+    and a hostile one (a power tower, ``9^{9^{9}}``) costs the whole timeout every time it is compared. A verdict the
+    timeout decided (False) is kept too: the same comparison would run out of time again."""
     gold_parsed = _parse_boxed(gold, timeout)
     predicted = _parse_boxed(answer, timeout)
     if not gold_parsed or not predicted:

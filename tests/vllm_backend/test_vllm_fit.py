@@ -156,7 +156,8 @@ def test_grpo_recipe_pushes_after_each_optimizer_step(tmp_path, keep_alive):
     from es_lightning.lightning_cli import ESLightningCLI
 
     check = _EngineFollowsPolicy()
-    fragment = [a for a in VLLM if a not in ("--model.init_args.generation_options.max_model_len", "96")]
+    at = VLLM.index("--model.init_args.generation_options.max_model_len")
+    fragment = VLLM[:at] + VLLM[at + 2:]  # the fragment's own max_model_len
     args = ["--config", _recipe(tmp_path, "grpo.yaml"), *SMALL, *fragment, "--trainer.max_steps", "3",
             "--trainer.default_root_dir", str(tmp_path),
             "--data.init_args.batch_size", "2", "--model.init_args.group_size", "4"]
