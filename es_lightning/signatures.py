@@ -23,5 +23,6 @@ def accepted_options(cls) -> list[str]:
         if not any(p.kind == p.VAR_KEYWORD for p in params):
             break
     with contextlib.suppress(TypeError, ValueError):
-        names += [p for p in inspect.signature(cls).parameters if p not in names]
+        names += [p.name for p in inspect.signature(cls).parameters.values()
+                  if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in names]
     return list(dict.fromkeys(n for n in names if not n.startswith("_")))

@@ -646,5 +646,8 @@ def test_task_record_rebuilds_a_task_whose_constructor_fixes_its_parents():
     assert record["init_args"] == {"num_numbers": 4}
     rebuilt = get_task(record["class_path"], **record["init_args"])
     assert (type(rebuilt), rebuilt.num_numbers, rebuilt.format_reward) == (_FixedRewardTask, 4, 0.0)
+    from es_lightning.signatures import accepted_options
+
+    assert "task_kwargs" not in accepted_options(type(get_task("gsm8k")))  # a **kwargs parameter is no option
     full = task_record(CountdownTask(prompt_format="r1"))
     assert {"prompt_format", "num_numbers", "format_reward", "use_chat_template", "max_completion_chars"} <= set(full["init_args"])
