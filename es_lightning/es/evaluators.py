@@ -113,8 +113,9 @@ class PopulationEvaluator(ABC):
         return None
 
     def check_ahead(self, module: ReasoningModule) -> None:
-        """What :meth:`check` refuses, without preparing anything: called at fit start for a later stage (a
-        :class:`~es_lightning.SequentialStrategy` switch), on the first stage's module."""
+        """What :meth:`check` refuses (and warns about), for a later stage (a :class:`~es_lightning.SequentialStrategy`
+        switch), called at fit start on the first stage's module. The default is :meth:`check`; an evaluator whose
+        check also prepares something (the vLLM LoRA evaluator asks for engine settings) overrides it."""
         self.check(module)
 
     @abstractmethod
