@@ -248,6 +248,8 @@ def test_gsm8k_number_tolerance():
         assert task.reward([f"#### {other}"], [ex]) == [0.1], other
     assert task.reward(["the answer is 1234", "#### many", "#### 1 then #### 1234"], [ex] * 3) == [0.0, 0.0, 1.0]
     assert task.extract_answer("#### -$5.50") == "-5.5"
+    # digits of other scripts are no answer (verl reads [0-9]; Countdown and the arithmetic tasks refuse them too)
+    assert task.reward(["#### \u0661\u0662\u0663\u0664", "#### \U0001d7cf\U0001d7d0\U0001d7d1\U0001d7d2"], [ex] * 2) == [0.0, 0.0]
     with pytest.raises(ValueError, match="gold"):
         task.preprocess({"question": "q", "answer": "no final number"})
 

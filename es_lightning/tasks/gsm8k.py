@@ -22,7 +22,9 @@ __all__ = ["GSM8KTask", "normalize_number"]
 #: verl's GSM8K instruction (examples/data_preprocess/gsm8k.py): the answer goes after "####"
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 #: a number right after "####": optional sign and "$" in either order, digits with thousands commas, optional decimals
-_AFTER_MARK = re.compile(r"\s*(?:\$\s*)?([-+]?)\s*(?:\$\s*)?(\d[\d,]*(?:\.\d+)?|\.\d+)")
+#: ASCII digits only (``re.ASCII``), as verl's GSM8K reward reads them (``[0-9]``): ``#### ١٢٣٤`` is no answer, as in
+#: Countdown and the arithmetic tasks
+_AFTER_MARK = re.compile(r"\s*(?:\$\s*)?([-+]?)\s*(?:\$\s*)?(\d[\d,]*(?:\.\d+)?|\.\d+)", re.ASCII)
 _MAX_NUMBER_CHARS = 40
 
 
