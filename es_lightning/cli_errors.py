@@ -240,7 +240,7 @@ def explain(exc: BaseException) -> str | None:
         if isinstance(e, ConfigError):
             return describe_parse_error(str(e), _CONTEXT["argv"])
         if isinstance(e, UserError):
-            return str(e)
+            return _relocated(str(e), _CONTEXT["argv"])
         if isinstance(e, RewardError):  # a task broke the scoring contract: the message says which way and the fix
             return _squash(str(e)) + (f" ({DEBUG_FLAG} for the traceback)" if e.__cause__ is not None else "")
         if _is_worker_error(e):
@@ -260,6 +260,16 @@ def explain(exc: BaseException) -> str | None:
                          " (or --trainer.accelerator cpu; FSDP2 on CPUs: configs/trainer/fsdp2_cpu.yaml)")
             return line
     return None
+
+
+def _relocated(message: str, argv: Sequence[str]) -> str:
+    """A message about ``--key …`` whose key was set in a config file, not on the command line: ``file:line: key …``
+    (``--ckpt_path '/nope.ckpt': no such file`` of a recipe's ``ckpt_path:`` line)."""
+    m = re.match(r"--([\w.]+)\b", message)
+    if m is None or any(a.split("=", 1)[0] == m.group(0) for a in argv):
+        return message
+    found = locate(m.group(1), argv)
+    return f"{found}: {m.group(1)}{message[m.end():]}" if found and not found.startswith("--") else message
 
 
 def _is_worker_error(exc: BaseException) -> bool:

@@ -48,6 +48,7 @@ def _files(tmp: Path) -> None:
     (tmp / "sigma.yaml").write_text(es.replace("sigma: 0.005 ", "sigma: -0.01 "))
     (tmp / "ptype.yaml").write_text(es.replace("population_size: 32 ", "population_size: abc"))
     (tmp / "klass.yaml").write_text(es.replace("es_lightning.ESModule", "es_lightning.ESModul"))
+    (tmp / "ckptrecipe.yaml").write_text(es + "ckpt_path: /nope.ckpt\n")
     (tmp / "cbklass.yaml").write_text(es.replace("es_lightning.PassAtKCallback", "es_lightning.PassAtKCallbak"))
     (tmp / "mtemp.yaml").write_text(es.replace(MODEL_TEMPERATURE, MODEL_TEMPERATURE.replace("1.0", "hot")))
     (tmp / "ctemp.yaml").write_text(es.replace(CALLBACK_TEMPERATURE, CALLBACK_TEMPERATURE.replace("1.0", "hot")))
@@ -165,6 +166,8 @@ CASES = [
     ("analysis command without its required option", ["eval"], ["es-lightning eval needs --checkpoints"]),
     ("analysis settings file that does not exist", ["eval", "--checkpoints", "builtin:countdown-tiny", "--eval", "no.yaml"],
      ["--eval no.yaml: the file does not exist"]),
+    ("checkpoint path set in a recipe that does not exist", ["fit", "--config", "ckptrecipe.yaml"],
+     [f"ckptrecipe.yaml:{len(ES_LINES) + 1}: ckpt_path '/nope.ckpt': no such file"]),
     ("config file that is not YAML", ["fit", "--config", "notyaml.yaml"],
      ["--config notyaml.yaml: not valid YAML", "at line 2, column 1"]),
     ("unknown analysis option, nothing close", ["analyze", "drift", "--tuned", "builtin:countdown-tiny", "--xyz", "1"],
