@@ -548,9 +548,7 @@ def describe_parse_error(message: str, argv: Sequence[str], options: Sequence[st
             return f"--config {bad}: not valid YAML: {detail}" if bad else _squash(message)
         if m := re.search(r"the following arguments are required: (.*)", text):  # named as they are given
             names = [o.removeprefix("--") for o in options]
-            flags = [key if key in names or not names else next((n for n in names if n.rpartition(".")[2] == key
-                                                                  .rpartition(".")[2]), key)
-                     for key in (k.strip() for k in m.group(1).split(","))]
+            flags = [_as_given(key.strip(), names) for key in m.group(1).split(",")]
             return f"{command} needs {', '.join('--' + f for f in flags)} (see {command} --help)"
         if m := re.search(r"Unable to load config ['\"]([^'\"]+)['\"]", text):  # said once, with the option
             keys = _PARSER_KEY.findall(" ".join(lines[: i + 1]))  # the key may head the message on its own line
@@ -570,6 +568,14 @@ def describe_parse_error(message: str, argv: Sequence[str], options: Sequence[st
                 types = " or ".join(dict.fromkeys(t.replace("NoneType", "null") for t in expected))
                 return f"{where(key, cls)}expected {types}, got {given!r}"
     return _squash(message)
+
+
+def _as_given(key: str, names: Sequence[str]) -> str:
+    """How the command line spells the parser key ``key``: itself, or the option of ``names`` with the same last
+    part (the parser's ``eval.checkpoints`` is ``--checkpoints``)."""
+    if not names or key in names:
+        return key
+    return next((n for n in names if n.rpartition(".")[2] == key.rpartition(".")[2]), key)
 
 
 def _not_yaml(file: str) -> bool:
