@@ -231,7 +231,7 @@ class ReasoningDataModule(L.LightningDataModule):
         out: dict[str, Any] = {"train": dsets[self.train_split]}
         for split, name in (("val", self.val_split), ("test", self.test_split)):
             out[split] = dsets[name] if name is not None and name in dsets else None  # None: carved off train below
-        self._map_columns(out["train"], "train")  # a missing column first: no row count can mend it
+        self.map_columns(out["train"], "train")  # a missing column first: no row count can mend it
         self._check_carving(out)
         for split, size in (("test", self.test_size), ("val", self.val_size)):
             if out[split] is None:
@@ -243,7 +243,7 @@ class ReasoningDataModule(L.LightningDataModule):
                 out["train"], out[split] = parts["train"], parts["test"]
         result = {}
         for split, ds in out.items():
-            ds = self._map_columns(ds, split)
+            ds = self.map_columns(ds, split)
             size = {"train": self.train_size, "val": self.val_size, "test": self.test_size}[split]
             if size is not None and len(ds) > size:
                 ds = ds.shuffle(seed=self.seed).select(range(size))
@@ -323,7 +323,10 @@ class ReasoningDataModule(L.LightningDataModule):
         with hub_errors(self.source, kind="dataset"):
             return datasets.load_dataset(self.source, self.hub_config or self.task.hub_config)
 
-    def _map_columns(self, ds, split: str):
+    def map_columns(self, ds, split: str, fix: Callable[[list[str], str], str] | None = None):
+        """``ds`` (a split of the source) with ``column_mapping`` applied and the task's columns checked: one line
+        naming a mapped column that is absent, or a task column that is missing, and the option that fixes it
+        (``fix(missing, a_column_it_has)``: the hint, by default ``data.column_mapping``'s)."""
         if self.column_mapping:
             missing = [c for c in self.column_mapping if c not in ds.column_names]
             if missing:
@@ -331,9 +334,9 @@ class ReasoningDataModule(L.LightningDataModule):
                     f"data.column_mapping renames {missing}, but the {split} split has columns {ds.column_names}"
                 )
             ds = ds.rename_columns(self.column_mapping)
-        check_columns(ds, self.task, f"data.source {self.source!r}", split, lambda missing: (
-            "Map them with data.column_mapping, e.g. "
-            f"column_mapping: {{{ds.column_names[0] if ds.column_names else 'your_column'}: {missing[0]}}}"))
+        example = ds.column_names[0] if ds.column_names else "your_column"
+        fix = fix or (lambda missing, have: f"Map them with data.column_mapping, e.g. column_mapping: {{{have}: {missing[0]}}}")
+        check_columns(ds, self.task, f"data.source {self.source!r}", split, lambda missing: fix(missing, example))
         return ds
 
     # ------------------------------------------------------------------ loaders

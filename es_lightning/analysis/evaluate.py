@@ -34,7 +34,7 @@ import torch
 from es_lightning.analysis.checkpoints import LoadedModel, TrainedWith, check_model_spec, load_model, trained_with
 from es_lightning.analysis.output import check_out_dir, format_table, markdown_table, write_json
 from es_lightning.analysis.settings import PAPER_EVAL, EvalSettings, resolve_device
-from es_lightning.data import ReasoningDataModule, check_columns, procedural_split
+from es_lightning.data import ReasoningDataModule, procedural_split
 from es_lightning.policy import Policy
 from es_lightning.tasks import Task, get_task
 
@@ -56,36 +56,37 @@ def heldout_problems(task: Task, num_problems: int, seed: int = 0, source: str =
     if source == "procedural":
         try:
             return procedural_split(task, "test", num_problems, seed)
-        except (ValueError, NotImplementedError) as err:  # its hints name the data module's options, not eval's
-            raise ValueError(str(err).replace("lower data.test_size", "lower --eval.num_problems")
-                             .replace("set data.source", "set --eval.source")) from None
+        except (ValueError, NotImplementedError) as err:
+            raise _in_eval_terms(err) from None
     dm = ReasoningDataModule(task, source=source, train_size=None, val_size=None, test_size=num_problems, seed=seed,
                              column_mapping=column_mapping)
     dsets = dm.load_source()
     name = dm.test_split if dm.test_split in dsets else next(iter(dsets)) if len(dsets) == 1 else None
-    if name is None:  # several splits, no test split: held-out rows carved off the train split, as a fit would
-        try:
-            dm.setup("test")
-        except ValueError as err:  # its hints name the data module's options, not eval's
-            raise ValueError(str(err).replace("data.column_mapping", "eval.column_mapping")
-                             .replace("data.source", "eval.source").replace("data.test_size", "eval.num_problems")) from None
-        return dm.splits["test"]
-    ds = dsets[name]
-    if column_mapping:
-        absent = [c for c in column_mapping if c not in ds.column_names]
-        if absent:
-            raise ValueError(f"eval.column_mapping renames {absent}, but eval.source {source!r} has columns {ds.column_names}")
-        ds = ds.rename_columns(column_mapping)
-    check_columns(ds, task, f"eval.source {source!r}", repr(name), lambda missing: (
-        f"Map them with --eval.column_mapping, e.g. '{{{ds.column_names[0] if ds.column_names else 'your_column'}: "
-        f"{missing[0]}}}'"))
-    if len(ds) < num_problems:
-        raise ValueError(f"eval.source {source!r} has {len(ds)} problems in its {name!r} split, fewer than "
-                         f"eval.num_problems={num_problems}; lower --eval.num_problems (e.g. to {len(ds)})")
     try:
+        if name is None:  # several splits, no test split: held-out rows carved off the train split, as a fit would
+            dm.setup("test")
+            return dm.splits["test"]
+        ds = dm.map_columns(dsets[name], repr(name), lambda missing, have: (  # the fit's renames and checks
+            f"Map them with --eval.column_mapping, e.g. '{{{have}: {missing[0]}}}'"))
+        if len(ds) < num_problems:
+            raise ValueError(f"eval.source {source!r} has {len(ds)} problems in its {name!r} split, fewer than "
+                             f"eval.num_problems={num_problems}; lower --eval.num_problems (e.g. to {len(ds)})")
         return [task.preprocess(dict(r)) for r in ds.shuffle(seed=seed).select(range(num_problems))]
-    except ValueError as err:  # a malformed record: its hint names the data module's option, not eval's
-        raise ValueError(str(err).replace("data.column_mapping", "--eval.column_mapping")) from None
+    except ValueError as err:  # a missing column, a malformed record, too few rows
+        raise _in_eval_terms(err) from None
+
+
+#: the data module's options in its error hints → the evaluation options that set them
+_EVAL_TERMS = (("data.column_mapping", "--eval.column_mapping"), ("data.source", "--eval.source"),
+               ("data.test_size", "--eval.num_problems"))
+
+
+def _in_eval_terms(err: Exception) -> ValueError:
+    """``err`` (raised by the data module) with its hints naming ``--eval.*``, the options an evaluation is given."""
+    text = str(err)
+    for data_option, eval_option in _EVAL_TERMS:
+        text = text.replace(data_option, eval_option)
+    return ValueError(text)
 
 
 def evaluation_module(policy: Policy, task: Task, max_new_tokens: int, device: torch.device | str = "cpu"):

@@ -41,8 +41,8 @@ class _Sampler(LogitsProcessor):
     """Temperature, top-p, then Gumbel noise from a private generator; greedy decoding over the result samples exactly.
 
     With ``track=True`` it also records, per position, the log-prob of the token that was chosen and the entropy of the
-    policy at the sampling temperature (before top-p) — read off the logits it already holds, so no ``[B, C, V]`` logits tensor is ever kept
-    (a 150k-token vocabulary would make that gigabytes).
+    policy at the sampling temperature (before top-p) — read off the logits it already holds, so no ``[B, C, V]``
+    logits tensor is ever kept (a 150k-token vocabulary would make that gigabytes).
     """
 
     def __init__(
