@@ -289,6 +289,50 @@ def masters_from_weights(optimizers: Iterable, named_params: Iterable[tuple[str,
     return taken
 
 
+#: a checkpoint's names of its optimizers' parameters (``[[name, …] per optimizer]``, names as in the module's
+#: ``model``, in the order of the optimizer's ``state_dict`` indices): what ties a saved master to its weight without
+#: rebuilding the optimizer (``es-lightning analyze`` reads the masters, :func:`checkpoint_masters`)
+PARAMETER_NAMES_KEY = "es_lightning_optimizer_parameters"
+
+
+def optimizer_parameter_names(optimizers: Iterable, named_params: Iterable[tuple[str, Tensor]]) -> list[list[str | None]]:
+    """For each optimizer, the name of each parameter in its ``state_dict``'s index order (torch numbers them across
+    its param groups in order); ``None`` for a parameter ``named_params`` does not hold."""
+    by_param = {p: name for name, p in named_params}
+    return [[by_param.get(p) for p in chain.from_iterable(g["params"] for g in opt.param_groups)] for opt in optimizers]
+
+
+def checkpoint_masters(checkpoint: dict, prefix: str = "model.") -> tuple[dict[str, Tensor], int]:
+    """``({name: master}, unmatched)`` of a Lightning checkpoint: the fp32 master of every bf16/fp16 weight its
+    optimizers kept (the values the optimizer updated: the weight is the master rounded once), named as in the
+    module's ``model``. A single-file checkpoint keys optimizer state by index (named through
+    :data:`PARAMETER_NAMES_KEY`, written by the modules since it exists); a consolidated sharded one by the
+    parameter's name in the LightningModule (``prefix`` + name, wrapper prefixes dropped). ``unmatched`` counts the
+    masters that could be named by neither (a checkpoint from before the names were saved)."""
+    from es_lightning.es.sharding import clean_name
+
+    names = checkpoint.get(PARAMETER_NAMES_KEY) or []
+    masters: dict[str, Tensor] = {}
+    unmatched = 0
+    for i, saved in enumerate(checkpoint.get("optimizer_states") or []):
+        state = saved.get("state") if isinstance(saved, dict) else None
+        order = names[i] if i < len(names) else []
+        for key, entry in (state or {}).items():
+            master = entry.get("master") if isinstance(entry, dict) else None
+            if not isinstance(master, Tensor):
+                continue
+            if isinstance(key, str):
+                name = clean_name(key)
+                name = name[len(prefix):] if name.startswith(prefix) else None
+            else:
+                name = order[key] if isinstance(key, int) and 0 <= key < len(order) else None
+            if name is None:
+                unmatched += 1
+            else:
+                masters[name] = master
+    return masters, unmatched
+
+
 class MasterAdamW(MasterState, torch.optim.AdamW):
     """AdamW whose ``param_groups`` hold the model's parameters and whose update of a low-precision parameter is
     computed on its fp32 master (``state[p]["master"]``, with fp32 ``exp_avg``/``exp_avg_sq``), then rounded into

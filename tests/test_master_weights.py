@@ -262,18 +262,52 @@ def test_grpo_steps_update_the_fp32_master_as_intended(model_dir):
     assert torch.equal(weights[NORM].detach().double(), start[NORM])
 
 
-def test_drift_reads_the_master(tiny_model_dir):
-    """train/drift is ‖θ − θ₀‖/‖θ₀‖ of the fp32 masters: at lr 1e-6 the bf16 weights say something else entirely."""
-    module = _grpo(tiny_model_dir)
+@pytest.mark.parametrize("kind", ["es", "grpo"])
+def test_drift_reads_the_master(kind, model_dir, tmp_path, capsys):
+    """train/drift — and `analyze drift` / `analyze ablation` of the run's .ckpt — are ‖θ − θ₀‖/‖θ₀‖ and s_τ of the
+    fp32 masters: at these step sizes the bf16 weights say something else entirely."""
+    from es_lightning.analysis.ablation import snapshot, sparsity_ablation
+    from es_lightning.analysis.checkpoints import load_model
+    from es_lightning.analysis.drift import drift_command
+    from es_lightning.precision import PARAMETER_NAMES_KEY
+
+    module = (_es if kind == "es" else _grpo)(model_dir)
     start = _start(module)
-    trainer = _fit(module, 2)
-    masters = _masters(module)
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, filename="last")
+    trainer = _fit(module, 2, root=tmp_path, callbacks=[ckpt])
+    masters = _masters(module)  # taken from the optimizer by parameter identity
     num = sum(float((masters[n].double() - start[n]).square().sum()) for n in start)
     den = sum(float(t.square().sum()) for t in start.values())
     by_hand = (num / den) ** 0.5
     weights = sum(float((p.detach().double() - start[n]).square().sum()) for n, p in module.model.named_parameters())
     assert float(trainer.logged_metrics["train/drift"]) == pytest.approx(by_hand, rel=1e-4)
-    assert abs((weights / den) ** 0.5 - by_hand) > 0.5 * by_hand  # the rounded weights would mismeasure it
+    if kind == "grpo":  # the rounded weights would mismeasure it (ES's norm survives rounding; its s_τ does not)
+        assert abs((weights / den) ** 0.5 - by_hand) > 0.5 * by_hand
+
+    report = drift_command(str(tmp_path / "last.ckpt"), out_dir=str(tmp_path / "drift"), plot=False)
+    assert "fp32 masters" in capsys.readouterr().out and report.masters == len(start)
+    assert report.relative_drift == pytest.approx(by_hand, rel=1e-9)
+    tau = 1e-6
+    unchanged = sum(int(((masters[n].double() - start[n]).abs() <= tau).sum()) for n in start)
+    numel = sum(t.numel() for t in start.values())
+    rounded = sum(int(((p.detach().double() - start[n]).abs() <= tau).sum()) for n, p in module.model.named_parameters())
+    assert report.sparsity(tau) == unchanged / numel and abs(rounded - unchanged) > 0.05 * numel
+
+    # the ablation resets by the masters' update, and τ = 0 gives back the tuned bf16 weights bit for bit
+    loaded = load_model(str(tmp_path / "last.ckpt"))
+    before = snapshot(loaded.policy.model)
+    rows = sparsity_ablation(loaded.policy.model, {n: t.to(torch.bfloat16) for n, t in start.items()}, dict,
+                             taus=[tau], masters=loaded.masters)
+    assert rows[2]["sparsity"] == unchanged / numel
+    assert all(torch.equal(before[n], p) for n, p in loaded.policy.model.named_parameters())
+
+    # a checkpoint from before masters were named: the rounded weights, said once
+    old = torch.load(tmp_path / "last.ckpt", weights_only=False)
+    del old[PARAMETER_NAMES_KEY]
+    torch.save(old, tmp_path / "old.ckpt")
+    legacy = load_model(str(tmp_path / "old.ckpt"))
+    assert not legacy.masters and legacy.unmatched_masters == len(start)
+    assert "cannot be tied to its weights" in legacy.masters_note()
 
 
 # ---------------------------------------------------------------------------------------------------- resume, switch

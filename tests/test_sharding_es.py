@@ -352,6 +352,16 @@ def test_sharded_checkpoint_consolidates_to_the_full_one(fsdp2_run, tmp_path):
         assert torch.equal(merged["state_dict"][key], value), key
     theta0 = [c["callbacks"]["ParameterDrift"]["theta0"] for c in (merged, full)]
     assert theta0[1] and all(torch.equal(theta0[0][k], v) for k, v in theta0[1].items())
+    # its optimizer state is keyed by name: the names `analyze drift` reads a master under, those of the file's index
+    from es_lightning.precision import PARAMETER_NAMES_KEY, checkpoint_masters
+
+    state = merged["optimizer_states"][0]["state"]
+    for entry in state.values():
+        entry["master"] = torch.zeros(1)
+    for entry in full["optimizer_states"][0]["state"].values():
+        entry["master"] = torch.zeros(1)
+    by_name, by_index = checkpoint_masters(merged), checkpoint_masters(full)
+    assert by_name[1] == by_index[1] == 0 and by_name[0].keys() == by_index[0].keys() == set(full[PARAMETER_NAMES_KEY][0])
 
 
 def test_consolidation_command_refuses_bad_paths_in_one_line(fsdp2_run, tmp_path):

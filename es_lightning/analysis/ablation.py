@@ -6,8 +6,9 @@ functionally sparse.
 
 The ablated weight is chosen, not computed: θ_abl = θ where |Δθ| > τ, θ₀ elsewhere (``torch.where``, no arithmetic), so
 τ = 0 gives back the tuned model and τ = ∞ the base model *bit for bit*, and a weight is either exactly tuned or
-exactly base. |Δθ| is computed in float64, as in :mod:`es_lightning.analysis.drift`, so the fraction reset at τ is that
-report's s_τ.
+exactly base. |Δθ| is computed in float64, as in :mod:`es_lightning.analysis.drift`, so the fraction reset at τ is
+that report's s_τ. A ``.ckpt`` of a bf16/fp16 run is ablated on its fp32 masters' update (as the drift report reads
+it), each kept weight being its master rounded: the tuned weight.
 
 Top-p % is an ablation at the threshold τ_p that keeps at most p % of all weights (global, not per tensor), found by
 bisection on the bit patterns of float64 (each probe is one counting pass over the update; ~60 passes at most).
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import math
 import struct
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -169,13 +171,16 @@ def sparsity_ablation(
     top_percent: Sequence[float] | None = None,
     save_dir: str | Path | None = None,
     tokenizer=None,
+    masters: Weights | None = None,
 ) -> list[dict[str, Any]]:
     """Ablate ``tuned_model`` in place at each setting, call ``evaluate()`` (→ metrics) on it, restore it at the end.
 
     Returns one row per setting: ``{"label", "tau", "top_percent", "sparsity", **metrics}``. With ``save_dir`` every
-    ablated model (not the base or tuned reference) is written there with ``save_pretrained``.
+    ablated model (not the base or tuned reference) is written there with ``save_pretrained``. ``masters``: the fp32
+    masters of bf16/fp16 weights (a ``.ckpt``'s, :attr:`LoadedModel.masters`): Δθ is theirs, and a kept weight is its
+    master rounded — the tuned weight itself, so τ = 0 still gives back the tuned model bit for bit.
     """
-    tuned_weights = snapshot(tuned_model)
+    tuned_weights = {**snapshot(tuned_model), **(masters or {})}
     rows = []
     try:
         for setting in ablation_settings(taus, top_percent, base_weights, tuned_weights):
@@ -243,7 +248,10 @@ def ablation_command(
     base = base or _base_of(tuned_model, "ablation")
     base_weights = snapshot(load_model(base, dtype=dtype or tuned_model.hyperparameters.get("dtype")).policy.model)
     policy = tuned_model.policy
-    warn_about_base(tuned, base, tuned_model.base, parameter_drift(base_weights, policy.model, [0.0]).relative_drift)
+    note = tuned_model.masters_note()
+    if note:
+        print(note, file=sys.stderr if note.startswith("warning") else sys.stdout)
+    warn_about_base(tuned, base, tuned_model.base, parameter_drift(base_weights, tuned_model.weights(), [0.0]).relative_drift)
     bar = tqdm(total=(2 + len(taus) + len(top_percent)) * len(problems), desc="ablation", unit="problem", disable=not progress,
                leave=False)
 
@@ -253,7 +261,8 @@ def ablation_command(
     out = Path(out_dir)
     try:
         rows = sparsity_ablation(policy.model, base_weights, evaluate, taus=taus, top_percent=top_percent,
-                                 save_dir=out / "models" if save_models else None, tokenizer=policy.tokenizer)
+                                 save_dir=out / "models" if save_models else None, tokenizer=policy.tokenizer,
+                                 masters=tuned_model.masters)
     finally:
         bar.close()
     report = AblationReport(rows=rows, ks=settings.ks, settings=dict(base=base, tuned=tuned, task=task_obj.name,

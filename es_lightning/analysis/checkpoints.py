@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from es_lightning.policy import Policy, load_policy, resolve_model_path
+from es_lightning.precision import checkpoint_masters
 from es_lightning.tasks.base import TASK_KEY
 
 STATE_PREFIX = "model."
@@ -33,6 +34,27 @@ class LoadedModel:
     base: str | None = None  #: the base model a ``.ckpt`` was trained from (its ``model`` hyperparameter)
     hyperparameters: dict[str, Any] = field(default_factory=dict)  #: a ``.ckpt``'s module hyperparameters
     global_step: int | None = None  #: a ``.ckpt``'s training step
+    #: the fp32 master of each bf16/fp16 weight a ``.ckpt``'s optimizer kept (``{name: master}``; the weight is the
+    #: master rounded once, so a drift of the weights sees only the updates that crossed a rounding boundary)
+    masters: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: masters in the ``.ckpt`` that could not be tied to a weight (written before checkpoints named them)
+    unmatched_masters: int = 0
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """``{name: value}`` of every parameter (tied ones once) as the optimizer last left it: its fp32 master where
+        the checkpoint keeps one, else the weight itself (not a copy). What drift and ablation measure the update on."""
+        return {name: self.masters.get(name, p.detach()) for name, p in self.policy.model.named_parameters()}
+
+    def masters_note(self) -> str | None:
+        """One line on which values an analysis of this model's update reads, when the weights have masters."""
+        if self.masters:
+            return (f"(read {len(self.masters)} parameters from the fp32 masters the optimizer updated, as train/drift "
+                    "does: their bf16/fp16 weights are the masters rounded)")
+        if self.unmatched_masters:
+            return (f"warning: {self.spec!r} keeps fp32 masters that cannot be tied to its weights (a checkpoint written "
+                    "before es-lightning named them): the update is read from the rounded bf16/fp16 weights, which "
+                    "hide every change smaller than half a rounding step")
+        return None
 
     @property
     def label(self) -> str:
@@ -86,7 +108,8 @@ def read_checkpoint(path: str) -> dict[str, Any]:
     """The checkpoint dictionary of an es-lightning module, checked: a clear error for anything else."""
     file = _check_checkpoint_path(path)
     try:
-        checkpoint = torch.load(file, map_location="cpu", weights_only=False)
+        # mmap: tensors are read when used (an analysis keeps the weights and masters, not the optimizer's moments)
+        checkpoint = torch.load(file, map_location="cpu", weights_only=False, mmap=True)
     except Exception as err:  # not a torch file at all
         raise ValueError(f"{path!r} is not a PyTorch Lightning checkpoint ({type(err).__name__}: {err})") from err
     hparams = checkpoint.get("hyper_parameters") if isinstance(checkpoint, dict) else None
@@ -199,7 +222,11 @@ def load_model(spec: str, dtype: str | torch.dtype | None = None, trust_remote_c
         ) from err
     state = {k[len(STATE_PREFIX):]: v for k, v in checkpoint["state_dict"].items() if k.startswith(STATE_PREFIX)}
     load_weights(policy.model, state, source=spec)
-    return LoadedModel(policy=policy, spec=spec, base=base, hyperparameters=hparams, global_step=checkpoint.get("global_step"))
+    masters, unmatched = checkpoint_masters(checkpoint, STATE_PREFIX)
+    params = dict(policy.model.named_parameters())
+    masters = {n: m for n, m in masters.items() if n in params and m.shape == params[n].shape}
+    return LoadedModel(policy=policy, spec=spec, base=base, hyperparameters=hparams, global_step=checkpoint.get("global_step"),
+                       masters=masters, unmatched_masters=unmatched)
 
 
 def load_weights(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str = "checkpoint") -> None:

@@ -13,7 +13,10 @@ Ba et al. §4 report that ES spreads its update with the largest relative change
 concentrates in the embeddings and LM head; the ``largest`` ranking of :class:`DriftReport` is that comparison.
 
 Parameters are taken from ``named_parameters()`` (shared tensors once: a model with tied input/output embeddings has
-no separate LM head — its head is the embedding, counted under ``embeddings``). Sums are in float64, chunk by chunk,
+no separate LM head — its head is the embedding, counted under ``embeddings``). For a ``.ckpt`` of a bf16/fp16 run θ is
+read from the fp32 masters its optimizer kept (``master_dtype``; es_lightning/precision.py), as ``train/drift`` reads
+them during the fit: the weights are the masters rounded, so their Δθ would count only the updates that crossed a
+rounding boundary (s_0 near 1 after an ES step of ~1e-5 relative) and quantise the rest. Sums are in float64, chunk by chunk,
 so a billion-parameter model needs no model-sized float64 buffer.
 """
 
@@ -156,6 +159,8 @@ class DriftReport:
     per_parameter: list[dict[str, Any]]
     tied_embeddings: bool = False
     sources: dict[str, str] = field(default_factory=dict)
+    #: how many parameters were read from a checkpoint's fp32 masters rather than their bf16/fp16 weights
+    masters: int = 0
 
     @property
     def relative_drift(self) -> float:
@@ -187,7 +192,7 @@ class DriftReport:
     def to_json(self) -> dict[str, Any]:
         return {
             "sources": self.sources, "taus": self.taus, "overall": self.overall, "per_kind": self.per_kind,
-            "largest_relative_drift": self.largest, "tied_embeddings": self.tied_embeddings,
+            "largest_relative_drift": self.largest, "tied_embeddings": self.tied_embeddings, "masters": self.masters,
             "per_parameter": self.per_parameter,
         }
 
@@ -255,9 +260,14 @@ def drift_command(
     trained_from = tuned_model.base
     base = base or _base_of(tuned_model, "drift")
     base_model = load_model(base, dtype=dtype or tuned_model.hyperparameters.get("dtype"))
-    report = parameter_drift(base_model.policy.model, tuned_model.policy.model, taus)
+    report = parameter_drift(base_model.policy.model, tuned_model.weights(), taus)
+    report.tied_embeddings = _has_tied_head(tuned_model.policy.model)
     report.sources = {"base": base, "tuned": tuned}
+    report.masters = len(tuned_model.masters)
     print(f"drift of {tuned} from {base} ({time.perf_counter() - start:.0f}s)")
+    note = tuned_model.masters_note()
+    if note:
+        print(note, file=sys.stderr if note.startswith("warning") else sys.stdout)
     warn_about_base(tuned, base, trained_from, report.relative_drift)
     print(report.table())
     if report.tied_embeddings:

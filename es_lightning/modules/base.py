@@ -38,12 +38,14 @@ from es_lightning.modules.stage import STAGE_KEY, peek_stage_on_load
 from es_lightning.policy import Policy, load_policy, resolve_dtype
 from es_lightning.precision import (
     COMPUTE_DTYPE_OF_PRECISION,
+    PARAMETER_NAMES_KEY,
     WEIGHT_DTYPE_OF_PRECISION,
     check_device_dtype,
     check_master_dtype,
     lower_precision,
     master_dtype_for,
     masters_from_weights,
+    optimizer_parameter_names,
 )
 from es_lightning.scoring import Scores, score_completions
 from es_lightning.tasks import Task, get_task
@@ -510,6 +512,8 @@ class ReasoningModule(L.LightningModule):
         task = self._task if self._task is not None else getattr(dm, "task", None)
         if isinstance(task, Task):  # how the model was prompted: an evaluation of this checkpoint prompts it the same way
             checkpoint[TASK_KEY] = task_record(task)
+        if self._trainer is not None and self.trainer.optimizers:  # which saved master belongs to which weight
+            checkpoint[PARAMETER_NAMES_KEY] = optimizer_parameter_names(self.trainer.optimizers, self.model.named_parameters())
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.policy_updated()  # the checkpoint's weights are loaded next: a vLLM engine takes them before it generates
