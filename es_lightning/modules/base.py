@@ -176,7 +176,10 @@ class ReasoningModule(L.LightningModule):
     @property
     def generator(self) -> Generator:
         if self._generator is None:
-            self._generator = make_generator(self.generation_backend, self.policy, **self.engine_options())
+            options = self.engine_options()
+            if self.generation_backend == "vllm" and self.trust_remote_code:  # the engine builds the policy's model
+                options.setdefault("trust_remote_code", True)
+            self._generator = make_generator(self.generation_backend, self.policy, **options)
         return self._generator
 
     def engine_options(self) -> dict[str, Any]:

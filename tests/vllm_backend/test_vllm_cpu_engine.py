@@ -172,7 +172,7 @@ LEAKS = textwrap.dedent(r"""
     # GRPO on vLLM, then low-rank ES: the engine built for GRPO has no LoRA; the switch rebuilds it with adapters
     from es_lightning import CountdownTask, GRPOModule, SequentialStrategy
     L.seed_everything(0, verbose=False)
-    module = GRPOModule(group_size=2, max_new_tokens=4, generation_backend="vllm",
+    module = GRPOModule(group_size=2, max_new_tokens=4, generation_backend="vllm", trust_remote_code=True,
                         generation_options=dict(max_model_len=64, cpu_kv_cache_gib=0.0625))
     blocks = r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$"
     switch = SequentialStrategy(switch_step=1, es=dict(population_size=4, sigma=0.02, lr=0.01, noise_rank=2,
@@ -183,7 +183,7 @@ LEAKS = textwrap.dedent(r"""
                         enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, callbacks=[switch])
     trainer.fit(module, data)
     out["switch"] = [trainer.global_step, module.algorithm.name, type(module.algorithm.evaluator).__name__,
-                     module.generator.max_loras]
+                     module.generator.max_loras, module.generator.llm.llm_engine.model_config.trust_remote_code]
     print("RESULT " + json.dumps(out))
 """)
 
@@ -193,7 +193,8 @@ def test_engine_leaves_the_process_as_it_found_it(tmp_path):
     while it lives (vLLM's one-process ``torch.distributed`` group present) gives the same weights as one run before;
     ``close()`` removes the group. A model the CPU engine cannot run (head_dim 8) is refused at construction with
     vLLM's reason in one line — in a fit (``generation_backend: vllm``), when the fit starts, before any step. A GRPO →
-    low-rank ES switch rebuilds the GRPO stage's engine with LoRA adapters (one engine per process: the old one closed)."""
+    low-rank ES switch rebuilds the GRPO stage's engine with LoRA adapters (one engine per process: the old one closed),
+    and the module's ``trust_remote_code`` reaches the engine."""
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-c", LEAKS, str(tmp_path / "head8")], capture_output=True, text=True,
                           env=env, timeout=600, cwd=tmp_path)
@@ -207,4 +208,5 @@ def test_engine_leaves_the_process_as_it_found_it(tmp_path):
     assert out["refusal"] is not None and out["refusal"].startswith("vLLM cannot load this model: ")
     assert "head_dim=8" in out["refusal"] and "\n" not in out["refusal"]
     assert out["fit_refusal"] == out["refusal"] and out["fit_steps"] == 0
-    assert out["switch"] == [2, "es", "VLLMLowRankEvaluator", 4]  # the engine was rebuilt with 4 adapter slots
+    # the engine was rebuilt with 4 adapter slots, and builds the model as the policy was (trust_remote_code)
+    assert out["switch"] == [2, "es", "VLLMLowRankEvaluator", 4, True]
