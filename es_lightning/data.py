@@ -47,12 +47,13 @@ def in_heldout_pool(prompt: str, fraction: float = HELDOUT_FRACTION) -> bool:
     return zlib.crc32(prompt.encode()) % 10_000 < fraction * 10_000
 
 
-def procedural_split(task: Task, split: str, num_examples: int, seed: int) -> list[dict[str, Any]]:
-    """``num_examples`` distinct procedural problems from the pool of ``split`` (``train`` or ``val``/``test``)."""
+def procedural_split(task: Task, split: str, num_examples: int, seed: int, option: str | None = None) -> list[dict[str, Any]]:
+    """``num_examples`` distinct procedural problems from the pool of ``split`` (``train`` or ``val``/``test``);
+    ``option`` is the setting a too-large count is blamed on (default ``data.<split>_size``)."""
     if not 0 <= num_examples <= MAX_PROCEDURAL_PROBLEMS:
         raise ValueError(
             f"{num_examples} {split} problems asked for; a procedural split holds 0 to {MAX_PROCEDURAL_PROBLEMS:,} "
-            f"(they are generated in memory); lower data.{split}_size"
+            f"(they are generated in memory); lower {option or f'data.{split}_size'}"
         )
     if num_examples == 0:
         return []

@@ -135,6 +135,10 @@ def test_zero_sized_splits_work_and_absurd_sizes_are_refused(tmp_path):
 
     with pytest.raises(ValueError, match=r"100000000 test problems asked for.*1,000,000.*lower data.test_size"):
         procedural_split(Counted(), "test", 10**8, 0)
+    from es_lightning.builtin.pretrain import PretrainDataModule  # its own option, not the fit's data.train_size
+
+    with pytest.raises(ValueError, match=r"2000000 train problems asked for.*lower num_examples$"):
+        PretrainDataModule(tasks=[Counted()], num_examples=2 * 10**6).setup()
     with pytest.raises(ValueError, match=r"train_size must be >= 1 \(or null"):
         ReasoningDataModule(task="countdown", train_size=0)
     with pytest.raises(ValueError, match=r"test_size must be >= 0 \(0: no test problems"):

@@ -284,7 +284,7 @@ class PretrainDataModule(L.LightningDataModule):
         if self.train_items:
             return
         for i, ((task, _), size) in enumerate(zip(self.tasks, self._task_sizes())):
-            train = procedural_split(task, "train", size, self.seed * 1000 + 10 * i)
+            train = procedural_split(task, "train", size, self.seed * 1000 + 10 * i, option="num_examples")
             if not all(ex.get("solutions") for ex in train):
                 raise ValueError(
                     f"task {task.name!r} gives procedural examples without a non-empty 'solutions' list; "
@@ -292,7 +292,7 @@ class PretrainDataModule(L.LightningDataModule):
                 )
             self.train_items.extend((task, ex) for ex in train)
             if self.val_size > 0:
-                val = procedural_split(task, "val", self.val_size, self.seed * 1000 + 10 * i + 1)
+                val = procedural_split(task, "val", self.val_size, self.seed * 1000 + 10 * i + 1, option="val_size")
                 self.val_items[task.name] = [(task, ex) for ex in val]
 
     def train_dataloader(self) -> DataLoader:
