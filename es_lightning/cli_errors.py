@@ -566,6 +566,8 @@ def describe_parse_error(message: str, argv: Sequence[str], options: Sequence[st
             if expected and given is not None:
                 key, cls = _key_path(lines, i)
                 types = " or ".join(dict.fromkeys(t.replace("NoneType", "null") for t in expected))
+                if "float" in expected and given.strip("'\"").lower().lstrip("+-") in ("nan", "inf", "infinity"):
+                    types = types.replace("float", "a finite float")  # parsed as a float, refused as not finite
                 return f"{where(key, cls)}expected {types}, got {given!r}"
     return _squash(message)
 

@@ -106,6 +106,8 @@ CASES = [
     ("unknown subcommand", ["fitt", "--config", str(RECIPES / "es.yaml")], ["unknown command 'fitt'", "did you mean 'fit'"]),
     ("value of the wrong type", ES + ["--data.init_args.val_size", "many"],
      ["--data.init_args.val_size", "expected int or null", "'many'"]),
+    ("a float that is not finite", ES + ["--model.init_args.sigma", "nan"],
+     ["--model.init_args.sigma", "expected a finite float, got 'nan'"]),
     ("ES population_size < 2", ES + SMALL + ["--model.init_args.population_size=1"],
      ["--model.init_args.population_size", "population_size must be >= 2", "got 1"]),
     ("ES sigma <= 0 in a YAML file", ["fit", "--config", "sigma.yaml"] + SMALL,
