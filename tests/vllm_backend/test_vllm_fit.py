@@ -15,6 +15,7 @@ script runs — and checked against the HF backend where the two must agree.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import lightning as L
@@ -341,6 +342,19 @@ def test_qwen_grpo_es_recipe_with_the_vllm_fragment(tmp_path, fit, qwen_like_dir
     assert [float(r["train/stage"]) for r in rows if r.get("train/reward_mean")] == [0.0, 1.0]
 
 
+ENGINE_PROBE = """
+import json
+import lightning as L
+
+class EngineProbe(L.Callback):
+    def on_train_end(self, trainer, pl_module):
+        gen = pl_module.generator
+        config = gen.llm.llm_engine.vllm_config.parallel_config
+        print("ENGINE " + json.dumps([trainer.global_rank, config.distributed_executor_backend, gen.engine_worker.rank,
+                                      trainer.world_size]), flush=True)
+"""
+
+
 def test_ddp_two_processes_equal_one(tmp_path, fit):
     """recipes/es.yaml on vLLM under DDP (2 CPU processes, gloo, an engine each, members split across ranks; each
     engine applies the same update from seeds) ends with the weights of the 1-process run, bit for bit."""
@@ -355,8 +369,11 @@ def test_ddp_two_processes_equal_one(tmp_path, fit):
             "--model.init_args.sigma", "0.02", "--data.init_args.batch_size", "8", "--trainer.callbacks", "null"]
     ddp = tmp_path / "ddp.yaml"
     ddp.write_text(yaml.safe_dump({"trainer": {"accelerator": "cpu", "devices": 2, "strategy": "ddp", "callbacks": [
-        {"class_path": "es_lightning.HFExport", "init_args": {"dirpath": str(tmp_path / "export")}}]}}))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT)}
+        {"class_path": "es_lightning.HFExport", "init_args": {"dirpath": str(tmp_path / "export")}},
+        {"class_path": "engine_probe.EngineProbe"}]}}))
+    (tmp_path / "engine_probe.py").write_text(ENGINE_PROBE)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)])}
     proc = subprocess.run([sys.executable, "-m", "es_lightning.cli", "fit", "--config", recipe, *args, "--config", str(ddp),
                            "--trainer.logger", "lightning.pytorch.loggers.CSVLogger",
                            "--trainer.logger.init_args.save_dir", str(tmp_path / "logs"),
@@ -364,6 +381,10 @@ def test_ddp_two_processes_equal_one(tmp_path, fit):
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and "MEMBER: 2/2" in proc.stdout + proc.stderr, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]  # the engines shut down before the trainer's group
+    # each rank's engine is its own worker of vLLM's external launcher: worker rank = trainer rank (the in-process
+    # executor made every engine worker 0 on device index 0 — on CUDA, every rank's engine on the first GPU)
+    probes = sorted(json.loads(line[len("ENGINE "):]) for line in proc.stdout.splitlines() if line.startswith("ENGINE "))
+    assert probes == [[r, "external_launcher", r, 2] for r in range(2)], proc.stdout[-2000:]
     module, _ = fit(recipe, *args)
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export").state_dict()
     weights = _weights(module)
