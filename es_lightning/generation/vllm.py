@@ -99,17 +99,25 @@ _ENV_RESTORED = ("LD_PRELOAD", "LOCAL_WORLD_SIZE", "NUMEXPR_MAX_THREADS", "TORCH
                  "LOCAL_RANK", "WORLD_SIZE")
 
 
-def launcher_placement(device: torch.device) -> dict[str, str] | None:
+def launcher_placement(device: torch.device, tensor_parallel_size: int = 1) -> dict[str, str] | None:
     """Under a multi-process ``torch.distributed`` run (DDP): the rank, local rank and world size vLLM's
     ``external_launcher`` executor reads, so each rank's engine is its own worker on the rank's device; ``None`` in one
     process. vLLM's default in-process executor takes worker rank 0 and device index 0 (``cuda:0``) in every process
     and sets it as the current device — every rank's engine on the first GPU. TRL's colocate mode uses the external
     launcher the same way (``RANK``/``LOCAL_RANK``/``WORLD_SIZE`` from the accelerator); the local rank here is the
-    policy's CUDA device index (Lightning places rank r of a node on ``cuda:r``), else ``LOCAL_RANK`` as launched."""
+    policy's CUDA device index (Lightning places rank r of a node on ``cuda:r``), else ``LOCAL_RANK`` as launched.
+    An engine spanning several ranks (``tensor_parallel_size > 1``) is refused there: each rank generates its own
+    prompts, which a tensor-parallel group of ranks cannot."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return None
+    if tensor_parallel_size != 1:
+        raise ValueError(
+            f"generation_options.tensor_parallel_size={tensor_parallel_size} under a {dist.get_world_size()}-process run "
+            "(DDP): each rank's engine generates its own prompts, so an engine cannot span ranks; use "
+            "tensor_parallel_size: 1 (an engine per GPU), or one process with the engine across GPUs"
+        )
     local = device.index if device.type == "cuda" and device.index is not None else int(os.environ.get("LOCAL_RANK", 0))
     return {"RANK": str(dist.get_rank()), "LOCAL_RANK": str(local), "WORLD_SIZE": str(dist.get_world_size())}
 
@@ -245,7 +253,7 @@ class VLLMGenerator(Generator):
         )
         if engine_side_es:
             kwargs["worker_extension_cls"] = "es_lightning.generation.vllm_es.ESWorkerExtension"
-        self._placement = launcher_placement(device)
+        self._placement = launcher_placement(device, tensor_parallel_size)
         if self._placement is not None:  # DDP: each rank's engine on its own device (see launcher_placement)
             kwargs["distributed_executor_backend"] = "external_launcher"
         if self.on_cpu:

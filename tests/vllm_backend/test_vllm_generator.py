@@ -199,3 +199,49 @@ def test_a_special_token_stop_string_stops_as_in_hf(qwen_pair, hf_generate):
         with torch.no_grad():
             emb[start] = saved
         gen.push_weights()
+
+
+def _placements(rank: int, world: int, port: int, out) -> None:
+    import torch.distributed as dist
+
+    from es_lightning.generation.vllm import launcher_placement
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        placed = launcher_placement(torch.device("cpu"))
+        try:
+            launcher_placement(torch.device("cpu"), tensor_parallel_size=2)
+            refused = None
+        except ValueError as err:
+            refused = str(err)
+        out.put((rank, placed, refused))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_ranks_get_their_own_engine_placement():
+    """Under 2 processes each rank's engine gets vLLM's external-launcher placement for its own rank (the fit test
+    checks the engines built with it); an engine spanning ranks (tensor_parallel_size > 1) is refused in one line.
+    One process: vLLM's own executor, no placement."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from es_lightning.generation.vllm import launcher_placement
+
+    assert launcher_placement(torch.device("cpu"), tensor_parallel_size=2) is None
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_placements, args=(r, 2, port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = sorted(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    assert [(r, placed) for r, placed, _ in results] == [
+        (r, {"RANK": str(r), "LOCAL_RANK": "0", "WORLD_SIZE": "2"}) for r in range(2)]
+    for _, _, refused in results:
+        assert refused is not None and "tensor_parallel_size=2 under a 2-process run" in refused and "\n" not in refused
