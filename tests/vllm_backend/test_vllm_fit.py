@@ -346,13 +346,29 @@ ENGINE_PROBE = """
 import json
 import lightning as L
 
+import torch
+from es_lightning.generation import SamplingParams
+from es_lightning.generation.vllm import policy_token_stats
+
 class EngineProbe(L.Callback):
     def on_train_end(self, trainer, pl_module):
         gen = pl_module.generator
         config = gen.llm.llm_engine.vllm_config.parallel_config
         print("ENGINE " + json.dumps([trainer.global_rank, config.distributed_executor_backend, gen.engine_worker.rank,
                                       trainer.world_size]), flush=True)
+        # the engine generates from this rank's policy weights (greedy log-probs = the policy's forward), and the
+        # ranks' weights agree (a checksum per rank)
+        prompts = pl_module.prompts([{"nums": [3, 5, 7], "target": 22}, {"nums": [2, 9, 4], "target": 14}])
+        rollout = gen.generate(prompts, 1, SamplingParams(max_new_tokens=6, temperature=0.0), return_logprobs=True)
+        forward, _ = policy_token_stats(pl_module.model, rollout, 1.0)
+        gap = float((rollout.logprobs - forward).abs().max())
+        total = sum(float(p.detach().double().sum()) for p in pl_module.model.parameters())
+        print("WEIGHTS " + json.dumps([trainer.global_rank, gap < 1e-5, total]), flush=True)
 """
+
+
+def _probed(stdout: str, tag: str) -> list:
+    return sorted(json.loads(line[len(tag) + 1:]) for line in stdout.splitlines() if line.startswith(tag + " "))
 
 
 def test_ddp_two_processes_equal_one(tmp_path, fit):
@@ -383,12 +399,36 @@ def test_ddp_two_processes_equal_one(tmp_path, fit):
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]  # the engines shut down before the trainer's group
     # each rank's engine is its own worker of vLLM's external launcher: worker rank = trainer rank (the in-process
     # executor made every engine worker 0 on device index 0 — on CUDA, every rank's engine on the first GPU)
-    probes = sorted(json.loads(line[len("ENGINE "):]) for line in proc.stdout.splitlines() if line.startswith("ENGINE "))
-    assert probes == [[r, "external_launcher", r, 2] for r in range(2)], proc.stdout[-2000:]
+    assert _probed(proc.stdout, "ENGINE") == [[r, "external_launcher", r, 2] for r in range(2)], proc.stdout[-2000:]
     module, _ = fit(recipe, *args)
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export").state_dict()
     weights = _weights(module)
     assert _moved(weights) and all(torch.equal(exported[n], weights[n]) for n in weights)
+
+
+def test_grpo_ddp_two_processes_on_vllm(tmp_path):
+    """recipes/grpo.yaml on vLLM under DDP (2 CPU processes, gloo, an engine per rank): both steps run, each rank's
+    engine is its own external-launcher worker and generates from its rank's weights after the last step, and the
+    ranks' weights agree."""
+    import os
+    import subprocess
+    import sys
+
+    recipe = _recipe(tmp_path, "grpo.yaml")
+    ddp = tmp_path / "ddp.yaml"
+    ddp.write_text(yaml.safe_dump({"trainer": {"accelerator": "cpu", "devices": 2, "strategy": "ddp", "callbacks": [
+        {"class_path": "engine_probe.EngineProbe"}]}}))
+    (tmp_path / "engine_probe.py").write_text(ENGINE_PROBE)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)])}
+    proc = subprocess.run([sys.executable, "-m", "es_lightning.cli", "fit", "--config", recipe, *SMALL, *VLLM,
+                           "--model.init_args.group_size", "4", "--data.init_args.batch_size", "2",
+                           "--config", str(ddp), "--trainer.default_root_dir", str(tmp_path)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert _probed(proc.stdout, "ENGINE") == [[r, "external_launcher", r, 2] for r in range(2)], proc.stdout[-2000:]
+    weights = _probed(proc.stdout, "WEIGHTS")
+    assert [w[:2] for w in weights] == [[0, True], [1, True]] and weights[0][2] == weights[1][2], weights
 
 
 def test_qwen_lowrank_recipe_with_the_vllm_command_of_its_header(tmp_path, fit, qwen_like_dir):
