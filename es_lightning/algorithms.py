@@ -35,7 +35,7 @@ import inspect
 import textwrap
 import typing
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 from lightning import LightningModule
@@ -111,6 +111,14 @@ class Algorithm(ABC):
 
     def on_fit_start(self, module: LightningModule) -> None:
         """Called at fit start, and at a switch, once the policy is placed (sharded, on its device)."""
+        return None
+
+    def apply_settings(self, optimizers: Sequence[Any], schedulers: Sequence[Any]) -> None:
+        """Write the settings an optimizer carries (its ``param_groups``: ``lr`` …) and its LR schedulers' base values
+        into the fit's ``optimizers`` and ``schedulers``. Called at train start: a resumed fit's optimizer and scheduler
+        state come from the checkpoint, param_groups included, and would otherwise silently keep the checkpoint's
+        ``lr`` when the resume configures another (the module warns the configured settings apply). Writing the same
+        values again changes nothing, so an unchanged resume stays bit for bit."""
         return None
 
     def check_batch(self, batch_size: int) -> None:

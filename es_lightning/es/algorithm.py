@@ -95,6 +95,15 @@ class ESAlgorithm(Algorithm):
         return ESOptimizer(named, lr=s.lr, sigma=s.sigma, scale=s.update_scale,
                            master_dtype=module.master_dtype_for([p for _, p in named]), noise_rank=s.noise_rank)
 
+    def apply_settings(self, optimizers, schedulers) -> None:
+        """The configured ``lr``, ``sigma`` and ``update_scale`` into the ES optimizer's param group: the members are
+        perturbed with ``settings.sigma``, so the update must use the same σ (and the configured α) after a resume."""
+        s = self.settings
+        for opt in optimizers:
+            if isinstance(opt, ESOptimizer):
+                for group in opt.param_groups:
+                    group.update(lr=s.lr, sigma=s.sigma, scale=s.update_scale)
+
     def configure_model(self, module: ReasoningModule) -> None:
         if self.settings.noise_rank:  # its bound is the perturbed matrices' smaller side: known once the model is loaded
             check_noise_rank(self.settings.noise_rank, perturbed_parameters(module.model, self.settings.trainable))

@@ -140,6 +140,22 @@ class GRPOAlgorithm(Algorithm):
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (warmup + 1)))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
+    def apply_settings(self, optimizers, schedulers) -> None:
+        """The configured ``lr``, ``betas`` and ``weight_decay`` into AdamW's param groups, ``lr`` as the warm-up
+        scheduler's base too, and the current LR recomputed from it (``LambdaLR``'s own formula, so an unchanged resume
+        keeps the checkpoint's bits)."""
+        s = self.settings
+        for opt in optimizers:
+            for group in opt.param_groups:
+                group.update(betas=s.betas, weight_decay=s.weight_decay, initial_lr=s.lr)
+                group["lr"] = s.lr
+        for scheduler in schedulers:
+            if isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+                scheduler.base_lrs = [s.lr] * len(scheduler.base_lrs)
+                for group, base, factor in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+                    group["lr"] = base * factor(scheduler.last_epoch)
+                scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
+
     def check_batch(self, batch_size: int) -> None:
         """``mini_batch_size`` must divide the ``batch_size × group_size`` completions of a rank's batch (or hold them
         all): equal mini-batches keep ``grpo``/``bnpo``'s per-mini-batch normalisation the same for every row."""

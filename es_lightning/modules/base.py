@@ -483,6 +483,8 @@ class ReasoningModule(L.LightningModule):
                 and (lower_precision(params[name].dtype, t.dtype) or (lower and t.dtype in (torch.float32, torch.float64)))}
 
     def on_train_start(self) -> None:
+        if self.algorithm is not None:  # a resume restored the checkpoint's param groups: the configured settings apply
+            self.algorithm.apply_settings(self.trainer.optimizers, [c.scheduler for c in self.trainer.lr_scheduler_configs])
         weights, self._checkpoint_weights = getattr(self, "_checkpoint_weights", None), None
         if isinstance(weights, str):  # a sharding strategy loaded the file's weights itself: read them again, lazily
             state = torch.load(weights, map_location="cpu", weights_only=False, mmap=True).get("state_dict", {})
