@@ -30,6 +30,7 @@ from typing import Any
 import lightning as L
 import torch
 
+from es_lightning.callbacks.cadence import StepCadence
 from es_lightning.es.sharding import ShardView, clean_name, gather_full, local_snapshot, localize, shard_views, sharded_drift
 from es_lightning.es.update import ESOptimizer
 from es_lightning.precision import MasterState, local
@@ -50,6 +51,7 @@ class ParameterDrift(L.Callback):
         #: whole tensors are cut down to the rank's elements at the first use
         self.theta0: dict[str, torch.Tensor] | None = None
         self._module: L.LightningModule | None = None
+        self._cadence = StepCadence()
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._module = pl_module
@@ -75,9 +77,11 @@ class ParameterDrift(L.Callback):
         views = self._views(pl_module)
         self.theta0 = local_snapshot(views) if self.theta0 is None else localize(views, self.theta0)
 
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx) -> None:
+        self._cadence.batch_started(trainer)
+
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
-        n = self.every_n_steps
-        if n and self.theta0 is not None and trainer.global_step % n == 0:
+        if self.theta0 is not None and self._cadence.due(trainer, self.every_n_steps):  # GRPO may step past a multiple
             pl_module.log("train/drift", self.compute(pl_module), on_step=True, on_epoch=False)
 
     @torch.no_grad()

@@ -16,6 +16,7 @@ from pathlib import Path
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 
+from es_lightning.callbacks.cadence import StepCadence
 from es_lightning.es.sharding import is_dtensor, is_sharded
 
 
@@ -53,14 +54,18 @@ class HFExport(L.Callback):
         self.every_n_train_steps = every_n_train_steps
         self.keep_files = tuple(keep_files)
         self._last_exported_step: int | None = None
+        self._cadence = StepCadence()
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self.dirpath is None:
             self.dirpath = Path(trainer.log_dir or trainer.default_root_dir) / "export"
 
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx) -> None:
+        self._cadence.batch_started(trainer)
+
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
-        if self.every_n_train_steps and step > 0 and step % self.every_n_train_steps == 0:
+        if self.every_n_train_steps and self._cadence.due(trainer, self.every_n_train_steps):  # GRPO may step past one
             if step != self._last_exported_step:  # with gradient accumulation several batches end on one step
                 self.export(pl_module)
                 self._last_exported_step = step

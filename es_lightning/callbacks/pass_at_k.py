@@ -21,6 +21,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torchmetrics import MeanMetric
 
+from es_lightning.callbacks.cadence import StepCadence
 from es_lightning.distributed import gathered_for_generation
 from es_lightning.generation import SamplingParams
 from es_lightning.metrics import MajorityAtK, PassAtK, TokenEntropy
@@ -94,6 +95,7 @@ class PassAtKCallback(L.Callback):
         self.reward = MeanMetric(nan_strategy="disable")  # synced across ranks on compute, as the metrics above
         #: ``[(global_step, {name: value})]`` of every evaluation, for plots and tables
         self.history: list[tuple[int, dict[str, float]]] = []
+        self._cadence = StepCadence()
 
     # ------------------------------------------------------------------ the shared evaluation
     def _params(self, pl_module) -> SamplingParams:
@@ -228,9 +230,11 @@ class PassAtKCallback(L.Callback):
             metrics = self.evaluate_at_step(trainer, pl_module)
             rank_zero_info("start: " + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items()))
 
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._cadence.batch_started(trainer)
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        n = self.every_n_train_steps
-        if n and trainer.global_step > 0 and trainer.global_step % n == 0:
+        if self._cadence.due(trainer, self.every_n_train_steps):  # a multiple of n reached (GRPO may step past it)
             self.evaluate_at_step(trainer, pl_module)
 
     def state_dict(self) -> dict[str, Any]:

@@ -1,0 +1,42 @@
+"""Callbacks that act every K optimizer steps act after every batch that reaches a new multiple of K, also when a GRPO
+batch with ``num_iterations`` > 1 steps past it (``global_step % K == 0`` skipped those)."""
+
+from __future__ import annotations
+
+import lightning as L
+from test_grpo import _data, _module
+
+from es_lightning import ParameterDrift, PassAtKCallback
+from es_lightning.callbacks import HFExport
+
+
+class _Drift(ParameterDrift):
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.steps: list[int] = []
+
+    def compute(self, pl_module) -> float:
+        self.steps.append(pl_module.global_step)
+        return super().compute(pl_module)
+
+
+class _Export(HFExport):
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.steps: list[int] = []
+
+    def export(self, pl_module):
+        self.steps.append(pl_module.global_step)
+
+
+def test_every_k_steps_fires_when_a_grpo_batch_steps_past_a_multiple(tiny_model_dir, tmp_path):
+    pass_at_k = PassAtKCallback(num_samples=2, ks=(1,), every_n_train_steps=2)
+    drift, export = _Drift(every_n_steps=2), _Export(dirpath=tmp_path / "export", every_n_train_steps=2)
+    trainer = L.Trainer(max_steps=6, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        callbacks=[pass_at_k, drift, export], enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0, num_sanity_val_steps=0)
+    trainer.fit(_module(tiny_model_dir, num_iterations=3, max_new_tokens=4), _data(train_size=4, batch_size=1))
+    assert trainer.global_step == 6  # batches end at steps 3 and 6: both reached a new multiple of 2
+    assert [step for step, _ in pass_at_k.history] == [3, 6]
+    assert drift.steps == [3, 6]
+    assert export.steps[:2] == [3, 6]  # (and once more at fit end)
