@@ -485,12 +485,28 @@ class ReasoningModule(L.LightningModule):
     def on_train_start(self) -> None:
         if self.algorithm is not None:  # a resume restored the checkpoint's param groups: the configured settings apply
             self.algorithm.apply_settings(self.trainer.optimizers, [c.scheduler for c in self.trainer.lr_scheduler_configs])
+            self._warn_max_steps_overshoot()
         weights, self._checkpoint_weights = getattr(self, "_checkpoint_weights", None), None
         if isinstance(weights, str):  # a sharding strategy loaded the file's weights itself: read them again, lazily
             state = torch.load(weights, map_location="cpu", weights_only=False, mmap=True).get("state_dict", {})
             weights = self._more_precise_weights(state, str(self.trainer.precision) in WEIGHT_DTYPE_OF_PRECISION)
         if weights:
             masters_from_weights(self.trainer.optimizers, self.named_parameters(), weights)
+
+    def _warn_max_steps_overshoot(self) -> None:
+        """Say when ``trainer.max_steps`` is not reachable: a batch makes ``steps_per_batch`` optimizer steps (GRPO's
+        ``num_iterations``), all of them, so Lightning stops at the first batch end at or past ``max_steps``. Not when
+        a :class:`~es_lightning.SequentialStrategy` switches to another algorithm before it (that stage ends the fit)."""
+        from es_lightning.callbacks.sequential import SequentialStrategy
+
+        k, step, limit = self.algorithm.steps_per_batch, self.trainer.global_step, self.trainer.max_steps
+        switching = any(isinstance(cb, SequentialStrategy) and cb.target != self.algorithm.name and cb.switch_step < limit
+                        for cb in self.trainer.callbacks)
+        if k > 1 and limit > step and (limit - step) % k and not switching:
+            end = step + -(-(limit - step) // k) * k
+            rank_zero_warn(f"trainer.max_steps={limit} is not reachable: each batch makes {k} optimizer steps "
+                           f"({self.algorithm.name} num_iterations={k}) from step {step}, so the fit ends at step {end}; "
+                           f"use a max_steps {k} steps apart from {step} (e.g. {end - k} or {end})")
 
     def on_fit_start(self) -> None:
         """Mark a sharded policy for lockstep generation before anything generates (FSDP1 wraps only at setup); let
