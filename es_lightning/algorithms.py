@@ -35,7 +35,7 @@ import inspect
 import textwrap
 import typing
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, ClassVar
 
 from lightning import LightningModule
@@ -113,12 +113,13 @@ class Algorithm(ABC):
         """Called at fit start, and at a switch, once the policy is placed (sharded, on its device)."""
         return None
 
-    def apply_settings(self, optimizers: Sequence[Any], schedulers: Sequence[Any]) -> None:
-        """Write the settings an optimizer carries (its ``param_groups``: ``lr`` …) and its LR schedulers' base values
-        into the fit's ``optimizers`` and ``schedulers``. Called at train start: a resumed fit's optimizer and scheduler
-        state come from the checkpoint, param_groups included, and would otherwise silently keep the checkpoint's
-        ``lr`` when the resume configures another (the module warns the configured settings apply). Writing the same
-        values again changes nothing, so an unchanged resume stays bit for bit."""
+    def apply_settings(self, optimizers: Sequence[Any], schedulers: Sequence[Any], changed: Collection[str]) -> None:
+        """Write the settings in ``changed`` that an optimizer carries (its ``param_groups``: ``lr`` …) and its LR
+        schedulers' base values into the fit's ``optimizers`` and ``schedulers``. Called at train start of a resume
+        whose configured settings differ from the checkpoint's (``changed``, the names the module warns about): the
+        optimizer and scheduler state come from the checkpoint, param groups included, and would otherwise keep the
+        checkpoint's ``lr``. Settings that did not change are left as restored (an LR schedule of the user's own keeps
+        its state)."""
         return None
 
     def check_batch(self, batch_size: int) -> None:

@@ -95,14 +95,16 @@ class ESAlgorithm(Algorithm):
         return ESOptimizer(named, lr=s.lr, sigma=s.sigma, scale=s.update_scale,
                            master_dtype=module.master_dtype_for([p for _, p in named]), noise_rank=s.noise_rank)
 
-    def apply_settings(self, optimizers, schedulers) -> None:
-        """The configured ``lr``, ``sigma`` and ``update_scale`` into the ES optimizer's param group: the members are
+    def apply_settings(self, optimizers, schedulers, changed) -> None:
+        """A changed ``lr``, ``sigma`` or ``update_scale`` into the ES optimizer's param group: the members are
         perturbed with ``settings.sigma``, so the update must use the same σ (and the configured α) after a resume."""
         s = self.settings
+        values = {k: v for k, v in (("lr", s.lr), ("sigma", s.sigma), ("scale", s.update_scale))
+                  if (k if k != "scale" else "update_scale") in changed}
         for opt in optimizers:
             if isinstance(opt, ESOptimizer):
                 for group in opt.param_groups:
-                    group.update(lr=s.lr, sigma=s.sigma, scale=s.update_scale)
+                    group.update(values)
 
     def configure_model(self, module: ReasoningModule) -> None:
         if self.settings.noise_rank:  # its bound is the perturbed matrices' smaller side: known once the model is loaded

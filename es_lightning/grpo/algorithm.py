@@ -140,15 +140,18 @@ class GRPOAlgorithm(Algorithm):
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (warmup + 1)))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
-    def apply_settings(self, optimizers, schedulers) -> None:
-        """The configured ``lr``, ``betas`` and ``weight_decay`` into AdamW's param groups, ``lr`` as the warm-up
-        scheduler's base too, and the current LR recomputed from it (``LambdaLR``'s own formula, so an unchanged resume
-        keeps the checkpoint's bits)."""
+    def apply_settings(self, optimizers, schedulers, changed) -> None:
+        """A changed ``betas`` or ``weight_decay`` into AdamW's param groups; a changed ``lr`` (or ``warmup_steps``) as
+        the warm-up scheduler's base, with the current LR recomputed from it by ``LambdaLR``'s own formula."""
         s = self.settings
+        values = {k: v for k, v in (("betas", tuple(s.betas)), ("weight_decay", s.weight_decay)) if k in changed}
+        if "lr" in changed:
+            values.update(lr=s.lr, initial_lr=s.lr)
         for opt in optimizers:
             for group in opt.param_groups:
-                group.update(betas=s.betas, weight_decay=s.weight_decay, initial_lr=s.lr)
-                group["lr"] = s.lr
+                group.update(values)
+        if "lr" not in changed and "warmup_steps" not in changed:
+            return
         for scheduler in schedulers:
             if isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
                 scheduler.base_lrs = [s.lr] * len(scheduler.base_lrs)

@@ -364,6 +364,7 @@ class ReasoningModule(L.LightningModule):
             if changed:
                 rank_zero_warn(f"resuming {record['algorithm']} with the configured settings; the checkpoint's differ "
                                f"in {changed}")
+            self._resumed_changes = tuple(changed)  # written into the restored optimizer at train start
             return False
         cls = get_algorithm(record["algorithm"])
         from es_lightning.callbacks.sequential import SequentialStrategy
@@ -483,8 +484,11 @@ class ReasoningModule(L.LightningModule):
                 and (lower_precision(params[name].dtype, t.dtype) or (lower and t.dtype in (torch.float32, torch.float64)))}
 
     def on_train_start(self) -> None:
-        if self.algorithm is not None:  # a resume restored the checkpoint's param groups: the configured settings apply
-            self.algorithm.apply_settings(self.trainer.optimizers, [c.scheduler for c in self.trainer.lr_scheduler_configs])
+        changed, self._resumed_changes = getattr(self, "_resumed_changes", ()), ()
+        if self.algorithm is not None and changed:  # the checkpoint's param groups were restored: the configured apply
+            self.algorithm.apply_settings(self.trainer.optimizers, [c.scheduler for c in self.trainer.lr_scheduler_configs],
+                                          changed)
+        if self.algorithm is not None:
             self._warn_max_steps_overshoot()
         weights, self._checkpoint_weights = getattr(self, "_checkpoint_weights", None), None
         if isinstance(weights, str):  # a sharding strategy loaded the file's weights itself: read them again, lazily
