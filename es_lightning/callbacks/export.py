@@ -74,7 +74,8 @@ class HFExport(L.Callback):
         if trainer.global_step == 0:
             rank_zero_info("HFExport: nothing was trained (step 0), no export written")
             return
-        self.export(pl_module)
+        if trainer.global_step != self._last_exported_step:  # not written again when the last batch just exported
+            self.export(pl_module)
 
     def export(self, pl_module: L.LightningModule) -> Path | None:
         """Write the directory now; returns its path on rank zero (``None`` on the others). Call it on every rank
