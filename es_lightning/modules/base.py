@@ -508,9 +508,10 @@ class ReasoningModule(L.LightningModule):
                         for cb in self.trainer.callbacks)
         if k > 1 and limit > step and (limit - step) % k and not switching:
             end = step + -(-(limit - step) // k) * k
+            reachable = " or ".join(str(x) for x in (end - k, end) if x > step)
             rank_zero_warn(f"trainer.max_steps={limit} is not reachable: each batch makes {k} optimizer steps "
                            f"({self.algorithm.name} num_iterations={k}) from step {step}, so the fit ends at step {end}; "
-                           f"use a max_steps {k} steps apart from {step} (e.g. {end - k} or {end})")
+                           f"use a max_steps {k} steps apart from {step} (e.g. {reachable})")
 
     def on_fit_start(self) -> None:
         """Mark a sharded policy for lockstep generation before anything generates (FSDP1 wraps only at setup); let
