@@ -375,6 +375,28 @@ def test_top_percent_keeps_exactly_the_largest_updates():
             top_percent_threshold(base, tuned, bad)
 
 
+def test_ablation_and_forgetting_default_to_the_task_the_checkpoint_records(es_checkpoint, tmp_path, capsys):
+    """A checkpoint of a GSM8K (here: addition) run is ablated on that task, and forgetting's reference row is it, when
+    no --task / --training_task is given — not on Countdown, as they did whatever the run trained on."""
+    from es_lightning.tasks.base import TASK_KEY, task_record
+
+    checkpoint = torch.load(es_checkpoint[0], map_location="cpu", weights_only=False)
+    checkpoint[TASK_KEY] = task_record(get_task("addition"))
+    path = tmp_path / "addition.ckpt"
+    torch.save(checkpoint, path)
+    settings = EvalSettings(num_problems=2, num_samples=2, max_new_tokens=4)
+    report = ablation_command(tuned=str(path), taus=[], top_percent=[50], eval=settings, plot=False, progress=False,
+                              out_dir=str(tmp_path / "a"))
+    assert report.settings["task"] == "addition"
+    assert "was trained: countdown" not in capsys.readouterr().out
+    forgot = forgetting_command(tuned=str(path), tasks=["sort"], eval=settings, plot=False, progress=False,
+                                out_dir=str(tmp_path / "f"))
+    assert forgot.training_task == "addition" and set(forgot.changes) == {"addition", "sort"}
+    # the fixture's own checkpoint records Countdown; a task named on the command line still wins
+    assert ablation_command(tuned=str(path), task="countdown", taus=[], top_percent=[50], eval=settings, plot=False,
+                            progress=False, out_dir=str(tmp_path / "b")).settings["task"] == "countdown"
+
+
 def test_ablation_command_reproduces_tuned_and_base_scores(es_checkpoint, tmp_path, capsys):
     path, saved = es_checkpoint
     kwargs = dict(task="countdown", eval=EvalSettings(num_problems=6, num_samples=4, max_new_tokens=8, seed=5), progress=False)

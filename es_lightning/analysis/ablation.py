@@ -203,7 +203,7 @@ def ablation_command(
     base: str | None = None,
     taus: list[float] | None = None,
     top_percent: list[float] | None = None,
-    task: str = "countdown",
+    task: str | None = None,
     eval: EvalSettings = PAPER_EVAL,
     dtype: str | None = None,
     save_models: bool = False,
@@ -219,7 +219,8 @@ def ablation_command(
         taus: reset every weight with |Δθ| <= τ to its base value, for each τ (default: 1e-7 ... 1e-2 when no
             --top_percent is given).
         top_percent: keep only the top p % of weights by |Δθ| (global), for each p in (0, 100].
-        task: the task to re-evaluate on (held-out problems).
+        task: the task to re-evaluate on (held-out problems); default: the task the checkpoint (or a run's export/)
+            records it was trained on, else countdown.
         eval: how every ablated model is evaluated (the same problems and seeds for every setting; ks default 1 and n).
         dtype: parameter dtype (default: the checkpoint's own).
         save_models: also write every ablated model (save_pretrained) under out_dir/models/.
@@ -230,7 +231,7 @@ def ablation_command(
     check_out_dir(out_dir)  # before any model loads or fit runs
     from tqdm.auto import tqdm
 
-    from es_lightning.analysis.checkpoints import load_model, trained_with
+    from es_lightning.analysis.checkpoints import load_model, recorded_task, trained_with
     from es_lightning.analysis.evaluate import evaluate_policy, heldout_problems, tasks_as_trained
     from es_lightning.analysis.plots import plot_ablation
 
@@ -241,7 +242,8 @@ def ablation_command(
     top_percent = check_top_percents(top_percent)
     settings = replace(eval, ks=eval.pass_at_ks(default=[1, eval.num_samples]))
     settings.completion_cap()
-    task_obj = tasks_as_trained([task], settings.chat_template, [(tuned, trained_with(tuned))])[0]
+    record = trained_with(tuned)
+    task_obj = tasks_as_trained([task or recorded_task(record)], settings.chat_template, [(tuned, record)])[0]
     problems = heldout_problems(task_obj, settings.num_problems, settings.seed, settings.source,
                                 settings.column_mapping)
     tuned_model = load_model(tuned, dtype=dtype)

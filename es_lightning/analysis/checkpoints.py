@@ -163,6 +163,21 @@ def trained_with(spec: str) -> TrainedWith:
     return found
 
 
+def recorded_task(trained: TrainedWith, default: str = "countdown") -> str:
+    """The task a model records it was trained on, as ``get_task`` names it (its class path), else ``default``: what
+    ``analyze ablation`` re-evaluates and ``analyze forgetting`` takes as the training task when not told."""
+    class_path = (trained.task or {}).get("class_path")
+    if not isinstance(class_path, str) or not class_path:
+        return default
+    from es_lightning.tasks import get_task
+
+    try:
+        get_task(class_path)
+    except Exception:  # a task class that is gone or changed: the default, as tasks_as_trained does
+        return default
+    return class_path
+
+
 def _from_run_config(file: Path) -> tuple[dict[str, Any] | None, str | None]:
     """The task (as a record) and the model's ``dtype`` of an ``es-lightning fit`` run's saved ``config.yaml``."""
     if not file.is_file():

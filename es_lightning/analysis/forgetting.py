@@ -23,6 +23,8 @@ from es_lightning.tasks import get_task
 
 #: the built-in held-out suite: procedural tasks unlike Countdown
 DEFAULT_SUITE = ("addition", "sort")
+#: ``training_task``'s default: the task the tuned model's checkpoint (or run directory) records, else countdown
+RECORDED = "auto"
 
 
 @dataclass
@@ -66,13 +68,17 @@ def forgetting(
     base: Any,
     tuned: Any,
     tasks: Sequence[str] = DEFAULT_SUITE,
-    training_task: str | None = "countdown",
+    training_task: str | None = RECORDED,
     settings: EvalSettings = PAPER_EVAL,
     dtype: str | None = None,
     progress: bool = True,
 ) -> ForgettingReport:
     """Evaluate ``base`` and ``tuned`` (specs or :class:`LoadedModel`) on ``training_task`` + the held-out ``tasks``."""
     suite = [get_task(t).name for t in tasks]
+    if training_task == RECORDED:
+        from es_lightning.analysis.checkpoints import LoadedModel, recorded_task, trained_with
+
+        training_task = recorded_task(trained_with(tuned.spec if isinstance(tuned, LoadedModel) else str(tuned)))
     trained = get_task(training_task).name if training_task else None
     if trained in suite:
         raise ValueError(
@@ -81,7 +87,7 @@ def forgetting(
         )
     if not suite:
         raise ValueError("the held-out suite is empty; name tasks other than the training task, e.g. --tasks addition sort")
-    all_tasks = ([trained] if trained else []) + suite
+    all_tasks = ([training_task] if trained else []) + suite  # as given: a class path keeps a custom task
     # --eval.source gives the training task's problems (a file, the hub); the suite's probes stay procedural
     procedural = {name: "procedural" for name in suite} if trained and settings.source != "procedural" else None
     report = evaluate_models([base, tuned], tasks=all_tasks, labels=["base", "tuned"], settings=settings, dtype=dtype,
@@ -93,7 +99,7 @@ def forgetting_command(
     tuned: str,
     base: str | None = None,
     tasks: list[str] = list(DEFAULT_SUITE),  # noqa: B006,B008
-    training_task: str | None = "countdown",
+    training_task: str | None = RECORDED,
     eval: EvalSettings = PAPER_EVAL,
     dtype: str | None = None,
     out_dir: str = "forgetting",
@@ -106,7 +112,8 @@ def forgetting_command(
         tuned: the tuned model: a .ckpt of an es-lightning run, an exported HF directory, a hub id or builtin:<name>.
         base: the model it started from (default: a .ckpt's 'model' hyperparameter).
         tasks: the held-out suite (default: the built-in procedural addition and sort).
-        training_task: the task it was trained on, evaluated as a reference row (null to skip).
+        training_task: the task it was trained on, evaluated as a reference row (null to skip); default: the task the
+            checkpoint (or a run's export/) records, else countdown (``auto``).
         eval: how both models are evaluated (the same problems and seeds for both); --eval.source gives the training
             task's problems (a data file, the hub), the suite's stay procedural.
         dtype: parameter dtype (default: the checkpoint's own).
