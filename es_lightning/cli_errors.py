@@ -510,9 +510,9 @@ def describe_parse_error(message: str, argv: Sequence[str], options: Sequence[st
             prefix, cls = _key_path(lines, i)
             key = f"{prefix}.{m.group(1)}" if prefix else m.group(1)
             options = accepted_options(_import(cls)) if cls else []
-            return (f"{where(key, cls)}unknown key: {cls} has no option {m.group(1)!r}"
-                    f"{_did_you_mean(m.group(1), options)}" + ("" if _did_you_mean(m.group(1), options) else
-                                                                f" (it accepts: {', '.join(options)})"))
+            hint = (_elsewhere(m.group(1), prefix, argv, where(key, cls).startswith("--")) or _did_you_mean(m.group(1), options)
+                    or f" (it accepts: {', '.join(options)})")
+            return f"{where(key, cls)}unknown key: {cls} has no option {m.group(1)!r}{hint}"
         if m := re.search(r"module '([\w.]+)' has no attribute '(\w+)'|No module named '([\w.]+)'", text):
             key, _ = _key_path(lines, i)
             key = key.removesuffix(".init_args")
@@ -627,7 +627,64 @@ def _unknown_top_key(key: str, argv: Sequence[str], options: Sequence[str] = (),
         options = ["seed_everything", "trainer", "model", "data", "ckpt_path", "config", "print_config"]
         owner = "the command"
         leaf = key
-    return f"{_prefix(key, argv)}unknown key: {owner} has no option {leaf!r}{_did_you_mean(leaf, options)}"
+    prefix = _prefix(key, argv)
+    hint = _elsewhere(leaf, section, argv, prefix.startswith("--")) or _did_you_mean(leaf, options)
+    return f"{prefix}unknown key: {owner} has no option {leaf!r}{hint}"
+
+
+def _section_classes(argv: Sequence[str]) -> dict[str, str]:
+    """``{section: class path}`` of the fit's model, data module and task (``model.init_args``, ``data.init_args``,
+    ``data.init_args.task.init_args``) as the ``--config`` files and the command line name them, the last one winning."""
+    import yaml
+
+    out: dict[str, str] = {}
+
+    def put(section: str, value: Any) -> None:
+        if isinstance(value, str) and value.strip():
+            out[section] = value.strip()
+
+    def get(node: Any, name: str) -> Any:
+        return node.get(name) if isinstance(node, dict) else None
+
+    for file in config_files(argv):
+        try:
+            config = yaml.safe_load(_read(file))
+        except yaml.YAMLError:
+            continue
+        for section in ("model", "data"):
+            node = get(config, section)
+            put(f"{section}.init_args", node if isinstance(node, str) else get(node, "class_path"))
+        task = get(get(get(config, "data"), "init_args"), "task")
+        put("data.init_args.task.init_args", task if isinstance(task, str) else get(task, "class_path"))
+    flags = {"--model": "model.init_args", "--model.class_path": "model.init_args", "--data": "data.init_args",
+             "--data.class_path": "data.init_args", "--data.init_args.task": "data.init_args.task.init_args",
+             "--data.init_args.task.class_path": "data.init_args.task.init_args"}
+    for i, arg in enumerate(argv):
+        option, eq, value = arg.partition("=")
+        if option in flags:
+            put(flags[option], value if eq else (argv[i + 1] if i + 1 < len(argv) else None))
+    return out
+
+
+def _elsewhere(leaf: str, section: str, argv: Sequence[str], on_command_line: bool) -> str:
+    """``; 'x' is an option of <section> (<class>): ...`` when ``leaf``, refused in ``section``, is an option of another
+    section of the fit (the model, the data module, its task, the Trainer) — an option put in the wrong place — else
+    ``""``."""
+    section = section.removesuffix(".init_args").replace("[", ".").replace("]", "")
+    if not leaf or section.startswith("trainer.callbacks"):
+        return ""
+    import lightning as L
+
+    from es_lightning.tasks import TASKS
+
+    candidates = [(name, path, TASKS.get(path.lower()) or _import(path)) for name, path in _section_classes(argv).items()]
+    candidates.append(("trainer", "lightning.Trainer", L.Trainer))
+    for name, path, cls in candidates:
+        if name.removesuffix(".init_args") == section or cls is None or leaf not in accepted_options(cls):
+            continue
+        fix = f"give --{name}.{leaf}" if on_command_line else f"move it under {name}"
+        return f"; {leaf!r} is an option of {name} ({path}): {fix}"
+    return ""
 
 
 def _prefix(key: str, argv: Sequence[str], cls: str | None = None) -> str:

@@ -436,3 +436,30 @@ def test_a_task_breaking_the_scoring_contract_is_one_line():
         assert re.match(expected, explain(err.value))
     assert re.match(r"Short at step 3: grade\(\) returned 1 answers", explain(_worker_failure(
         lambda: score_completions(Short(), ["3", "4"], [example, example], step=3))))
+
+
+def test_an_option_in_the_wrong_section_names_the_section_it_belongs_to(tmp_path, capsys):
+    """An option put under the wrong section — the model's under data or trainer, the Trainer's under model or at the
+    top, the task's under the model — is refused naming the section that has it, not a look-alike of the wrong one
+    ('population_size' under data used to suggest 'train_size'; under trainer no fix at all)."""
+    from es_lightning.cli import cli_main
+
+    (tmp_path / "wrong.yaml").write_text("model:\n  init_args:\n    max_steps: 3\n")
+    es = ["fit", "--config", str(RECIPES / "es.yaml")]
+    cases = [
+        (es + ["--data.init_args.population_size", "4"], "'population_size' is an option of model.init_args "
+         "(es_lightning.ESModule): give --model.init_args.population_size"),
+        (es + ["--trainer.sigma", "0.1"], "give --model.init_args.sigma"),
+        (es + ["--model.init_args.batch_size", "4"], "give --data.init_args.batch_size"),
+        (es + ["--max_steps", "3"], "'max_steps' is an option of trainer (lightning.Trainer): give --trainer.max_steps"),
+        (es + ["--model.init_args.prompt_format", "r1"], "give --data.init_args.task.init_args.prompt_format"),
+        (es + ["--config", str(tmp_path / "wrong.yaml")], "wrong.yaml:3: model.init_args.max_steps: unknown key: "
+         "es_lightning.ESModule has no option 'max_steps'; 'max_steps' is an option of trainer (lightning.Trainer): "
+         "move it under trainer"),
+        (es + ["--model.init_args.populaton_size", "4"], "did you mean 'population_size'?"),  # a typo stays a typo
+    ]
+    for argv, expected in cases:
+        with pytest.raises(SystemExit) as exit:
+            cli_main(argv)
+        err = capsys.readouterr().err.strip()
+        assert exit.value.code == 2 and len(err.splitlines()) == 1 and expected in err, (argv, err)
