@@ -539,6 +539,8 @@ def describe_parse_error(message: str, argv: Sequence[str], options: Sequence[st
             return _unknown_top_key(m.group(2), argv, options, command)
         if m := re.search(r"[Uu]nrecognized arguments: (.*)", text):
             option = m.group(1).split()[0]
+            if indexed := _indexed_option(option, argv):
+                return indexed
             if option.startswith("--"):
                 return _unknown_top_key(option[2:].split("=")[0], argv, options, command)
             return f"unexpected argument {m.group(1)!r}; options take the form --key value (see es-lightning fit --help)"
@@ -630,6 +632,38 @@ def _unknown_top_key(key: str, argv: Sequence[str], options: Sequence[str] = (),
     prefix = _prefix(key, argv)
     hint = _elsewhere(leaf, section, argv, prefix.startswith("--")) or _did_you_mean(leaf, options)
     return f"{prefix}unknown key: {owner} has no option {leaf!r}{hint}"
+
+
+def _indexed_option(option: str, argv: Sequence[str]) -> str | None:
+    """The line for a list entry's option chosen by position on the command line (``--trainer.callbacks.1.init_args.x``,
+    which jsonargparse reads as an unknown ``--1.init_args.x`` of the list's *last* entry), or ``None``."""
+    m = re.match(r"--(\d+)\.([\w.]+)", option)
+    if not m:
+        return None
+    wanted = f".{m.group(1)}.{m.group(2)}"
+    given = next((a.split("=", 1)[0] for a in argv if a.startswith("--")
+                  and re.sub(r"\[(\d+)\]", r".\1", a.split("=", 1)[0]).endswith(wanted)), None)
+    if given is None:
+        return None
+    listed = re.sub(r"\[(\d+)\]", r".\1", given)[2:].removesuffix(wanted)
+    index, leaf = int(m.group(1)), m.group(2).removeprefix("init_args.")
+    entry = ""
+    import yaml
+
+    for file in reversed(config_files(argv)):
+        try:
+            node: Any = yaml.safe_load(_read(file))
+        except yaml.YAMLError:
+            continue
+        for part in listed.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, list):
+            item = node[index] if index < len(node) else None
+            path = item.get("class_path") if isinstance(item, dict) else None
+            entry = f" ({listed}[{index}] of {file} is {path})" if path else ""
+            break
+    return (f"{given}: the command line cannot pick an entry of {listed} by its position{entry}; set {leaf} in that "
+            f"entry of a copy of the config file and pass the copy with --config")
 
 
 def _section_classes(argv: Sequence[str]) -> dict[str, str]:

@@ -463,3 +463,19 @@ def test_an_option_in_the_wrong_section_names_the_section_it_belongs_to(tmp_path
             cli_main(argv)
         err = capsys.readouterr().err.strip()
         assert exit.value.code == 2 and len(err.splitlines()) == 1 and expected in err, (argv, err)
+
+
+def test_a_list_entry_picked_by_position_on_the_command_line_is_named_as_given(capsys):
+    """`--trainer.callbacks.1.init_args.switch_step 3` (jsonargparse cannot index a list from the command line) used to
+    be blamed on a line of the recipe (`grpo_es.yaml:59: 1.init_args.switch_step: unknown key`), with no fix; the line
+    names the option as given, the entry it meant and what to do."""
+    from es_lightning.cli import cli_main
+
+    recipe = RECIPES / "grpo_es.yaml"
+    with pytest.raises(SystemExit) as exit:
+        cli_main(["fit", "--config", str(recipe), "--trainer.callbacks.1.init_args.es.lr", "0.01"])
+    err = capsys.readouterr().err.strip()
+    assert exit.value.code == 2 and len(err.splitlines()) == 1, err
+    assert err == ("es-lightning: error: --trainer.callbacks.1.init_args.es.lr: the command line cannot pick an entry of "
+                   f"trainer.callbacks by its position (trainer.callbacks[1] of {recipe} is es_lightning.SequentialStrategy); "
+                   "set es.lr in that entry of a copy of the config file and pass the copy with --config"), err
