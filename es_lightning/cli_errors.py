@@ -511,7 +511,7 @@ def describe_parse_error(message: str, argv: Sequence[str], options: Sequence[st
             key = f"{prefix}.{m.group(1)}" if prefix else m.group(1)
             options = accepted_options(_import(cls)) if cls else []
             hint = (_elsewhere(m.group(1), prefix, argv, where(key, cls).startswith("--")) or _did_you_mean(m.group(1), options)
-                    or f" (it accepts: {', '.join(options)})")
+                    or _no_class_yet(prefix, options) or f" (it accepts: {', '.join(options)})")
             return f"{where(key, cls)}unknown key: {cls} has no option {m.group(1)!r}{hint}"
         if m := re.search(r"module '([\w.]+)' has no attribute '(\w+)'|No module named '([\w.]+)'", text):
             key, _ = _key_path(lines, i)
@@ -719,6 +719,17 @@ def _elsewhere(leaf: str, section: str, argv: Sequence[str], on_command_line: bo
         fix = f"give --{name}.{leaf}" if on_command_line else f"move it under {name}"
         return f"; {leaf!r} is an option of {name} ({path}): {fix}"
     return ""
+
+
+def _no_class_yet(prefix: str, options: Sequence[str]) -> str:
+    """``; no class is chosen for <section> yet ...`` when ``prefix`` (``model.init_args``) is configured before any
+    ``class_path`` named its class: the refusing class is then the section's bare base (``LightningModule``, no options),
+    typically because a fragment such as ``configs/generation/hf.yaml`` was stacked before the recipe."""
+    if options or not prefix.endswith(".init_args"):
+        return ""
+    section = prefix.removesuffix(".init_args")
+    return (f"; no class is chosen for {section} yet where this is given: give {section}.class_path before it (stack a "
+            f"fragment after the recipe that names the class: --config <recipe> --config <fragment>)")
 
 
 def _prefix(key: str, argv: Sequence[str], cls: str | None = None) -> str:

@@ -479,3 +479,21 @@ def test_a_list_entry_picked_by_position_on_the_command_line_is_named_as_given(c
     assert err == ("es-lightning: error: --trainer.callbacks.1.init_args.es.lr: the command line cannot pick an entry of "
                    f"trainer.callbacks by its position (trainer.callbacks[1] of {recipe} is es_lightning.SequentialStrategy); "
                    "set es.lr in that entry of a copy of the config file and pass the copy with --config"), err
+
+
+def test_a_model_fragment_stacked_before_the_recipe_says_to_stack_it_after(capsys):
+    """configs/generation/hf.yaml stacked before the recipe used to end in "lightning.LightningModule has no option
+    'generation_backend' (it accepts: )" — no fix; the line says that no model class is chosen yet and how to order the
+    files."""
+    from es_lightning.cli import cli_main
+
+    fragment = ROOT / "configs" / "generation" / "hf.yaml"
+    line = next(i for i, text in enumerate(fragment.read_text().splitlines(), 1) if "generation_backend:" in text)
+    with pytest.raises(SystemExit) as exit:
+        cli_main(["fit", "--config", str(fragment), "--config", str(RECIPES / "es.yaml"), "--print_config"])
+    err = capsys.readouterr().err.strip()
+    assert exit.value.code == 2 and len(err.splitlines()) == 1, err
+    assert f"hf.yaml:{line}: model.init_args.generation_backend: unknown key" in err, err
+    assert "(it accepts: )" not in err, err
+    assert "no class is chosen for model yet" in err and "give model.class_path before it" in err, err
+    assert "--config <recipe> --config <fragment>" in err, err
