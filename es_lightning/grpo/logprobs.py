@@ -44,7 +44,7 @@ recipe turns ``gradient_checkpointing`` on (``share_prompt_prefix: false``) at `
 needs FSDP over ≥ 4 GPUs for weights and optimizer (122 / 4 ≈ 31 GB each) and checkpointing at ``mini_batch_size: 32``
 per GPU: 31 + 19 + 1.6 ≈ 51 GB.
 (Rollouts are another phase: their KV cache, 2·L·kv_heads·head_dim·2 bytes per token — 28 KB for 1.5B, 57 KB for 7B
-— times B·G·(P + C) tokens: 17.6 GB for the 1.5B recipe's 512 rows.) ``python benchmarks/grpo_memory.py
+— times B·G·(P + C) tokens: 18.0 GB for the 1.5B recipe's 512 rows.) ``python benchmarks/grpo_memory.py
 --memory-model`` prints these numbers; without the flag it measures the logits rows on the Qwen-like fixture.
 """
 
