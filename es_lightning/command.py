@@ -16,12 +16,14 @@ make the command a user runs (``class CommandCLI(CommandMixin, ESLightningCLI)``
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import lightning as L
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from es_lightning import cli_errors, console, run_dirs
 from es_lightning.callbacks import PassAtKCallback, TrainingReport
@@ -75,6 +77,29 @@ def fit_summary(trainer: L.Trainer, start: int | None, log_dir: str | None) -> N
     print("\n".join(lines))
 
 
+#: the exit status of a command stopped by SIGTERM (128 + 15, the shell's convention): a job script or scheduler sees
+#: that the fit did not finish
+SIGTERM_STATUS = 143
+
+
+@rank_zero_only
+def stopped_summary(trainer: L.Trainer, subcommand: str) -> None:
+    """One line after a SIGTERM stopped the command (Lightning stops between two steps): the step reached, the
+    checkpoint that holds it, and how to go on."""
+    checkpoint = trainer.checkpoint_callback
+    path = getattr(checkpoint, "last_model_path", "") if checkpoint is not None else ""
+    if subcommand != "fit":
+        line = f"stopped by SIGTERM during {subcommand}"
+    elif path:
+        saved = getattr(checkpoint, "_last_global_step_saved", None)
+        line = (f"stopped by SIGTERM at step {trainer.global_step}; {path} holds step {saved}: resume with the same "
+                "command and --ckpt_path last")
+    else:
+        line = f"stopped by SIGTERM at step {trainer.global_step}, before this run wrote a checkpoint" + (
+            f"; the same command with --ckpt_path last resumes from {trainer.ckpt_path} again" if trainer.ckpt_path else "")
+    print(f"es-lightning {subcommand}: {line}", file=sys.stderr, flush=True)
+
+
 class CommandMixin:
     """The ``es-lightning`` command's additions to a LightningCLI (see the module docstring)."""
 
@@ -122,8 +147,11 @@ class CommandMixin:
         existed = log_dir is not None and Path(log_dir).exists()
         try:
             super()._run_subcommand(subcommand)
-        except BaseException:
+        except BaseException as error:
             run_dirs.remove_if_empty(log_dir, existed)
+            if isinstance(error, SIGTERMException):  # a SystemExit with no status: it would end the command with 0
+                stopped_summary(self.trainer, subcommand)
+                raise SystemExit(SIGTERM_STATUS) from None
             raise
         if subcommand == "fit" and not _trains_in_workers(self.trainer):  # else the workers' rank 0 said it
             fit_summary(self.trainer, self._record.start_step, self.trainer.log_dir)  # log_dir: a collective (DDP)

@@ -284,3 +284,39 @@ def test_ckpt_path_names_and_remote_paths_are_left_to_lightning(tmp_path):
         check_ckpt_path(SimpleNamespace(ckpt_path=path))  # nothing to refuse here
     with pytest.raises(UserError, match="no such file"):
         check_ckpt_path(SimpleNamespace(ckpt_path=str(tmp_path / "x.ckpt")))
+
+
+class _SigtermAtStep(L.Callback):
+    """Sends this process a SIGTERM (what a scheduler's preemption or time limit sends) when training step ``step``
+    starts."""
+
+    def __init__(self, step: int = 1) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            import signal
+
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_sigterm_saves_the_step_reached_says_so_and_exits_nonzero(tmp_path, monkeypatch, capsys):
+    """Lightning stops a SIGTERMed fit between two steps by raising a SystemExit without a status: the command ended
+    with status 0 and not a word, and the steps since the last every-K checkpoint were lost though there was time to
+    save them. Now the step reached is saved, one line says so, and the status is 143 (128 + SIGTERM)."""
+    monkeypatch.chdir(tmp_path)
+    small = ["fit", "--config", str(ROOT / "recipes" / "es.yaml"), "--model.init_args.population_size", "4",
+             "--model.init_args.members_per_batch", "4", "--data.init_args.batch_size", "2",
+             "--data.init_args.train_size", "16", "--data.init_args.val_size", "4", "--trainer.limit_val_batches", "0",
+             "--trainer.enable_progress_bar", "false", "--trainer.logger.init_args.save_dir", str(tmp_path),
+             "--trainer.max_steps", "3"]
+    with pytest.raises(SystemExit) as stopped:
+        cli_main([*small, "--trainer.callbacks+", f"{__name__}._SigtermAtStep", "--trainer.callbacks.init_args.step", "1"])
+    assert stopped.value.code == 143
+    ckpt = tmp_path / "es" / "version_0" / "checkpoints" / "last.ckpt"
+    err = capsys.readouterr().err
+    assert f"stopped by SIGTERM at step 2; {ckpt} holds step 2: resume with the same command and --ckpt_path last" in err
+    assert torch.load(ckpt, weights_only=True)["global_step"] == 2  # K = 5: without the save, no checkpoint at all
+    cli_main([*small, "--ckpt_path", "last"])
+    assert f"ckpt_path: {ckpt}" in (tmp_path / "es" / "version_1" / "config.yaml").read_text()
+    assert torch.load(tmp_path / "es" / "version_1" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 3

@@ -184,6 +184,17 @@ class RunCheckpoint(ModelCheckpoint):
         if not self._should_skip_saving_checkpoint(trainer):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        """A SIGTERM (a scheduler's preemption or time limit, ``kill``, ``timeout``) stops the fit between two steps:
+        save the step reached, so the graceful stop Lightning gives costs nothing (a SIGKILL still costs < K steps).
+        Not when the signal stopped a validation run half-way (its state is not a step boundary): the previous
+        checkpoint stands, as after a kill."""
+        from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+        if (isinstance(exception, SIGTERMException) and not trainer.validating
+                and not self._should_skip_saving_checkpoint(trainer)):
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Nothing: saves happen by steps (an epoch of a stream of prompts has no meaning for the run)."""
 
