@@ -249,7 +249,7 @@ def explain(exc: BaseException) -> str | None:
         if isinstance(e, _DELIBERATE) and _raised_on_purpose_here(e):
             return _install_hint(_with_location(e))
     for e in chain:
-        line = _hub_problem(e) or _missing_package(e) or _unwritable(e)
+        line = _hub_problem(e) or _missing_package(e) or _unwritable(e) or _weights_only_checkpoint(e)
         if line:
             return line
         building = any(getattr(x, "raised_while_building", False) for x in chain)
@@ -373,6 +373,20 @@ def _unwritable(e: BaseException) -> str | None:
         return (f"{what}: {e.filename} ({e.strerror}); choose a writable output directory, e.g. "
                 "--trainer.logger.init_args.save_dir /path/with/space")
     return None
+
+
+def _weights_only_checkpoint(e: BaseException) -> str | None:
+    """Lightning's KeyError for a fit resumed from a checkpoint saved with ``save_weights_only`` (``--ckpt_path last``
+    finds one as readily as a full one)."""
+    if not (isinstance(e, KeyError) and "checkpoint contains only the model" in str(e)):
+        return None
+    config = _CONTEXT["config"]
+    path = getattr(config, "ckpt_path", None) if config is not None and not isinstance(config, dict) else (
+        config.get("ckpt_path") if isinstance(config, dict) else None)
+    return (f"--ckpt_path {str(path)!r} holds only the weights (it was saved with RunCheckpoint's save_weights_only: "
+            "true), not the optimizer state, step and data position a fit resumes from; resume from a checkpoint "
+            "saved without save_weights_only, or evaluate this one (es-lightning validate/test --ckpt_path, "
+            "es-lightning eval --checkpoints)")
 
 
 # ---------------------------------------------------------------------- where: config files and keys

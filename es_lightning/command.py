@@ -73,7 +73,9 @@ def fit_summary(trainer: L.Trainer, start: int | None, log_dir: str | None) -> N
         lines.append(f"run directory: {root}/ ({', '.join(found)})")
     checkpoint = trainer.checkpoint_callback
     if checkpoint is not None and getattr(checkpoint, "last_model_path", ""):
-        lines.append(f"last checkpoint: {checkpoint.last_model_path} (resume: add --ckpt_path last to the same command)")
+        how = ("weights only: it evaluates, it does not resume" if getattr(checkpoint, "save_weights_only", False) else
+               "resume: add --ckpt_path last to the same command")
+        lines.append(f"last checkpoint: {checkpoint.last_model_path} ({how})")
     print("\n".join(lines))
 
 

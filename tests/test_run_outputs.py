@@ -320,3 +320,23 @@ def test_sigterm_saves_the_step_reached_says_so_and_exits_nonzero(tmp_path, monk
     cli_main([*small, "--ckpt_path", "last"])
     assert f"ckpt_path: {ckpt}" in (tmp_path / "es" / "version_1" / "config.yaml").read_text()
     assert torch.load(tmp_path / "es" / "version_1" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 3
+
+
+def test_a_weights_only_checkpoint_is_refused_for_a_fit_in_one_line(tmp_path, monkeypatch, capsys):
+    """A checkpoint saved with save_weights_only cannot resume a fit; `--ckpt_path last` finds it like any other, and
+    Lightning's KeyError came out as a traceback (status 1) — and the fit's own summary had said "resume: add
+    --ckpt_path last". Now the summary says it is weights only and the resume is refused in one line (status 2)."""
+    monkeypatch.chdir(tmp_path)
+    small = ["fit", "--config", str(ROOT / "recipes" / "es.yaml"), "--model.init_args.population_size", "4",
+             "--model.init_args.members_per_batch", "4", "--data.init_args.batch_size", "2",
+             "--data.init_args.train_size", "16", "--data.init_args.val_size", "4", "--trainer.limit_val_batches", "0",
+             "--trainer.enable_progress_bar", "false", "--trainer.logger.init_args.save_dir", str(tmp_path),
+             "--trainer.callbacks", "[]", "--trainer.callbacks+", "es_lightning.RunCheckpoint"]
+    cli_main([*small, "--trainer.max_steps", "1", "--trainer.callbacks.init_args.save_weights_only", "true"])
+    ckpt = tmp_path / "es" / "version_0" / "checkpoints" / "last.ckpt"
+    assert f"last checkpoint: {ckpt} (weights only: it evaluates, it does not resume)" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as refused:
+        cli_main([*small, "--trainer.max_steps", "2", "--ckpt_path", "last"])
+    assert refused.value.code == 2
+    err = capsys.readouterr().err
+    assert f"es-lightning: error: --ckpt_path '{ckpt}' holds only the weights" in err and "Traceback" not in err, err
