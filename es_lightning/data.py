@@ -358,6 +358,33 @@ class ReasoningDataModule(L.LightningDataModule):
             drop_last=shuffle and len(data) >= batch_size,
         )
 
+    # ------------------------------------------------------------------ resume
+    #: the settings that decide which prompts each training step gets
+    STREAM_SETTINGS = ("source", "hub_config", "train_split", "column_mapping", "train_size", "batch_size", "seed")
+
+    def _stream_settings(self) -> dict[str, Any]:
+        from es_lightning.tasks.base import task_record
+
+        return {**{name: getattr(self, name) for name in self.STREAM_SETTINGS}, "task": task_record(self.task)}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The training stream's settings, so that a resume which changes them says so (:meth:`load_state_dict`)."""
+        return {"stream": self._stream_settings()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """A resume runs the configured data settings (as it does the model's); those that differ from the
+        checkpoint's are named in a warning: the stream continues at the batch count, so from there the resumed run
+        trains on other prompts than the interrupted one would have."""
+        saved, now = state_dict.get("stream"), self._stream_settings()
+        if not saved:
+            return
+        changed = sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k))
+        if changed:
+            from lightning.pytorch.utilities import rank_zero_warn
+
+            rank_zero_warn(f"resuming with the configured data settings; the checkpoint's differ in {changed}, so the "
+                           "batches from here are not those the interrupted run would have trained on")
+
     def train_dataloader(self) -> DataLoader:
         """A resumable stream of batches (see :class:`EpochBatches`), positioned at the trainer's batch count."""
         if not self.splits:

@@ -340,3 +340,26 @@ def test_a_weights_only_checkpoint_is_refused_for_a_fit_in_one_line(tmp_path, mo
     assert refused.value.code == 2
     err = capsys.readouterr().err
     assert f"es-lightning: error: --ckpt_path '{ckpt}' holds only the weights" in err and "Traceback" not in err, err
+
+
+def test_a_resume_with_other_data_settings_names_them(tmp_path, monkeypatch):
+    """The data settings that decide each step's prompts (batch size, seed, size, source, task) were not in the
+    checkpoint, so a resume that changed one trained on other batches than the interrupted run without a word (the
+    module's settings are named in a warning). Now the checkpoint records them and the resume names those that differ."""
+    import warnings
+
+    from es_lightning.cli import CommandCLI
+
+    monkeypatch.chdir(tmp_path)
+    small = ["fit", "--config", str(ROOT / "recipes" / "es.yaml"), "--model.init_args.population_size", "4",
+             "--model.init_args.members_per_batch", "4", "--data.init_args.train_size", "16",
+             "--data.init_args.val_size", "4", "--trainer.limit_val_batches", "0", "--trainer.enable_progress_bar",
+             "false", "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.callbacks", "[]",
+             "--trainer.callbacks+", "es_lightning.RunCheckpoint"]
+    CommandCLI(args=[*small, "--data.init_args.batch_size", "2", "--trainer.max_steps", "1"])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*data settings")  # the same settings: no warning
+        CommandCLI(args=[*small, "--data.init_args.batch_size", "2", "--trainer.max_steps", "2", "--ckpt_path", "last"])
+    with pytest.warns(UserWarning, match=r"the checkpoint's differ in \['batch_size', 'seed'\]"):
+        CommandCLI(args=[*small, "--data.init_args.batch_size", "3", "--data.init_args.seed", "1",
+                         "--trainer.max_steps", "3", "--ckpt_path", "last"])
