@@ -24,6 +24,7 @@ from typing import Any
 from lightning.pytorch.utilities import rank_zero_info
 
 from es_lightning.callbacks.checkpoint import OLD_SUFFIX, recover
+from es_lightning.callbacks.export import recover_exports
 from es_lightning.cli_errors import UserError
 
 #: what a run directory holds before anything was trained (a failed run with only these is removed)
@@ -72,6 +73,7 @@ def find_last_checkpoint(root: Path) -> Path | None:
     if _is_global_zero():
         for d in dirs:
             recover(d)
+            recover_exports(d.parent)  # a run's export/ beside its checkpoints/
     candidates = [p for d in dirs for p in d.glob("last*.ckpt")]
     return max(candidates, key=lambda p: p.stat().st_mtime) if candidates else None
 

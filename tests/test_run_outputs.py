@@ -121,6 +121,39 @@ def test_sharded_directory_swap_is_repaired_after_a_kill_between_renames(tmp_pat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
 
 
+def test_an_export_a_kill_interrupted_is_cleaned_up_when_the_recipe_resumes(tmp_path):
+    """A kill while HFExport writes leaves a hidden half-written .export.tmp-* (gigabytes at 1.5B), or — between the
+    two renames of the swap — the previous export moved aside as .export.old-*; `--ckpt_path last` (which resumes into
+    a new run directory) removes the first and puts the second back."""
+    from es_lightning.callbacks.export import _swap_in
+    from es_lightning.run_dirs import find_last_checkpoint
+
+    run = tmp_path / "es" / "version_0"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "last.ckpt").write_bytes(b"ckpt")
+    (run / ".export.tmp-abc123").mkdir()
+    (run / ".export.tmp-abc123" / "model.safetensors").write_bytes(b"half")  # killed while writing
+    (run / "export").mkdir()
+    (run / "export" / "config.json").write_text("{}")
+    other = run / ".cache.tmp-keep"  # not an export's: left alone
+    other.mkdir()
+    assert find_last_checkpoint(tmp_path / "es") == run / "checkpoints" / "last.ckpt"
+    assert sorted(p.name for p in run.iterdir()) == [".cache.tmp-keep", "checkpoints", "export"]
+
+    new = run / ".export.tmp-def456"
+    new.mkdir()
+    (new / "config.json").write_text('{"new": 1}')
+    old = run / ".export.old-x1"
+    os.replace(run / "export", old)  # the swap's first rename, then the process dies
+    find_last_checkpoint(tmp_path / "es")
+    assert (run / "export" / "config.json").read_text() == "{}" and not old.exists() and not new.exists()
+    new.mkdir()
+    (new / "config.json").write_text('{"new": 1}')
+    _swap_in(new, run / "export")  # the next export swaps in as before
+    assert (run / "export" / "config.json").read_text() == '{"new": 1}'
+    assert sorted(p.name for p in run.iterdir()) == [".cache.tmp-keep", "checkpoints", "export"]
+
+
 def test_enable_checkpointing_false_turns_a_recipes_checkpoint_off(tmp_path):
     cli = ESLightningCLI(args=["--config", str(ROOT / "recipes" / "es.yaml"), "--trainer.enable_checkpointing", "false",
                                "--trainer.default_root_dir", str(tmp_path)], run=False)

@@ -59,6 +59,8 @@ class HFExport(L.Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self.dirpath is None:
             self.dirpath = Path(trainer.log_dir or trainer.default_root_dir) / "export"
+        if trainer.is_global_zero:  # an export a kill interrupted in this directory (a resume writes here again)
+            recover_exports(self.dirpath.parent, self.dirpath.name)
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx) -> None:
         self._cadence.batch_started(trainer)
@@ -148,6 +150,28 @@ def _tied_copies(model) -> set[str]:
             copies.add(name)
         seen.add(id(p))
     return copies
+
+
+def recover_exports(directory: str | os.PathLike, name: str = "export") -> None:
+    """Undo what a kill during an export to ``directory/name`` left: a ``.<name>.old-*`` (the previous export, moved
+    aside by :func:`_swap_in`) is put back when ``name`` is missing and removed otherwise; an unfinished
+    ``.<name>.tmp-*`` (a half-written export, gigabytes at 1.5B) is removed. Called by :class:`HFExport` at setup and,
+    for every run of a recipe, when ``--ckpt_path last`` looks for the newest one (a resume writes into a new run
+    directory)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return
+    target = directory / name
+    for old in sorted(directory.glob(f".{name}.old-*")):
+        if not old.is_dir():
+            continue
+        if not target.exists():
+            os.replace(old, target)
+        else:
+            shutil.rmtree(old, ignore_errors=True)
+    for tmp in directory.glob(f".{name}.tmp-*"):
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _swap_in(new: Path, target: Path) -> None:
