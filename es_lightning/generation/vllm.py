@@ -490,6 +490,9 @@ class VLLMGenerator(Generator):
                     stop=list(params.stop) or None,
                     include_stop_str_in_output=True,  # HF keeps the stop string in the text
                     stop_token_ids=eos,
+                    # only those ids: vLLM would also stop at the tokenizer's EOS, which a checkpoint's
+                    # generation_config may not list (HFGenerator, and transformers, do not stop there)
+                    ignore_eos=True,
                     logprobs=0 if return_logprobs else None,
                     # vLLM matches stop strings in its detokenized text: keep special tokens in it, so that a stop
                     # string such as "<|im_start|>" stops a row as in HFGenerator (texts are decoded again below)

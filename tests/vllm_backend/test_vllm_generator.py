@@ -201,6 +201,40 @@ def test_a_special_token_stop_string_stops_as_in_hf(qwen_pair, hf_generate):
         gen.push_weights()
 
 
+def test_rows_stop_only_at_the_checkpoints_eos_ids(tmp_path, hf_generate, keep_alive):
+    """A checkpoint whose generation_config.json ends completions at <|endoftext|> only, while its tokenizer's EOS is
+    <|im_end|> (a chat-formatted fine-tune of a base model): HFGenerator, as transformers, stops at the
+    generation_config's ids, and so must the engine — vLLM also stopped at the tokenizer's EOS, ending rows early."""
+    import json
+
+    from es_lightning.builtin.qwen_like import build_qwen_like
+    from es_lightning.generation.vllm import VLLMGenerator
+    from es_lightning.policy import load_policy
+
+    path = build_qwen_like(tmp_path / "eos", vocab_size=1024)
+    config = json.loads((tmp_path / "eos" / "generation_config.json").read_text())
+    config["eos_token_id"] = config["pad_token_id"]  # <|endoftext|> only
+    (tmp_path / "eos" / "generation_config.json").write_text(json.dumps(config))
+    policy = load_policy(path, dtype="float32")
+    im_end = policy.tokenizer.eos_token_id
+    assert policy.tokenizer.eos_token == "<|im_end|>" and policy.model.generation_config.eos_token_id != im_end
+    prompts = policy.render_prompts(["What is 2+3?", "Count to five.", "hi"], use_chat_template=True)
+    emb = policy.model.get_input_embeddings().weight  # tied: the head's row of <|im_end|> too
+    with torch.no_grad():
+        enc = policy.tokenizer(prompts, return_tensors="pt", padding=True)
+        hidden = policy.model(**enc, output_hidden_states=True).hidden_states[-1][enc["attention_mask"].bool()]
+        typical = hidden.mean(0)
+        emb[im_end] = 3.0 * typical / typical.norm() ** 2  # a logit ~3 above typical: greedy samples it
+    gen = VLLMGenerator(policy, max_model_len=128, cpu_kv_cache_gib=0.03, max_num_seqs=8)
+    keep_alive.append(gen)
+    params = SamplingParams(max_new_tokens=12, temperature=0.0)
+    a, b = gen.generate(prompts, 1, params), hf_generate(policy, prompts, 1, params)
+    assert bool((b.completion_ids[:, :-1] == im_end).any())  # HF ran past a sampled <|im_end|>
+    for field in ("completion_ids", "completion_mask", "truncated"):
+        assert torch.equal(getattr(a, field), getattr(b, field)), field
+    assert a.texts == b.texts
+
+
 def _placements(rank: int, world: int, port: int, out) -> None:
     import torch.distributed as dist
 
