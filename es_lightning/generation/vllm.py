@@ -76,6 +76,7 @@ import contextlib
 import hashlib
 import os
 import random
+import re
 import tempfile
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
@@ -264,6 +265,7 @@ class VLLMGenerator(Generator):
         else:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         kwargs.update(engine_kwargs)
+        self._extra_options = set(engine_kwargs)  # the vllm.LLM arguments given beyond this class's own
         self.engine_side_es = engine_side_es
         #: adapters (LoRA) one engine call may hold at once: ``max_loras`` when ``enable_lora`` (low-rank ES members)
         self.max_loras = int(kwargs.get("max_loras") or 1) if kwargs.get("enable_lora") else 0
@@ -312,17 +314,26 @@ class VLLMGenerator(Generator):
             except (ValueError, RuntimeError, NotImplementedError, TypeError, AssertionError) as err:
                 if llm is not None:
                     llm.llm_engine.engine_core.shutdown()
-                raise ValueError(self._engine_error(err)) from err
+                raise ValueError(self._engine_error(err, kwargs)) from err
 
-    def _engine_error(self, err: BaseException) -> str:
-        """One line: the engine settings vLLM refused (``generation_options``), or why it cannot load the model."""
+    def _engine_error(self, err: BaseException, options: dict[str, Any] | None = None) -> str:
+        """One line: the engine settings vLLM refused (``generation_options``), or why it cannot load the model.
+
+        ``options``: the ``vllm.LLM`` arguments the engine was built with. A validation error of vLLM's
+        ``ModelConfig`` is the model's own config, unless the field it names is one of them (``enforce_eager``,
+        ``seed``, ``logprobs_mode`` are ``ModelConfig`` fields too); any other error that names an option given
+        beyond this class's own (``quantization``, ``block_size`` as "block size") is that setting's."""
         reason = _first_line(err)
         if self.on_cpu and "memory for the cache blocks" in reason:  # its advice (gpu_memory_utilization) is for GPUs
             return (f"generation_options.cpu_kv_cache_gib={self.cpu_kv_cache_gib:g} holds no KV-cache block for this "
                     f"model on a CPU: raise it (e.g. 0.25)")
         header = (str(err).splitlines() or [""])[0]  # a bare assert has no message
-        settings = "validation error" in header and "ModelConfig" not in header  # ModelConfig: the model's own config
-        if settings or "memory for the cache blocks" in reason:
+        options = options or {}
+        field = _invalid_field(err)
+        settings = "validation error" in header and ("ModelConfig" not in header or field in options)
+        named = [k for k in getattr(self, "_extra_options", ()) if k in options
+                 and re.search(rf"\b({re.escape(k)}|{re.escape(k.replace('_', ' '))})\b", reason, re.IGNORECASE)]
+        if settings or named or "memory for the cache blocks" in reason:
             return f"generation_options: vLLM refused the engine settings: {reason}"
         return f"vLLM cannot load this model: {reason}"
 
@@ -652,6 +663,14 @@ def _plain_cpu_linears(llm) -> None:
                     bias.data = bias.data.to(weight.dtype)
 
     llm.apply_model(unpack)
+
+
+def _invalid_field(err: BaseException) -> str | None:
+    """The field a pydantic validation error names (its second line, e.g. ``enforce_eager``), else ``None``."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    if len(lines) > 1 and "validation error" in lines[0] and lines[1].isidentifier():
+        return lines[1]
+    return None
 
 
 def _first_line(err: BaseException) -> str:

@@ -279,3 +279,22 @@ def test_ddp_ranks_get_their_own_engine_placement():
         (r, {"RANK": str(r), "LOCAL_RANK": "0", "WORLD_SIZE": "2"}) for r in range(2)]
     for _, _, refused in results:
         assert refused is not None and "tensor_parallel_size=2 under a 2-process run" in refused and "\n" not in refused
+
+
+@pytest.mark.parametrize("option, value, match", [
+    ("enforce_eager", "maybe", "enforce_eager: Input should be a valid boolean"),  # a field of vLLM's ModelConfig
+    ("logprobs_mode", "raw", "logprobs_mode: Input should be 'raw_logits'"),
+    ("quantization", "bogus", "Unknown quantization method: bogus"),  # vLLM's reason names the option
+])
+def test_engine_settings_vllm_refuses_are_named_as_generation_options(option, value, match):
+    """A setting vLLM's ModelConfig validates (or whose refusal names it) is the user's generation_options, not "vLLM
+    cannot load this model" (which said the model was at fault)."""
+    from es_lightning.generation import make_generator
+    from es_lightning.policy import load_policy
+
+    policy = load_policy("builtin:countdown-tiny", dtype="float32")
+    with pytest.raises(ValueError) as err:
+        make_generator("vllm", policy, max_model_len=96, cpu_kv_cache_gib=0.0625, max_num_seqs=8, **{option: value})
+    message = str(err.value)
+    assert message.startswith("generation_options: vLLM refused the engine settings: ") and match in message
+    assert "\n" not in message
