@@ -89,11 +89,14 @@ def _in_eval_terms(err: Exception) -> ValueError:
     return ValueError(text)
 
 
-def evaluation_module(policy: Policy, task: Task, max_new_tokens: int, device: torch.device | str = "cpu"):
-    """A :class:`ReasoningModule` around an already loaded policy (nothing is loaded again)."""
+def evaluation_module(policy: Policy, task: Task, max_new_tokens: int, device: torch.device | str = "cpu",
+                      generation_backend: str = "hf", generation_options: dict[str, Any] | None = None):
+    """A :class:`ReasoningModule` around an already loaded policy (nothing is loaded again), generating with
+    ``generation_backend`` (a vLLM engine is built from the policy's weights at its first rollout)."""
     from es_lightning.modules.base import ReasoningModule
 
-    module = ReasoningModule(model="(loaded)", task=task, max_new_tokens=max_new_tokens)
+    module = ReasoningModule(model="(loaded)", task=task, max_new_tokens=max_new_tokens,
+                             generation_backend=generation_backend, generation_options=dict(generation_options or {}))
     module.model, module.tokenizer = policy.model, policy.tokenizer
     module.model.eval()
     return module.to(device)
@@ -117,7 +120,8 @@ def evaluate_policy(
     from es_lightning.callbacks.pass_at_k import PassAtKCallback
 
     task = get_task(task)
-    module = evaluation_module(policy, task, settings.completion_cap(), resolve_device(settings.device))
+    module = evaluation_module(policy, task, settings.completion_cap(), resolve_device(settings.device),
+                               settings.generation_backend, settings.generation_options)
     evaluator = PassAtKCallback(
         num_samples=settings.num_samples, ks=settings.pass_at_ks(), temperature=settings.temperature,
         top_p=settings.top_p, max_new_tokens=settings.completion_cap(), batch_size=settings.batch_size,
@@ -134,7 +138,12 @@ def evaluate_policy(
         if progress is not None:
             progress.update(len(examples))
 
-    metrics = evaluator.evaluate_examples(module, list(problems), on_batch=on_batch)
+    try:
+        metrics = evaluator.evaluate_examples(module, list(problems), on_batch=on_batch)
+    finally:  # a vLLM engine holds its own copy of the weights and GPU memory: one engine at a time
+        close = getattr(module._generator, "close", None)
+        if close is not None:
+            close()
     out = {name.split("/", 1)[1]: value for name, value in metrics.items()}
     out["format"] = extracted[0] / max(1, extracted[1])
     out["distinct_correct"] = sum(distinct) / max(1, len(distinct))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -75,6 +76,13 @@ class EvalSettings:
     """wrap prompts in the models' chat template: null = as the evaluated checkpoint was trained (a .ckpt, or a run's
     export directory, records its task: a task of the same name is prompted as in training, others take its chat
     template; nothing recorded: no template); true / false: for every model and task alike."""
+    generation_backend: str = "hf"
+    """how completions are generated: hf (transformers generate) or vllm (a vLLM engine per model, the optional extra:
+    the fast path for 0.5B–7B checkpoints on a GPU). Greedy completions are the same on both; sampled ones differ (each
+    draws its own random numbers), so compare models evaluated with one backend."""
+    generation_options: dict[str, Any] | None = None
+    """vLLM engine settings (generation_backend vllm only), as a fit's model.generation_options, e.g.
+    {"max_model_len": 4096, "gpu_memory_utilization": 0.8}."""
 
     def __post_init__(self) -> None:
         def bad(field: str, rule: str) -> ValueError:
@@ -95,6 +103,12 @@ class EvalSettings:
         if self.ks is not None:
             self.pass_at_ks()  # k > n or k < 1: refused at construction, before anything is loaded
         resolve_device(self.device)  # a device this machine lacks: refused now, not after the models load
+        from es_lightning.generation import check_generation_options
+
+        try:  # an unknown backend or engine option: refused now, named as an evaluation option
+            check_generation_options(self.generation_backend, self.generation_options)
+        except ValueError as err:
+            raise ValueError(f"{err} (options --eval.generation_backend, --eval.generation_options)") from None
 
     def pass_at_ks(self, default: Sequence[int] | None = None) -> list[int]:
         """The k to report: ``ks`` when set, else the command's ``default``, else 1, 2, 4, … n; sorted, each <= n."""
