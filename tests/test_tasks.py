@@ -399,3 +399,18 @@ def test_parse_cache_returns_what_a_fresh_parse_does_and_stays_bounded():
     for i in range(expressions.PARSE_CACHE_SIZE + 10):
         parse_expression(f"{i}+1")
     assert expressions._parse_checked.cache_info().currsize == expressions.PARSE_CACHE_SIZE
+
+
+def test_default_reward_follows_an_overridden_is_correct():
+    """A task that overrides only is_correct() (a lenient verifier) is rewarded by it: a completion it accepts earns
+    correct_reward in reward() and grade(), not the format reward, so what trains and what is measured agree."""
+
+    class Lenient(AdditionTask):  # accepts an answer off by one
+        def is_correct(self, completion, example):
+            answer = self.extract_answer(completion)
+            return answer is not None and abs(int(answer) - int(example["x"]) - int(example["y"])) <= 1
+
+    task, example, texts = Lenient(), {"x": 2, "y": 3}, ["5", "6", "9", "x"]
+    answers, correct, rewards = task.grade(texts, [example] * 4)
+    assert correct == [True, True, False, False]
+    assert rewards == [1.0, 1.0, 0.1, 0.0] == task.reward(texts, [example] * 4)

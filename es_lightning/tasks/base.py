@@ -114,8 +114,10 @@ class Task(ABC):
         return self._verify(completion, example)[1]
 
     def reward(self, completions: Sequence[str], examples: Sequence[dict[str, Any]]) -> list[float]:
-        """One float per completion: ``correct_reward`` / ``format_reward`` / 0 (Ba et al. convention)."""
-        return self._grade(completions, examples)[2]  # not grade(): a subclass's reward() may call super().reward()
+        """One float per completion: ``correct_reward`` when :meth:`is_correct` (a subclass's override included),
+        else ``format_reward`` when an answer could be extracted, else 0 (Ba et al. convention)."""
+        answers, correct, _ = self._grade(completions, examples)  # not grade(): a subclass's reward() may call this
+        return self._rewards(answers, self._verdicts(completions, examples, correct))
 
     def grade(
         self, completions: Sequence[str], examples: Sequence[dict[str, Any]]
@@ -127,12 +129,25 @@ class Task(ABC):
         completion is never parsed twice. Subclasses customise :meth:`reward` / :meth:`is_correct` and this follows.
         """
         answers, correct, rewards = self._grade(completions, examples)
-        # a subclass that overrides reward() or is_correct() (a custom reward, e.g. length shaping) is obeyed
+        # a subclass that overrides reward() or is_correct() (a custom reward, e.g. length shaping) is obeyed; the
+        # default reward follows an overridden is_correct(), so that what trains and what is measured agree
+        correct = self._verdicts(completions, examples, correct)
         if type(self).reward is not Task.reward:
             rewards = [float(r) for r in self.reward(completions, examples)]
-        if type(self).is_correct is not Task.is_correct:
-            correct = [bool(self.is_correct(c, e)) for c, e in zip(completions, examples)]
+        else:
+            rewards = self._rewards(answers, correct)
         return answers, correct, rewards
+
+    def _verdicts(self, completions: Sequence[str], examples: Sequence[dict[str, Any]], correct: list[bool]) -> list[bool]:
+        """``correct`` (the base class's verdicts), or what an overridden :meth:`is_correct` says."""
+        if type(self).is_correct is Task.is_correct:
+            return correct
+        return [bool(self.is_correct(c, e)) for c, e in zip(completions, examples)]
+
+    def _rewards(self, answers: Sequence[str | None], correct: Sequence[bool]) -> list[float]:
+        """The default reward of each completion from its extracted answer and verdict."""
+        return [self.correct_reward if ok else self.format_reward if answer is not None else 0.0
+                for answer, ok in zip(answers, correct)]
 
     def _grade(
         self, completions: Sequence[str], examples: Sequence[dict[str, Any]]
