@@ -33,6 +33,7 @@ import ast
 import dataclasses
 import inspect
 import textwrap
+import types
 import typing
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Mapping, Sequence
@@ -42,7 +43,8 @@ from lightning import LightningModule
 
 from es_lightning.generation import SamplingParams
 
-__all__ = ["Algorithm", "algorithm_names", "get_algorithm", "register_algorithm", "settings_docs", "settings_hints"]
+__all__ = ["Algorithm", "algorithm_names", "check_types", "get_algorithm", "register_algorithm", "settings_docs",
+           "settings_hints"]
 
 _REGISTRY: dict[str, type[Algorithm]] = {}
 
@@ -180,12 +182,73 @@ def algorithm_names() -> list[str]:
 
 # ---------------------------------------------------------------------- settings dataclasses
 def make_settings(settings_cls: type, values: Mapping[str, Any], owner: str) -> Any:
-    """``settings_cls(**values)`` with unknown names refused by a message that lists the accepted ones."""
+    """``settings_cls(**values)`` with unknown names refused by a message that lists the accepted ones, and values of
+    the wrong type by one naming the setting (:func:`check_types`)."""
     known = [f.name for f in dataclasses.fields(settings_cls)]
     unknown = sorted(set(values) - set(known))
     if unknown:
         raise ValueError(f"{owner}: unknown key(s) {unknown}; accepted: {known}")
+    check_types(owner, values, settings_hints(settings_cls))
     return settings_cls(**values)
+
+
+def _matches(value: Any, hint: Any) -> bool:
+    """Whether ``value`` is of type ``hint`` as far as a setting goes (ints for ``float``; numpy scalars; lists for
+    tuples); hints it cannot read (``Any``, classes of generics it does not know) accept anything."""
+    import numbers
+
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return True
+    if hint is type(None):
+        return value is None
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, a) for a in args)
+    if hint is bool:
+        return isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"))
+    if isinstance(value, bool):  # a bool is an int to Python, never a count or a scale to a setting
+        return False
+    if hint is int:
+        return isinstance(value, numbers.Integral)
+    if hint is float:
+        return isinstance(value, numbers.Real)
+    if hint is str:
+        return isinstance(value, str)
+    if origin is tuple:
+        if not isinstance(value, (tuple, list)):
+            return False
+        if len(args) == 2 and args[1] is Ellipsis:
+            return all(_matches(v, args[0]) for v in value)
+        return len(value) == len(args) and all(_matches(v, a) for v, a in zip(value, args))
+    if origin in (dict, Mapping):
+        return isinstance(value, Mapping)
+    if origin in (list, Sequence):
+        return isinstance(value, (list, tuple))
+    if isinstance(hint, type) and origin is None:
+        return isinstance(value, hint)
+    return True
+
+
+def _type_name(hint: Any) -> str:
+    return getattr(hint, "__name__", None) if typing.get_origin(hint) is None and isinstance(hint, type) else \
+        str(hint).replace("typing.", "")
+
+
+def check_types(owner: str, values: Mapping[str, Any], hints: Mapping[str, Any]) -> None:
+    """Refuse, in one line naming the setting, a value of another type than its annotation (``population_size=8.0``
+    would otherwise fail mid-fit, ``temperature="1"`` in a comparison that names nothing); YAML and the command line
+    are typed by jsonargparse before they get here, a Python script is not."""
+    for name, value in values.items():
+        hint = hints.get(name)
+        if hint is None or _matches(value, hint):
+            continue
+        expected = _type_name(hint)
+        fix = ""
+        if hint is int and isinstance(value, float) and value.is_integer():
+            fix = f"; use {name}={int(value)}"
+        elif isinstance(value, str):
+            fix = "; pass a number, not a string" if hint in (int, float) else ""
+        raise TypeError(f"{owner}: {name} must be {expected}, got {value!r} ({type(value).__name__}){fix}")
 
 
 def settings_hints(settings_cls: type) -> dict[str, Any]:

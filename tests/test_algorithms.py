@@ -161,3 +161,26 @@ def test_command_line_sees_every_setting_with_type_default_and_help(capsys):
     with pytest.raises(SystemExit):
         check_config(["fit", "--config", str(ROOT / "recipes" / "grpo_es.yaml"), "--model.init_args.group_sizee", "4"])
     assert "group_sizee" in capsys.readouterr().err
+
+
+def test_a_python_value_of_the_wrong_type_is_refused_naming_the_setting():
+    """A script is not typed by jsonargparse: population_size=8.0 used to build and then fail mid-fit ('float' object
+    cannot be interpreted as an integer), temperature="1" in a comparison naming nothing. Refused at construction."""
+    import numpy as np
+
+    from es_lightning import GRPOModule
+
+    for build, match in [
+        (lambda: ESModule(population_size=8.0), r"ESModule: population_size must be int, got 8.0 \(float\); use population_size=8"),
+        (lambda: ESModule(temperature="1"), r"ESModule: temperature must be float, got '1' \(str\); pass a number"),
+        (lambda: GRPOModule(group_size=2.0), r"GRPOModule: group_size must be int.*use group_size=2"),
+        (lambda: GRPOModule(lr="1e-4"), r"GRPOModule: lr must be float"),
+        (lambda: ESModule(max_new_tokens=8.0), r"max_new_tokens must be int"),
+        (lambda: SequentialStrategy(switch_step=2, es={"population_size": 4.0}), r"SequentialStrategy es=: population_size"),
+    ]:
+        with pytest.raises(TypeError, match=match):
+            build()
+    # what a script naturally passes is accepted: ints for floats, numpy scalars, lists for tuples, None where optional
+    module = ESModule(population_size=np.int64(4), sigma=np.float32(5e-3), lr=1, antithetic=np.bool_(True), trainable=None)
+    assert module.algorithm.settings.population_size == 4
+    GRPOModule(betas=[0.9, 0.99], max_grad_norm=None, task="addition")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from dataclasses import dataclass
 
@@ -68,7 +69,7 @@ class ESSettings:
         if self.antithetic and self.population_size % 2:
             raise ValueError(f"antithetic sampling pairs members: population_size must be even, got "
                              f"{self.population_size}; use {self.population_size + 1}")
-        if not (isinstance(self.sigma, (int, float)) and math.isfinite(self.sigma) and self.sigma > 0):
+        if not (isinstance(self.sigma, numbers.Real) and math.isfinite(self.sigma) and self.sigma > 0):
             raise ValueError(f"sigma must be a positive finite noise scale, got {self.sigma}; Ba et al. use 1.5e-3")
         if not (math.isfinite(self.lr) and self.lr >= 0):
             raise ValueError(f"lr must be a finite number >= 0, got {self.lr}; Ba et al. use 2.5e-4")

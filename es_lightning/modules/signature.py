@@ -14,7 +14,7 @@ import inspect
 import typing
 from typing import Any
 
-from es_lightning.algorithms import Algorithm, settings_docs, settings_hints
+from es_lightning.algorithms import Algorithm, check_types, settings_docs, settings_hints
 
 #: ReasoningModule arguments that may be passed positionally (the rest are keyword-only)
 _POSITIONAL = ("model", "dtype", "trust_remote_code", "task")
@@ -54,6 +54,7 @@ def build_module_init(cls: type, base_cls: type, algorithm: type[Algorithm]) -> 
             raise TypeError(f"{type(self).__name__}: {err}; accepted: {accepted}") from None
         bound.apply_defaults()
         values = {k: v for k, v in bound.arguments.items() if k != "self"}
+        check_types(type(self).__name__, values, __init__.__annotations__)
         base_cls.__init__(self, **{k: values[k] for k in base_names})
         self.save_hyperparameters({k: v for k, v in values.items() if k != "task"})
         self.set_algorithm(algorithm({k: values[k] for k in setting_names}))
