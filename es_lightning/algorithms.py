@@ -32,6 +32,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import os
 import textwrap
 import types
 import typing
@@ -212,8 +213,10 @@ def _matches(value: Any, hint: Any) -> bool:
         return isinstance(value, numbers.Integral)
     if hint is float:
         return isinstance(value, numbers.Real)
-    if hint is str:
-        return isinstance(value, str)
+    if hint is str:  # a dtype setting also takes a torch.dtype (dtype, master_dtype: resolve_dtype reads both)
+        import torch
+
+        return isinstance(value, (str, torch.dtype))
     if origin is tuple:
         if not isinstance(value, (tuple, list)):
             return False
@@ -248,6 +251,8 @@ def check_types(owner: str, values: Mapping[str, Any], hints: Mapping[str, Any])
             fix = f"; use {name}={int(value)}"
         elif isinstance(value, str):
             fix = "; pass a number, not a string" if hint in (int, float) else ""
+        elif hint is str and isinstance(value, os.PathLike):
+            fix = f"; pass {name}=str(path)"
         raise TypeError(f"{owner}: {name} must be {expected}, got {value!r} ({type(value).__name__}){fix}")
 
 

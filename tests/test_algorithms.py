@@ -177,6 +177,7 @@ def test_a_python_value_of_the_wrong_type_is_refused_naming_the_setting():
         (lambda: GRPOModule(lr="1e-4"), r"GRPOModule: lr must be float"),
         (lambda: ESModule(max_new_tokens=8.0), r"max_new_tokens must be int"),
         (lambda: SequentialStrategy(switch_step=2, es={"population_size": 4.0}), r"SequentialStrategy es=: population_size"),
+        (lambda: ESModule(model=Path("/models/qwen")), r"model must be str.*PosixPath.*pass model=str\(path\)"),
     ]:
         with pytest.raises(TypeError, match=match):
             build()
@@ -184,3 +185,4 @@ def test_a_python_value_of_the_wrong_type_is_refused_naming_the_setting():
     module = ESModule(population_size=np.int64(4), sigma=np.float32(5e-3), lr=1, antithetic=np.bool_(True), trainable=None)
     assert module.algorithm.settings.population_size == 4
     GRPOModule(betas=[0.9, 0.99], max_grad_norm=None, task="addition")
+    assert ESModule(dtype=torch.bfloat16, master_dtype=torch.float32).dtype_name == torch.bfloat16  # dtypes as torch's
