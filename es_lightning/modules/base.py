@@ -69,7 +69,7 @@ class ReasoningModule(L.LightningModule):
 
     Args:
         model: ``builtin:<name>``, a local Hugging Face directory, or a hub id (e.g. ``Qwen/Qwen2.5-1.5B-Instruct``).
-        dtype: parameter dtype: ``float32``, ``bfloat16``, ``float16`` or ``auto``.
+        dtype: parameter dtype: ``float32``, ``bfloat16``, ``float16``, or ``auto`` / null (the checkpoint's own).
         trust_remote_code: allow custom modelling code from the model repository.
         task: the task whose verifier scores rollouts; ``None`` takes the data module's (one place to configure it).
         max_new_tokens: completion length cap for training rollouts.
@@ -106,7 +106,7 @@ class ReasoningModule(L.LightningModule):
     def __init__(
         self,
         model: str = "builtin:countdown-tiny",
-        dtype: str = "float32",
+        dtype: str | None = "float32",
         trust_remote_code: bool = False,
         task: Task | str | None = None,
         max_new_tokens: int = 32,
@@ -115,7 +115,7 @@ class ReasoningModule(L.LightningModule):
         generation_backend: str = "hf",
         generation_options: dict[str, Any] | None = None,
         seed: int = 0,
-        master_dtype: str = "float32",
+        master_dtype: str | None = "float32",
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["task"])
