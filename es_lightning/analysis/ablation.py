@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import struct
-import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -250,9 +249,7 @@ def ablation_command(
     base = base or _base_of(tuned_model, "ablation")
     base_weights = snapshot(load_model(base, dtype=dtype or tuned_model.hyperparameters.get("dtype")).policy.model)
     policy = tuned_model.policy
-    note = tuned_model.masters_note()
-    if note:
-        print(note, file=sys.stderr if note.startswith("warning") else sys.stdout)
+    tuned_model.say_masters()
     warn_about_base(tuned, base, tuned_model.base, parameter_drift(base_weights, tuned_model.weights(), [0.0]).relative_drift)
     bar = tqdm(total=(2 + len(taus) + len(top_percent)) * len(problems), desc="ablation", unit="problem", disable=not progress,
                leave=False)

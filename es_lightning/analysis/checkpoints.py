@@ -45,6 +45,14 @@ class LoadedModel:
         the checkpoint keeps one, else the weight itself (not a copy). What drift and ablation measure the update on."""
         return {name: self.masters.get(name, p.detach()) for name, p in self.policy.model.named_parameters()}
 
+    def say_masters(self) -> None:
+        """Print :meth:`masters_note` (a warning to stderr), when there is one: before an analysis of the update."""
+        import sys
+
+        note = self.masters_note()
+        if note:
+            print(note, file=sys.stderr if note.startswith("warning") else sys.stdout)
+
     def masters_note(self) -> str | None:
         """One line on which values an analysis of this model's update reads, when the weights have masters."""
         if self.masters:

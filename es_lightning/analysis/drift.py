@@ -265,9 +265,7 @@ def drift_command(
     report.sources = {"base": base, "tuned": tuned}
     report.masters = len(tuned_model.masters)
     print(f"drift of {tuned} from {base} ({time.perf_counter() - start:.0f}s)")
-    note = tuned_model.masters_note()
-    if note:
-        print(note, file=sys.stderr if note.startswith("warning") else sys.stdout)
+    tuned_model.say_masters()
     warn_about_base(tuned, base, trained_from, report.relative_drift)
     print(report.table())
     if report.tied_embeddings:
