@@ -175,7 +175,13 @@ def load_policy(
         attn_implementation: e.g. ``"sdpa"`` or ``"flash_attention_2"``; default lets transformers choose.
     """
     path = resolve_model_path(name_or_path)
+    # use_kernels=False: the plain PyTorch layers, as transformers < 5.25 loads them by default. With the `kernels`
+    # package installed, 5.25 kernelizes models by default and re-kernelizes at every train()/eval(), which resets
+    # the forward of each instance of a hub-kernel layer (RMSNorm, SiLU-and-mul): an ES population's batched forward
+    # of the norms was dropped in the middle of a step, and a kernel would fetch code from the hub and change the
+    # numerics every equality here is checked against (HF against vLLM, members against merged weights).
     kwargs: dict[str, Any] = dict(trust_remote_code=trust_remote_code, revision=revision, **model_kwargs)
+    kwargs.setdefault("use_kernels", False)
     torch_dtype = resolve_dtype(dtype)
     kwargs["dtype"] = torch_dtype if torch_dtype is not None else "auto"
     if attn_implementation is not None:

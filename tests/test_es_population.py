@@ -194,3 +194,22 @@ def test_norm_path_is_probed_once_per_module(fixture, dtype, request, monkeypatc
         with PopulationForward(model, {n: w[:1] for n, w in stacked.items()}):  # one member: probed again
             model(ids[:2])
     assert len(calls) == 2 * len(norms)
+
+
+def test_a_population_forward_survives_train_and_eval_of_a_loaded_policy(qwen_like_small_dir):
+    """transformers 5.25 (which installs `kernels`) kernelizes a loaded model by default and re-kernelizes it at every
+    train()/eval(), resetting each RMSNorm instance's forward: the members' batched norms were dropped in the middle of
+    an ES step (and the context's exit failed). load_policy loads the plain PyTorch layers (use_kernels=False)."""
+    policy = load_policy(qwen_like_small_dir, dtype="float32")
+    model = policy.model
+    norm = dict(model.named_parameters())["model.norm.weight"]
+    stacked = {"model.norm.weight": torch.stack([norm.detach(), 2 * norm.detach()])}
+    ids = torch.tensor([[1, 2, 3], [1, 2, 3]])
+    with torch.no_grad(), PopulationForward(model, stacked):
+        before = model(input_ids=ids).logits
+        model.train()
+        model.eval()
+        assert "forward" in model.model.norm.__dict__
+        after = model(input_ids=ids).logits
+    assert torch.equal(before, after) and not torch.equal(before[0], before[1])  # member 2's norm still applied
+    assert "forward" not in model.model.norm.__dict__
