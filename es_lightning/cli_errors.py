@@ -596,14 +596,21 @@ def _as_given(key: str, names: Sequence[str]) -> str:
     return next((n for n in names if n.rpartition(".")[2] == key.rpartition(".")[2]), key)
 
 
-def _not_yaml(file: str) -> bool:
+_NOT_YAML = object()
+
+
+def _parsed(file: str) -> Any:
+    """A config file's YAML content (``None`` for a missing or empty file), or ``_NOT_YAML``."""
     import yaml
 
     try:
-        yaml.safe_load(_read(file))
+        return yaml.safe_load(_read(file))
     except yaml.YAMLError:
-        return True
-    return False
+        return _NOT_YAML
+
+
+def _not_yaml(file: str) -> bool:
+    return _parsed(file) is _NOT_YAML
 
 
 def _line_setting(key: str, value: str, files: Sequence[str]) -> str | None:
@@ -662,13 +669,8 @@ def _indexed_option(option: str, argv: Sequence[str]) -> str | None:
     listed = re.sub(r"\[(\d+)\]", r".\1", given)[2:].removesuffix(wanted)
     index, leaf = int(m.group(1)), m.group(2).removeprefix("init_args.")
     entry = ""
-    import yaml
-
     for file in reversed(config_files(argv)):
-        try:
-            node: Any = yaml.safe_load(_read(file))
-        except yaml.YAMLError:
-            continue
+        node = _parsed(file)
         for part in listed.split("."):
             node = node.get(part) if isinstance(node, dict) else None
         if isinstance(node, list):
@@ -683,8 +685,6 @@ def _indexed_option(option: str, argv: Sequence[str]) -> str | None:
 def _section_classes(argv: Sequence[str]) -> dict[str, str]:
     """``{section: class path}`` of the fit's model, data module and task (``model.init_args``, ``data.init_args``,
     ``data.init_args.task.init_args``) as the ``--config`` files and the command line name them, the last one winning."""
-    import yaml
-
     out: dict[str, str] = {}
 
     def put(section: str, value: Any) -> None:
@@ -695,10 +695,7 @@ def _section_classes(argv: Sequence[str]) -> dict[str, str]:
         return node.get(name) if isinstance(node, dict) else None
 
     for file in config_files(argv):
-        try:
-            config = yaml.safe_load(_read(file))
-        except yaml.YAMLError:
-            continue
+        config = _parsed(file)
         for section in ("model", "data"):
             node = get(config, section)
             put(f"{section}.init_args", node if isinstance(node, str) else get(node, "class_path"))

@@ -33,9 +33,6 @@ from es_lightning.algorithms import SAMPLING_KEYS, check_types, get_algorithm, s
 from es_lightning.generation import SamplingParams
 from es_lightning.precision import copy_masters
 
-#: the types of the rollout keys a stage may set (those of the module's arguments)
-_SAMPLING_TYPES = {"temperature": float, "top_p": float, "max_new_tokens": int}
-
 
 class SequentialStrategy(L.Callback):
     """Switch the algorithm of a running fit at ``switch_step``.
@@ -82,7 +79,7 @@ class SequentialStrategy(L.Callback):
         if unknown:
             raise ValueError(f"SequentialStrategy {self.target}= has unknown key(s) {unknown}; accepted: {known}")
         values = {k: v for k, v in given.items() if k not in SAMPLING_KEYS}
-        check_types(f"SequentialStrategy {self.target}=", given, {**settings_hints(cls.Settings), **_SAMPLING_TYPES})
+        check_types(f"SequentialStrategy {self.target}=", given, {**settings_hints(cls.Settings), **settings_hints(SamplingParams)})
         self.stage_settings = cls.Settings(**values)  # validates every value now, not at the switch
         self.stage_sampling = {**cls.default_sampling(), **{k: given[k] for k in SAMPLING_KEYS if k in given}}
         cls.check_sampling(SamplingParams(**self.stage_sampling))  # values checked (missing ones: any valid default)

@@ -99,8 +99,8 @@ class ESAlgorithm(Algorithm):
         """A changed ``lr``, ``sigma`` or ``update_scale`` into the ES optimizer's param group: the members are
         perturbed with ``settings.sigma``, so the update must use the same σ (and the configured α) after a resume."""
         s = self.settings
-        values = {k: v for k, v in (("lr", s.lr), ("sigma", s.sigma), ("scale", s.update_scale))
-                  if (k if k != "scale" else "update_scale") in changed}
+        group_keys = {"lr": ("lr", s.lr), "sigma": ("sigma", s.sigma), "update_scale": ("scale", s.update_scale)}
+        values = dict(group_keys[name] for name in changed if name in group_keys)
         for opt in optimizers:
             if isinstance(opt, ESOptimizer):
                 for group in opt.param_groups:
