@@ -227,6 +227,9 @@ class VLLMGenerator(Generator):
         trust_remote_code: bool = False,
         **engine_kwargs: Any,
     ) -> None:
+        from es_lightning.generation import refuse_owned_options
+
+        refuse_owned_options(engine_kwargs)
         import_vllm()
         self.policy = policy
         device = next(policy.model.parameters()).device

@@ -43,3 +43,20 @@ def test_eval_on_vllm_greedy_equals_hf(tmp_path, monkeypatch):
         assert {k: row[k] for k in ("pass@1", "maj@1", "format", "reward_mean")} == \
             {k: expected[k] for k in ("pass@1", "maj@1", "format", "reward_mean")}
         assert row["entropy"] == pytest.approx(expected["entropy"], abs=1e-4)
+
+
+def test_eval_of_the_qwen_like_fixture_on_vllm_greedy_equals_hf(tmp_path, qwen_like_dir):
+    """The real-model path: Qwen's vocabulary size (151,936), chat template, pad = EOS and generation_config defaults
+    (which must not leak into the engine's sampling) — greedy results on vLLM equal transformers'."""
+    from es_lightning.analysis.evaluate import eval_command
+    from es_lightning.analysis.settings import EvalSettings
+
+    def run(backend: str, options: dict | None):
+        settings = EvalSettings(num_problems=4, num_samples=1, temperature=0.0, max_new_tokens=8, batch_size=4,
+                                chat_template=True, generation_backend=backend, generation_options=options)
+        return eval_command(checkpoints=[qwen_like_dir], labels=[backend], eval=settings, out_dir=str(tmp_path / backend),
+                            plot=False, progress=False).results[backend]["countdown"]
+
+    hf, vllm = run("hf", None), run("vllm", {"max_model_len": 256, "cpu_kv_cache_gib": 0.0625})
+    assert {k: vllm[k] for k in ("pass@1", "format", "reward_mean")} == {k: hf[k] for k in ("pass@1", "format", "reward_mean")}
+    assert vllm["entropy"] == pytest.approx(hf["entropy"], abs=1e-3)

@@ -219,6 +219,9 @@ def test_a_lowrank_es_stage_lora_cannot_cover_is_refused_before_the_grpo_stage(t
     ("max_num_seqs", "0", r"generation_options.max_num_seqs must be a whole number >= 1, got 0"),  # was: "max_num_batched_tokens"
     ("gpu_memory_utilization", "1.5", r"generation_options.gpu_memory_utilization .* in \(0, 1\], got 1.5"),
     ("dtype", "float64", r"generation_options.dtype must be one of \['auto', 'bfloat16'"),
+    # engine settings correctness depends on were overridden silently
+    ("logprobs_mode", "raw_logprobs", r"generation_options.logprobs_mode is set by es-lightning .* sampling temperature"),
+    ("generation_config", "auto", r"generation_options.generation_config is set by es-lightning .* must not leak"),
 ])
 def test_bad_generation_option_refused_at_construction(tmp_path, fit, option, value, match):
     with pytest.raises(ValueError, match=match):

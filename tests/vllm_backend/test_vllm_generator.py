@@ -283,7 +283,6 @@ def test_ddp_ranks_get_their_own_engine_placement():
 
 @pytest.mark.parametrize("option, value, match", [
     ("enforce_eager", "maybe", "enforce_eager: Input should be a valid boolean"),  # a field of vLLM's ModelConfig
-    ("logprobs_mode", "raw", "logprobs_mode: Input should be 'raw_logits'"),
     ("quantization", "bogus", "Unknown quantization method: bogus"),  # vLLM's reason names the option
 ])
 def test_engine_settings_vllm_refuses_are_named_as_generation_options(option, value, match):
