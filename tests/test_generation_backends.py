@@ -58,3 +58,28 @@ def test_vllm_fragment_options_are_vllm_generator_arguments():
     assert model["generation_backend"] == "vllm"
     accepted = set(inspect.signature(VLLMGenerator.__init__).parameters) - {"self", "policy", "engine_kwargs"}
     assert set(model["generation_options"]) <= accepted
+
+
+def test_vllm_rollout_logprobs_stay_fp32_under_bf16_true(policy, monkeypatch):
+    """Lightning's bf16-true (the GPU trainer fragments) makes bf16 the default dtype inside a training step, where
+    GRPO's rollouts are generated: vLLM's log-probs (GRPO's π_old) were written into a default-dtype tensor and rounded
+    to bf16 (-7.123456 → -7.125). They are fp32, as HFGenerator's. No engine needed: the rows are vLLM-shaped."""
+    from types import SimpleNamespace
+
+    import torch
+    from lightning.pytorch.plugins.precision import HalfPrecision
+
+    import es_lightning.generation.vllm as vllm_module
+    from es_lightning.generation import SamplingParams
+
+    gen = vllm_module.VLLMGenerator.__new__(vllm_module.VLLMGenerator)  # _rollout reads only the policy
+    gen.policy = policy
+    monkeypatch.setattr(vllm_module, "policy_token_stats", lambda model, rollout, T: (rollout.logprobs, rollout.logprobs))
+    values = [-7.123456, -0.0123456]
+    row = SimpleNamespace(token_ids=[5, 6], finish_reason="stop",
+                          logprobs=[{5: SimpleNamespace(logprob=values[0])}, {6: SimpleNamespace(logprob=values[1])}])
+    with HalfPrecision("bf16-true").forward_context():
+        assert torch.get_default_dtype() == torch.bfloat16
+        rollout = gen._rollout([[3, 4]], [SimpleNamespace(outputs=[row])], 1, SamplingParams(), return_logprobs=True)
+    assert rollout.logprobs.dtype == torch.float32
+    assert torch.equal(rollout.logprobs, torch.tensor([values], dtype=torch.float32))

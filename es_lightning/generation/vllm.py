@@ -555,7 +555,9 @@ class VLLMGenerator(Generator):
         prompt_mask = torch.zeros(len(rows), P, dtype=torch.long)  # [B*n, P]
         completion_ids = torch.full((len(rows), C), pad, dtype=torch.long)  # [B*n, C]
         completion_mask = torch.zeros(len(rows), C, dtype=torch.long)  # [B*n, C]
-        logprobs = torch.zeros(len(rows), C) if return_logprobs else None  # [B*n, C]
+        # fp32 whatever the default dtype (bf16-true makes it bf16 inside a training step: GRPO's π_old would be
+        # rounded to bf16, off by up to 2⁻⁹ relative: 0.03 at a log-prob of -10), as HFGenerator records them
+        logprobs = torch.zeros(len(rows), C, dtype=torch.float32) if return_logprobs else None  # [B*n, C]
         for r, out in enumerate(rows):
             ids = token_lists[r // num_samples]
             prompt_ids[r, P - len(ids):] = torch.tensor(ids)
@@ -564,7 +566,8 @@ class VLLMGenerator(Generator):
             completion_ids[r, :n] = torch.tensor(out.token_ids, dtype=torch.long)
             completion_mask[r, :n] = 1
             if logprobs is not None and n:
-                logprobs[r, :n] = torch.tensor([d[t].logprob for d, t in zip(out.logprobs, out.token_ids)])
+                logprobs[r, :n] = torch.tensor([d[t].logprob for d, t in zip(out.logprobs, out.token_ids)],
+                                               dtype=torch.float32)
         truncated = torch.tensor([r.finish_reason == "length" for r in rows])  # [B*n]
         texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         if params.stop:
