@@ -15,6 +15,7 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 
 from es_lightning import ESModule, GRPOModule, ReasoningDataModule
+from es_lightning.metrics.training import device_time
 from es_lightning.tasks import CountdownTask
 
 SHARED = [
@@ -63,15 +64,25 @@ def _dm():
 
 
 @pytest.mark.parametrize("kind", ["es", "grpo"])
-def test_both_algorithms_log_the_shared_keys_computed_from_their_rollouts(kind, tiny_model_dir, tmp_path):
+def test_both_algorithms_log_the_shared_keys_computed_from_their_rollouts(kind, tiny_model_dir, tmp_path, monkeypatch):
     module = _module(kind, tiny_model_dir)
     spy = _Spy(module.generator)
     module._generator = spy
+    clocks = []  # GRPO's step clock waits for the device after the update (test_device_time_waits_for_cuda_work)
+    import es_lightning.grpo.algorithm as grpo_algorithm
+
+    def clock(device):
+        clocks.append((torch.device(device), module.trainer.global_step))
+        return device_time(device)
+
+    monkeypatch.setattr(grpo_algorithm, "device_time", clock, raising=False)
     trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=CSVLogger(tmp_path), enable_checkpointing=False,
                         limit_val_batches=0, enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1)
     trainer.fit(module, _dm())
     rows = list(csv.DictReader(open(Path(trainer.logger.log_dir) / "metrics.csv")))
     row = next(r for r in rows if r.get("train/reward_mean"))
+    if kind == "grpo":  # read before the rollout and after the optimizer step, on the module's device
+        assert clocks == [(module.device, 0), (module.device, 1)]
     for key in SHARED + OWN[kind]:
         assert row.get(key, "") != "", key
     assert {k for k in row if k.startswith("train/")} >= set(SHARED)
@@ -114,3 +125,15 @@ def test_one_step_under_bf16_precision(kind, precision, tiny_model_dir):
     for key in SHARED:
         value = trainer.logged_metrics[key]
         assert value.dtype == torch.float32 and torch.isfinite(value), key
+
+
+def test_device_time_waits_for_cuda_work(monkeypatch):
+    """CUDA kernels run asynchronously: a step clock read right after the last call of a phase (GRPO's update: its last
+    backward and AdamW step) stopped before the GPU had done it, and that time went to the next phase's
+    ``train/time/generate_s``. ``device_time`` synchronises a CUDA device first; a CPU has nothing queued."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(device))
+    before = device_time("cpu")
+    assert calls == []
+    after = device_time(torch.device("cuda", 1))
+    assert calls == [torch.device("cuda", 1)] and after >= before

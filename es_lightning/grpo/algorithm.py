@@ -53,7 +53,7 @@ from es_lightning.generation import Rollout, SamplingParams
 from es_lightning.grpo.logprobs import completion_logprobs, enable_gradient_checkpointing
 from es_lightning.grpo.loss import group_advantages, grpo_loss
 from es_lightning.grpo.settings import GRPOSettings
-from es_lightning.metrics.training import StepMetrics, masked_token_mean
+from es_lightning.metrics.training import StepMetrics, device_time, masked_token_mean
 from es_lightning.policy import load_policy
 from es_lightning.precision import MasterAdamW
 from es_lightning.scoring import check_some_kept
@@ -180,7 +180,7 @@ class GRPOAlgorithm(Algorithm):
 
     def training_step(self, module: ReasoningModule, batch: list[dict[str, Any]], batch_idx: int) -> None:
         G, step = self.settings.group_size, module.global_step
-        t0 = time.perf_counter()
+        t0 = device_time(module.device)  # the clocks wait for the GPU: its queued work belongs to the phase before
         with torch.no_grad():
             rollout = module.sample(batch, G, seed=self.rollout_seed(module, step), return_logprobs=True)
         t1 = time.perf_counter()
@@ -190,7 +190,7 @@ class GRPOAlgorithm(Algorithm):
         rewards = torch.where(kept, scores.rewards, torch.zeros_like(scores.rewards)).to(module.device)  # [B*G]
         advantages, group_std = self.advantages(module, rewards)  # [B*G] each; a dropped group: all 0
         stats = self.update(module, rollout, advantages, kept.to(module.device))
-        t3 = time.perf_counter()
+        t3 = device_time(module.device)  # the last backward and optimizer step may still be running on a GPU
 
         kept_cpu = kept.cpu()
         module.log_step(StepMetrics(

@@ -26,12 +26,13 @@ plus each algorithm's own (``extra``: ES ``js_succ``, ``pass_pop``, ``update_nor
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-__all__ = ["StepMetrics", "shared_metrics"]
+__all__ = ["StepMetrics", "device_time", "shared_metrics"]
 
 
 @dataclass
@@ -68,6 +69,16 @@ def shared_metrics(step: StepMetrics, lr: float) -> dict[str, float]:
     out.update({f"train/time/{k}_s": float(v) for k, v in step.times.items()})
     out.update({f"train/{k}": _scalar(v) for k, v in step.extra.items()})
     return out
+
+
+def device_time(device: torch.device | str) -> float:
+    """``time.perf_counter()`` once the work queued on ``device`` is done: CUDA runs kernels asynchronously, so a clock
+    read right after the last call of a phase stops before the GPU has finished it (a GRPO update's last backward and
+    optimizer step) and that time is counted in the next phase instead. The clock of the ``train/time/*_s`` metrics."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def masked_token_mean(values: Tensor, mask: Tensor) -> float:
