@@ -263,9 +263,12 @@ def test_grpo_steps_update_the_fp32_master_as_intended(model_dir):
 
 
 @pytest.mark.parametrize("kind", ["es", "grpo"])
-def test_drift_reads_the_master(kind, model_dir, tmp_path, capsys):
+def test_drift_reads_the_master(kind, model_dir, tmp_path, capsys, monkeypatch):
     """train/drift — and `analyze drift` / `analyze ablation` of the run's .ckpt — are ‖θ − θ₀‖/‖θ₀‖ and s_τ of the
-    fp32 masters: at these step sizes the bf16 weights say something else entirely."""
+    fp32 masters: at these step sizes the bf16 weights say something else entirely. (train/drift read in chunks of
+    1000 elements here, as a 7B model's embedding is read in chunks of 16M: the sums must not depend on where they
+    are cut.)"""
+    monkeypatch.setattr("es_lightning.callbacks.drift.DRIFT_CHUNK", 1000)
     from es_lightning.analysis.ablation import snapshot, sparsity_ablation
     from es_lightning.analysis.checkpoints import load_model
     from es_lightning.analysis.drift import drift_command

@@ -35,6 +35,9 @@ from es_lightning.es.sharding import ShardView, clean_name, gather_full, local_s
 from es_lightning.es.update import ESOptimizer
 from es_lightning.precision import MasterState, local
 
+#: elements of a parameter read at a time by :meth:`ParameterDrift.compute` (fp64 transients of 128 MB each)
+DRIFT_CHUNK = 1 << 24
+
 
 class ParameterDrift(L.Callback):
     """Logs ``train/drift`` = ‖θ − θ₀‖/‖θ₀‖ every ``every_n_steps`` optimizer steps (see the module docstring).
@@ -90,11 +93,16 @@ class ParameterDrift(L.Callback):
         views = self._views(pl_module)
         if pl_module.sharded:  # per-shard sums, reduced across ranks
             return sharded_drift(views, self.theta0)
-        num = den = 0.0
+        device = views[0].local.device if views else torch.device("cpu")
+        sums = torch.zeros(2, dtype=torch.float64, device=device)  # [Σ (θ − θ₀)², Σ θ₀²]
         for v in views:
-            t0 = self.theta0[v.name].to(v.local.device).reshape(-1)
-            num += float((v.local.detach().float().reshape(-1) - t0).double().square().sum())
-            den += float(t0.double().square().sum())
+            theta, t0 = v.local.detach().reshape(-1), self.theta0[v.name].reshape(-1)
+            for start in range(0, theta.numel(), DRIFT_CHUNK):  # bounded transients: a 7B model's embedding whole
+                a = theta[start:start + DRIFT_CHUNK].to(device=device, dtype=torch.float64)  # in fp64 would be 4.4 GB
+                b = t0[start:start + DRIFT_CHUNK].to(device=device, dtype=torch.float64)
+                sums[0] += (a - b).square().sum()
+                sums[1] += b.square().sum()
+        num, den = sums.tolist()  # the one device sync of the computation
         return (num / max(den, 1e-30)) ** 0.5
 
     def state_dict(self) -> dict[str, Any]:
