@@ -265,26 +265,33 @@ def gather_full(views: Sequence[ShardView], theta0: dict[str, Tensor]) -> dict[s
     """Full θ₀ tensors assembled from every rank's shard (a collective: every rank calls it; all get the result).
 
     Used when saving a checkpoint, so sharded and unsharded runs store θ₀ the same way (full tensors, loadable by
-    either). It moves one parameter at a time.
+    either). It moves one parameter at a time; the elements' positions travel only for shards that are not one
+    contiguous run (FSDP2's row shards are: each rank sends its start, not 8 bytes of position per element).
     """
     world = dist.get_world_size()
     device = _collective_device(views)
     out = {}
     for v in counted(views):
         local = theta0[v.name].to(device)
-        positions = (torch.arange(v.start, v.end) if v.index is None else v.start + v.index).to(device)
-        sizes = torch.tensor([local.numel()], device=device)
-        all_sizes = [torch.zeros_like(sizes) for _ in range(world)]
-        dist.all_gather(all_sizes, sizes)
-        width = int(max(int(s) for s in all_sizes))
+        # [elements, first position, 1 if the shard is not one contiguous run]
+        head = torch.tensor([local.numel(), v.start, int(v.index is not None)], device=device)
+        heads = [torch.zeros_like(head) for _ in range(world)]
+        dist.all_gather(heads, head)
+        width = int(max(int(h[0]) for h in heads))
         vals = [torch.zeros(width, dtype=local.dtype, device=device) for _ in range(world)]
-        poss = [torch.zeros(width, dtype=positions.dtype, device=device) for _ in range(world)]
         dist.all_gather(vals, torch.cat([local, local.new_zeros(width - local.numel())]))
-        dist.all_gather(poss, torch.cat([positions, positions.new_zeros(width - positions.numel())]))
+        poss = None
+        if any(int(h[2]) for h in heads):  # a collective every rank reaches alike: the heads are the same everywhere
+            positions = (torch.arange(v.start, v.end) if v.index is None else v.start + v.index).to(device)
+            poss = [torch.zeros(width, dtype=positions.dtype, device=device) for _ in range(world)]
+            dist.all_gather(poss, torch.cat([positions, positions.new_zeros(width - positions.numel())]))
         full = torch.zeros(v.numel, dtype=torch.float32)
-        for n, val, pos in zip(all_sizes, vals, poss):
-            n = int(n)
-            full[pos[:n].cpu()] = val[:n].cpu()
+        for r, (h, val) in enumerate(zip(heads, vals)):
+            n, start = int(h[0]), int(h[1])
+            if poss is None:
+                full[start:start + n] = val[:n].cpu()
+            else:
+                full[poss[r][:n].cpu()] = val[:n].cpu()
         out[v.name] = full.view(v.shape)
     return out
 
