@@ -357,7 +357,9 @@ def test_master_adamw_state_survives_a_state_dict_round_trip_fp32_and_bitwise(ti
         assert torch.equal(p, q) and torch.equal(fresh_opt.state[q]["master"], opt.state[p]["master"])
 
 
-def test_master_adamw_takes_weights_changed_outside_the_optimizer(tiny_model_dir):
+@pytest.mark.parametrize("chunk", [1 << 24, 5])  # 5: the comparison in chunks cut across rows
+def test_master_adamw_takes_weights_changed_outside_the_optimizer(tiny_model_dir, chunk, monkeypatch):
+    monkeypatch.setattr("es_lightning.precision.SYNC_CHUNK", chunk)
     model = _bf16_model(tiny_model_dir)
     opt = MasterAdamW(model.parameters(), lr=1e-6, weight_decay=0.0)
     _lm_loss(model, 0).backward()
