@@ -1,7 +1,7 @@
 """Training algorithms as objects: the update rule a :class:`~es_lightning.modules.base.ReasoningModule` runs.
 
 The module owns everything ES and GRPO share — the policy, the generator, rollouts, scoring, the shared metrics and the
-stage record (DESIGN.md, "Algorithms are objects, not classes to swap"). An :class:`Algorithm` supplies only what
+stage record (README "Design", "Algorithms are objects, not classes to swap"). An :class:`Algorithm` supplies only what
 differs: its settings (one dataclass, each field documented once), ``configure_optimizers`` and ``training_step``.
 :class:`~es_lightning.SequentialStrategy` switches a running fit by giving the module another algorithm object.
 

@@ -1,6 +1,6 @@
 """Sharding the policy with FSDP2 and keeping sharded generation in lockstep.
 
-Scale-out is the Trainer's job (DESIGN.md: "one recipe, any scale"): the trainer fragment picks DDP, FSDP or FSDP2 and
+Scale-out is the Trainer's job (README "Design": "one recipe, any scale"): the trainer fragment picks DDP, FSDP or FSDP2 and
 the modules adapt. This file holds the two things a sharded policy needs beyond what Lightning does:
 
 - :func:`fully_shard_policy` — called from ``ReasoningModule.configure_model`` when Lightning's

@@ -1,4 +1,4 @@
-"""All randomness is drawn on the device that uses it (DESIGN.md): ES noise on the parameter's device, the sampler's
+"""All randomness is drawn on the device that uses it (README "Design"): ES noise on the parameter's device, the sampler's
 Gumbel noise on the logits' device, with no host→device copy of the random numbers.
 
 A CPU-only machine has one real device, so "drawn on the CPU and copied" and "drawn in place" look alike there. The

@@ -1,4 +1,4 @@
-"""A Qwen2.5-Instruct look-alike, written offline in seconds: the test fixture for the real-model path (DESIGN.md, "Testing").
+"""A Qwen2.5-Instruct look-alike, written offline in seconds: the test fixture for the real-model path (README "Design", "Testing").
 
 What a user's Qwen2.5-0.5B/1.5B-Instruct directory has, and what the library must get right for it, this directory has
 too — only the sizes of the hidden layers are toy:
@@ -14,7 +14,7 @@ too — only the sizes of the hidden layers are toy:
 - **Qwen2.5-Instruct's chat template** (the Jinja text of the real ``tokenizer_config.json``, tools branch included) and
   its **``generation_config.json``** sampling defaults: ``do_sample`` true, ``repetition_penalty`` 1.1, ``temperature``
   0.7, ``top_k`` 20, ``top_p`` 0.8, EOS ``[151645, 151643]``, pad and BOS 151643 — the defaults that must never leak into
-  rollouts (DESIGN.md, "Sampling is the project's").
+  rollouts (README "Design", "Sampling is the project's").
 - **bf16 weights** with ``torch_dtype: bfloat16`` in ``config.json``, as the hub checkpoints are written; the directory
   loads as fp32 or bf16.
 

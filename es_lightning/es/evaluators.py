@@ -12,7 +12,7 @@ prompt, all members sampling with the same random numbers (common random numbers
 Evaluators (chosen in one place, :func:`select_evaluator`):
 
 * :class:`InPlaceEvaluator` — one member at a time, written into the policy's weights and restored bit for bit from a
-  copy: the one model-sized buffer of DESIGN.md, the lowest memory. Under DDP rank r runs members r, r + W, ….
+  copy: the one model-sized buffer of README "Design", the lowest memory. Under DDP rank r runs members r, r + W, ….
 * :class:`BatchedMembersEvaluator` — ``members_per_batch`` members in one batched ``generate``, each block of rows
   through its own weights (:mod:`es_lightning.es.population`); the centre weights are never written. Same rewards.
 * :class:`LowRankEvaluator` — ``noise_rank = r > 0`` (EGGROLL): ``members_per_batch`` members (the whole population

@@ -19,7 +19,7 @@ dimension grow). Three consequences, all used here:
   :func:`~es_lightning.es.noise.param_noise` (the paper does the same), batched as :mod:`es_lightning.es.population`
   does. Any parameter whose ``dim() != 2`` is a "vector" here.
 
-The factors obey the noise discipline of DESIGN.md: they are pure functions of (seed, step, noise id, parameter name),
+The factors obey the noise discipline of README "Design": they are pure functions of (seed, step, noise id, parameter name),
 drawn by :func:`~es_lightning.es.noise.param_noise` as one flat draw of ``(m + n)·r`` elements under the key
 ``"<name>#lowrank"`` (never a parameter's own key: ``#`` is not part of any parameter name) — A row-major first, then
 B — so they are never stored, independent across tensors and members, and layout-independent: rows ``[a, b)`` of A

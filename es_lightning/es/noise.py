@@ -1,13 +1,13 @@
 """Seeded, layout-independent Gaussian noise: a pure function of (seed, step, member, parameter name, element index).
 
-ES never stores a perturbation (DESIGN.md): each is regenerated from its key whenever it is needed — to perturb, and
+ES never stores a perturbation (README "Design"): each is regenerated from its key whenever it is needed — to perturb, and
 again to build the update. The element ``i`` of a parameter's flattened *global* tensor gets its noise from chunk
 ``i // CHUNK``, a block drawn by ``torch.randn`` from a generator seeded with a hash of the full key and the chunk index.
 Hence:
 
 - the noise of an element does not depend on how the tensor is laid out or sharded: a row-shard (FSDP) regenerates the
   chunks it overlaps and slices them, and gets exactly the elements of the whole tensor;
-- it is drawn where it is used: chunks come from a ``torch.Generator`` on the target device, in fp32 (DESIGN.md: "drawn
+- it is drawn where it is used: chunks come from a ``torch.Generator`` on the target device, in fp32 (README "Design": "drawn
   on the parameter's device"; the old host path drew on the CPU and copied every chunk to the GPU, ~4 bytes of PCIe
   traffic per parameter per member, twice per step). The numbers are therefore a function of the key *and the device
   type* — CPU results are the same bits as always, CUDA ones differ from them (and, because CUDA's Philox kernel

@@ -17,7 +17,7 @@ that member's weights:
 Modules without parameters (attention, rotary embeddings, activations) act row by row and need nothing. This is the
 population-batched evaluation that EvoX/"ES at scale" implementations use on accelerators; it trades memory — the
 ``k`` perturbed copies of the perturbed tensors live at once — for speed, so it is opt-in
-(``ESModule(members_per_batch=k)``) and ``k = 1`` keeps the one-model-sized-buffer invariant of DESIGN.md.
+(``ESModule(members_per_batch=k)``) and ``k = 1`` keeps the one-model-sized-buffer invariant of README "Design".
 
 The centre weights are never written: each member's weights are separate tensors, so the exact-restore invariant holds
 trivially in batched mode.

@@ -7,7 +7,7 @@ Update (Qiu et al. 2025, Alg. 2; Ba et al. 2026, App. G): with N members, noise 
                                              Salimans et al. 2017)
 
 The update goes through :meth:`ESOptimizer.step` because Lightning counts optimizer steps in manual optimization:
-``trainer.global_step``, ``max_steps``, checkpoint cadence and the GRPO→ES switch all follow it (DESIGN.md). The
+``trainer.global_step``, ``max_steps``, checkpoint cadence and the GRPO→ES switch all follow it (README "Design"). The
 optimizer keeps no state — the noise is regenerated from its keys — and the sum is accumulated in fp32 one tensor at a
 time and added once, whatever the parameter dtype.
 

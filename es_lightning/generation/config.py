@@ -1,4 +1,4 @@
-"""``model.generate`` configured so that :class:`SamplingParams` alone decide how a rollout samples (DESIGN.md, "Sampling
+"""``model.generate`` configured so that :class:`SamplingParams` alone decide how a rollout samples (README "Design", "Sampling
 is the project's").
 
 How transformers 5 (checked on 5.24) merges a checkpoint's ``generation_config.json`` into a call

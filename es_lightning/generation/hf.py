@@ -2,7 +2,7 @@
 
 Sampling is done as greedy decoding over Gumbel-perturbed logits (the Gumbel-max trick): ``argmax(logits/T + g)`` with
 ``g = -log(-log U)`` is an exact sample from ``softmax(logits/T)``. The uniforms ``U`` come from a ``torch.Generator``
-seeded per call and created on the device that holds the logits (DESIGN.md: all sampling randomness is drawn there —
+seeded per call and created on the device that holds the logits (README "Design": all sampling randomness is drawn there —
 no ``[rows, V]`` host→device copy per token), so the same seed gives every caller the same random numbers at every
 position — what ES needs for common random numbers across population members, and what makes a resumed run sample the
 same tokens. (The stream is a function of the seed *and the device*: CPU and CUDA draw different numbers, and CUDA's

@@ -249,7 +249,7 @@ class VLLMGenerator(Generator):
             tensor_parallel_size=tensor_parallel_size,
             enforce_eager=enforce_eager or self.on_cpu,
             enable_prefix_caching=False,  # a cached prefix would outlive a weight change
-            generation_config="vllm",  # the checkpoint's sampling defaults never leak in (DESIGN.md)
+            generation_config="vllm",  # the checkpoint's sampling defaults never leak in (README "Design")
             logprobs_mode="processed_logprobs",  # at the sampling temperature, as GRPO's ratio needs
             max_num_seqs=max_num_seqs,
             seed=0,  # only the engine's own unseeded draws; every row here is seeded

@@ -16,7 +16,7 @@ One training step (one batch of prompts):
 ``num_iterations > 1`` the importance ratio measures the drift of the later passes. The training forward runs each
 prompt once and shares its key/value cache with the G completions of its group (``share_prompt_prefix``).
 
-Precision (DESIGN.md, "Master weights in fp32"): with bf16/fp16 weights the optimizer is
+Precision (README "Design", "Master weights in fp32"): with bf16/fp16 weights the optimizer is
 :class:`~es_lightning.precision.MasterAdamW` — AdamW applied to an fp32 master of each weight kept in the optimizer's
 state (fp32 moments too), the weight being the master rounded once per step — so a step at Ba et al.'s lr = 1e-6,
 ~1/100 of a bf16 ulp at a weight of 0.02, is kept instead of rounded away. Not fp32 parameters with bf16 autocast

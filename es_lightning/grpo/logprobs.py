@@ -1,4 +1,4 @@
-"""Per-token log π(o_t | q, o_<t) and entropy of completions, at real vocabulary size (DESIGN.md, "Memory at real
+"""Per-token log π(o_t | q, o_<t) and entropy of completions, at real vocabulary size (README "Design", "Memory at real
 vocabulary size").
 
 The plain way — ``log_softmax(model(ids).logits.float())`` then a gather — holds ``[rows, C, V]`` logits in the model's

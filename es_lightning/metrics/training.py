@@ -1,4 +1,4 @@
-"""The training metrics ES and GRPO share, computed in one place and logged under the same keys (DESIGN.md, "Same
+"""The training metrics ES and GRPO share, computed in one place and logged under the same keys (README "Design", "Same
 metrics for both algorithms"), so a GRPO run, an ES run and a GRPO→ES run can be read side by side.
 
 Each algorithm fills a :class:`StepMetrics` after its update; :meth:`ReasoningModule.log_step` turns it into

@@ -6,7 +6,7 @@ that trains holds an :class:`~es_lightning.algorithms.Algorithm` object (``modul
 bound to one algorithm (``class ESModule(ReasoningModule, algorithm=ESAlgorithm)``: its arguments are this class's plus
 the algorithm's settings, see :mod:`es_lightning.modules.signature`). :class:`~es_lightning.SequentialStrategy`
 switches a running fit by :meth:`set_algorithm` — the module's class never changes; ``module.algorithm.name`` says
-which stage runs. Manual optimization throughout (DESIGN.md, "Lightning is the loop").
+which stage runs. Manual optimization throughout (README "Design", "Lightning is the loop").
 
 Resuming: the active stage (algorithm name, settings, rollout settings) is saved in the module's checkpoint
 (:mod:`es_lightning.modules.stage`). A resumed fit continues in the checkpoint's stage: when that is the algorithm the

@@ -1,4 +1,4 @@
-"""Reasoning tasks: prompt format, answer extraction and verifier per task (DESIGN.md, "Tasks own their verifiers").
+"""Reasoning tasks: prompt format, answer extraction and verifier per task (README "Design", "Tasks own their verifiers").
 
 Built in: ``countdown`` (procedural or ``Jiayi-Pan/Countdown-Tasks-3to4``), ``gsm8k``, ``math`` (MATH-500 /
 DeepScaleR, needs ``es-lightning[math]``), and the procedural ``addition`` and ``sort`` used as forgetting probes and

@@ -1,6 +1,6 @@
 """The one face every reasoning task shows: a prompt format, an answer extractor, a verifier and a reward.
 
-A task is the unit that ties a dataset to a verifier (DESIGN.md, "Tasks own their verifiers"). The data module asks a
+A task is the unit that ties a dataset to a verifier (README "Design", "Tasks own their verifiers"). The data module asks a
 task which columns it needs, how to turn a raw record into an example, and how to build the prompt; the training modules
 ask it to score completions. Nothing else in the package knows what a task's records look like.
 
