@@ -163,3 +163,14 @@ def test_countdowns_held_out_problems_do_not_depend_on_the_prompt_format():
         assert problems[0] == problems[1] == problems[2]
         assert all(in_heldout_pool(compact.prompt(e)) == (split == "test") for e in problems[0])
     assert len({compact.pool_key(e) for e in procedural_split(r1, "test", 40, seed=3)}) == 40
+
+
+def test_a_validation_file_beside_train_is_the_val_split(tmp_path):
+    """``val_split: null`` (the default) read a directory's validation.jsonl not at all: the val rows were carved off
+    train.jsonl, and the file the error hint itself recommends was silently ignored."""
+    for split, n in (("train", 12), ("validation", 3), ("test", 2)):
+        _write_jsonl(tmp_path / f"{split}.jsonl", [{"question": f"{split} {i}", "answer": f"#### {i}"} for i in range(n)])
+    dm = ReasoningDataModule(task="gsm8k", source=str(tmp_path), train_size=None, val_size=None, test_size=None)
+    dm.setup()
+    assert sorted(e["question"] for e in dm.splits["val"]) == ["validation 0", "validation 1", "validation 2"]
+    assert len(dm.splits["train"]) == 12 and len(dm.splits["test"]) == 2
