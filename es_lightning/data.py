@@ -9,7 +9,9 @@ same batch serves rollouts, rewards and validation.
 Held-out problems. Procedural problems are assigned to a *train* or a *held-out* pool by a stable hash of their
 identity (``Task.pool_key``: the prompt, or one canonical text for every prompt format)
 (:func:`in_heldout_pool`); train splits draw only from the train pool and val/test only from the held-out pool. The
-built-in model's pretraining uses the same rule, so no validation problem was ever seen during pretraining.
+built-in model's pretraining uses the same rule, so no validation problem was ever seen during pretraining. A
+dataset's val/test rows, when the source has no such split, are carved off its train split by problem in the same sense
+(:func:`carve_problems` over ``Task.pool_key``): a problem the dataset repeats is held out, or trained on, as a whole.
 """
 
 from __future__ import annotations
@@ -78,6 +80,28 @@ def procedural_split(task: Task, split: str, num_examples: int, seed: int, optio
         f"task {task.name!r} has only about {len(out)} distinct {split} problems, fewer than the {num_examples} asked "
         f"for; lower data.{split}_size (or widen the task's generator, e.g. its number ranges)"
     )
+
+
+def carve_problems(keys: list[str], n: int, seed: int) -> tuple[list[int], list[int]]:
+    """``(kept, held)``: row indices of a split whose rows have the problem ``keys``, ``n`` distinct problems held out
+    (one row each) and every row of another problem kept, in a seeded random order.
+
+    The order is ``train_test_split``'s (``numpy.random.default_rng(seed).permutation``), so a dataset without repeated
+    problems is carved exactly as ``train_test_split(test_size=n, seed=seed)`` carves it, and a smaller ``n`` holds out
+    a prefix of a larger one's problems (an evaluation's ``num_problems`` are among a fit's held-out problems).
+    """
+    import numpy as np
+
+    order = np.random.default_rng(seed).permutation(len(keys)).tolist()
+    chosen: set[str] = set()
+    held: list[int] = []
+    for i in order:
+        if len(held) == n:
+            break
+        if keys[i] not in chosen:
+            chosen.add(keys[i])
+            held.append(i)
+    return [i for i in order if keys[i] not in chosen], held
 
 
 def _collate(examples: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -235,16 +259,19 @@ class ReasoningDataModule(L.LightningDataModule):
             (name for name in ("validation", "val") if name in dsets and name != self.train_split), None)
         for split, name in (("val", val_split), ("test", self.test_split)):
             out[split] = dsets[name] if name is not None and name in dsets else None  # None: carved off train below
-        self.map_columns(out["train"], "train")  # a missing column first: no row count can mend it
-        self._check_carving(out)
-        for split, size in (("test", self.test_size), ("val", self.val_size)):
-            if out[split] is None:
-                n = size if size is not None else max(1, len(out["train"]) // 10)
-                if n == 0:  # data.{split}_size: 0, no held-out rows (train_test_split refuses a test size of 0)
-                    out[split] = out["train"].select([])
-                    continue
-                parts = out["train"].train_test_split(test_size=n, seed=self.seed, shuffle=True)
-                out["train"], out[split] = parts["train"], parts["test"]
+        mapped_train = self.map_columns(out["train"], "train")  # a missing column first: no row count can mend it
+        carving = [split for split in ("test", "val") if out[split] is None]
+        keys = self._problem_keys(mapped_train) if carving and len(mapped_train) else None
+        self._check_carving(out, len(set(keys)) if keys is not None else None)
+        for split in carving:
+            size = {"val": self.val_size, "test": self.test_size}[split]
+            n = size if size is not None else max(1, len(set(keys)) // 10)
+            if n == 0:  # data.{split}_size: 0, no held-out rows
+                out[split] = out["train"].select([])
+                continue
+            kept, held = carve_problems(keys, n, self.seed)
+            out["train"], out[split] = out["train"].select(kept), out["train"].select(held)
+            keys = [keys[i] for i in kept]
         result = {}
         for split, ds in out.items():
             ds = self.map_columns(ds, split)
@@ -254,23 +281,35 @@ class ReasoningDataModule(L.LightningDataModule):
             result[split] = [self.task.preprocess(dict(r)) for r in ds]
         return result
 
-    def _check_carving(self, out: dict[str, Any]) -> None:
-        """Refuse, naming the source and its size, a train split too small for the val/test rows carved off it."""
+    def _problem_keys(self, ds) -> list[str]:
+        """Each row's problem identity (``Task.pool_key`` of the preprocessed record, as procedural problems are
+        split): the rows of one problem are carved to the same side, so a dataset that repeats a problem never holds
+        it out and trains on it too."""
+        task = self.task
+        return [task.pool_key(task.preprocess(dict(zip(batch, values))))
+                for batch in ds.iter(batch_size=1000) for values in zip(*batch.values())]
+
+    def _check_carving(self, out: dict[str, Any], problems: int | None) -> None:
+        """Refuse, naming the source and its size, a train split too small for the val/test problems carved off it
+        (``problems``: its number of distinct problems)."""
         rows = len(out["train"])
         if rows == 0:
             raise ValueError(
                 f"data.source {self.source!r} has no rows in its {self.train_split!r} split; give a file with one JSON "
                 "object per line (columns: " + ", ".join(self.task.required_columns) + ")"
             )
-        carved = {split: size if size is not None else max(1, rows // 10)
+        problems = rows if problems is None else problems
+        carved = {split: size if size is not None else max(1, problems // 10)
                   for split, size in (("val", self.val_size), ("test", self.test_size)) if out[split] is None}
-        if rows - sum(carved.values()) < 1:
+        if problems - sum(carved.values()) < 1:
             asked = " and ".join(f"data.{split}_size={n}" for split, n in carved.items())
+            held = "problems" if problems != rows else "rows"
             raise ValueError(
-                f"data.source {self.source!r} has {rows} rows in its {self.train_split!r} split, too few to carve "
-                f"{asked} held-out rows off it and keep any for training; lower "
-                + " / ".join(f"data.{split}_size" for split in carved)
-                + " (e.g. to " + str(max(1, rows // 10)) + "), or give the held-out rows as their own split "
+                f"data.source {self.source!r} has {rows} rows"
+                + (f" ({problems} distinct problems)" if problems != rows else "")
+                + f" in its {self.train_split!r} split, too few to carve {asked} held-out {held} off it and keep any "
+                "for training; lower " + " / ".join(f"data.{split}_size" for split in carved)
+                + " (e.g. to " + str(max(1, problems // 10)) + "), or give the held-out rows as their own split "
                 "(validation.jsonl / test.jsonl beside train.jsonl)"
             )
 

@@ -46,7 +46,7 @@ def test_train_order_is_seeded():
 
 
 def test_local_jsonl_with_hub_column_names(tmp_path):
-    rows = [{"nums": [1, 2, 3], "target": 6}, {"nums": [4, 5, 6], "target": 15}] * 10
+    rows = [{"nums": [1, 2, i], "target": 3 + i} for i in range(20)]
     _write_jsonl(tmp_path / "train.jsonl", rows)
     _write_jsonl(tmp_path / "test.jsonl", rows[:4])
     dm = ReasoningDataModule(task=CountdownTask(), source=str(tmp_path), val_size=2, test_size=None, train_size=None)
@@ -59,14 +59,15 @@ def test_local_jsonl_with_hub_column_names(tmp_path):
 
 
 def test_local_jsonl_with_column_mapping(tmp_path):
-    rows = [{"numbers": [1, 2, 3], "goal": 6, "extra": "x"}] * 12
+    rows = [{"numbers": [1, 2, i], "goal": 3 + i, "extra": "x"} for i in range(12)]
     _write_jsonl(tmp_path / "data.jsonl", rows)
     dm = ReasoningDataModule(
         task="countdown", source=str(tmp_path / "data.jsonl"), column_mapping={"numbers": "nums", "goal": "target"},
         val_size=2, test_size=2, train_size=None,
     )
     dm.setup()
-    assert dm.splits["train"][0]["nums"] == [1, 2, 3] and dm.splits["train"][0]["target"] == 6
+    ex = dm.splits["train"][0]
+    assert ex["nums"][:2] == [1, 2] and ex["target"] == 3 + ex["nums"][2]
 
 
 def test_missing_column_names_the_column_and_the_mapping_option(tmp_path):
@@ -174,3 +175,20 @@ def test_a_validation_file_beside_train_is_the_val_split(tmp_path):
     dm.setup()
     assert sorted(e["question"] for e in dm.splits["val"]) == ["validation 0", "validation 1", "validation 2"]
     assert len(dm.splits["train"]) == 12 and len(dm.splits["test"]) == 2
+
+
+def test_a_repeated_problem_is_never_both_held_out_and_trained_on(tmp_path):
+    """Val/test rows carved off a train split are whole problems: a dataset that repeats a problem (common in real
+    data) had its copies split at random, so validation scored problems the policy trained on."""
+    rows = [{"question": f"What is {i} + {i}?", "answer": f"#### {2 * i}"} for i in range(30)]
+    rows += rows[:20] + [{**r, "question": r["question"] + "  "} for r in rows[:10]]  # same prompt once stripped
+    _write_jsonl(tmp_path / "train.jsonl", rows)
+    dm = ReasoningDataModule(task="gsm8k", source=str(tmp_path), train_size=None, val_size=6, test_size=6)
+    dm.setup()
+    prompts = {split: [dm.task.prompt(e) for e in dm.splits[split]] for split in ("train", "val", "test")}
+    assert len(set(prompts["val"])) == 6 and len(set(prompts["test"])) == 6
+    assert not set(prompts["train"]) & (set(prompts["val"]) | set(prompts["test"]))
+    assert not set(prompts["val"]) & set(prompts["test"]) and len(set(prompts["train"])) == 18
+    _write_jsonl(tmp_path / "few.jsonl", rows[:3] * 4)
+    with pytest.raises(ValueError, match=r"has 12 rows \(3 distinct problems\).*too few to carve"):
+        ReasoningDataModule(task="gsm8k", source=str(tmp_path / "few.jsonl"), val_size=2, test_size=2).setup()
