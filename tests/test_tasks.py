@@ -254,6 +254,20 @@ def test_gsm8k_number_tolerance():
         task.preprocess({"question": "q", "answer": "no final number"})
 
 
+
+def test_gsm8k_reads_a_fraction_whole_never_as_its_numerator():
+    """``3/4`` was read as 3: a user's reference answer ``3/4`` became a gold of 3 (and ``1e3`` one of 1), and a
+    completion writing ``#### 3/4`` was paid as correct for a gold of 3."""
+    task = GSM8KTask()
+    assert task.preprocess({"question": "q", "answer": "3/4"})["gold"] == "0.75"
+    assert task.preprocess({"question": "q", "answer": "work\n#### 1/3"})["gold"] == "1/3"
+    with pytest.raises(ValueError, match="gold"):
+        task.preprocess({"question": "q", "answer": "1e3"})
+    three, quarter = task.preprocess({"question": "q", "answer": "#### 3"}), task.preprocess({"question": "q", "answer": "3/4"})
+    assert task.reward(["#### 3/4", "#### 3", "#### 3/4.5", "#### 3e2"], [three] * 4) == [0.1, 1.0, 0.0, 0.0]
+    assert task.reward(["#### 3/4", "#### 0.75", "#### 6/8 cups", "#### 3"], [quarter] * 4) == [1.0, 1.0, 1.0, 0.1]
+    assert task.votes(["3/4", "0.75", "1/3"], quarter)[:2] == [Fraction(3, 4)] * 2
+
 # ------------------------------------------------------------------------------------------ MATH
 def test_math_verify_rewards():
     pytest.importorskip("math_verify")

@@ -4,7 +4,7 @@ The answer is read strictly from the last ``#### <number>`` of the completion �
 ``gsm8k`` task and verl's GSM8K reward — with no fallback to "the last number in the text": a fallback would pay the
 format reward (Ba et al. 2026 convention, :mod:`es_lightning.tasks.base`) to completions that ignored the instruction.
 Numbers are compared exactly as fractions after removing thousands separators, ``$`` and a leading ``+``, so ``1,234``,
-``$1234``, ``1234.0`` and ``1234.00`` are all ``1234``; nothing is ``eval``-ed.
+``$1234``, ``1234.0`` and ``1234.00`` are all ``1234``, and ``3/4`` is ``0.75`` (never ``3``); nothing is ``eval``-ed.
 """
 
 from __future__ import annotations
@@ -24,24 +24,45 @@ INSTRUCTION = 'Let\'s think step by step and output the final answer after "####
 #: a number right after "####": optional sign and "$" in either order, digits with thousands commas, optional decimals
 #: ASCII digits only (``re.ASCII``), as verl's GSM8K reward reads them (``[0-9]``): ``#### ١٢٣٤`` is no answer, as in
 #: Countdown and the arithmetic tasks
-_AFTER_MARK = re.compile(r"\s*(?:\$\s*)?([-+]?)\s*(?:\$\s*)?(\d[\d,]*(?:\.\d+)?|\.\d+)", re.ASCII)
+#: a fraction ``3/4`` is read whole (as 0.75), never as its numerator; an exponent (``1e3``) is no GSM8K number
+_AFTER_MARK = re.compile(
+    r"\s*(?:\$\s*)?([-+]?)\s*(?:\$\s*)?(\d[\d,]*(?:\.\d+)?|\.\d+)(?:\s*/\s*(\d+)(?![\d.]))?", re.ASCII)
+#: what may not follow a number: an exponent, or a slash that does not make a fraction (``3/4.5``, ``10/10/2020``)
+_NOT_AFTER = re.compile(r"[eE][-+]?\d|\s*/\s*[\d.]", re.ASCII)
 _MAX_NUMBER_CHARS = 40
 
 
 def normalize_number(text: str) -> str | None:
-    """Canonical decimal string of a number such as ``"$1,234.50"`` → ``"1234.5"``, or ``None`` if it is not one."""
+    """Canonical decimal string of a number such as ``"$1,234.50"`` → ``"1234.5"``, or ``None`` if it is not one.
+
+    A fraction is its exact value: ``"3/4"`` → ``"0.75"``, ``"1/3"`` → ``"1/3"`` (reading ``3/4`` as ``3`` paid a
+    completion that wrote ``3/4`` for a gold of 3, and turned a reference answer ``3/4`` into a gold of 3); a number
+    written with an exponent (``1e3``) is not one (``None``)."""
     if not isinstance(text, str):
         return None
-    match = _AFTER_MARK.match(text[: _MAX_NUMBER_CHARS + 8])
-    if match is None:
+    head = text[: 2 * _MAX_NUMBER_CHARS + 16]
+    match = _AFTER_MARK.match(head)
+    if match is None or _NOT_AFTER.match(head, match.end()):
         return None
-    sign, digits = match.groups()
+    sign, digits, denominator = match.groups()
     digits = digits.replace(",", "")
-    if len(digits) > _MAX_NUMBER_CHARS:
+    if len(digits) > _MAX_NUMBER_CHARS or len(denominator or "") > _MAX_NUMBER_CHARS:
         return None
     value = Decimal(digits)  # an exact decimal: only digits and at most one "." reach here
     if sign == "-":
         value = -value
+    if denominator is not None:
+        if int(denominator) == 0:
+            return None
+        exact = Fraction(value) / int(denominator)
+        q = exact.denominator
+        while q % 2 == 0:
+            q //= 2
+        while q % 5 == 0:
+            q //= 5
+        if q != 1:  # no finite decimal: the fraction itself, in lowest terms
+            return f"{exact.numerator}/{exact.denominator}"
+        value = Decimal(exact.numerator) / Decimal(exact.denominator)  # exact: the denominator is 2^a 5^b
     if value == value.to_integral_value():
         return str(int(value))
     return format(value.normalize(), "f")
@@ -97,9 +118,9 @@ class GSM8KTask(Task):
         gold = _gold_of(example["gold"] if example.get("gold") is not None else example["answer"])
         if gold is None:
             raise ValueError(
-                "GSM8K record without a final '#### <number>' in its 'answer' column: "
-                f"{str(example['answer'])[-80:]!r}. Map your dataset's columns to question/answer, or provide a 'gold' "
-                "column with the final number"
+                "GSM8K record without a final '#### <number>' (or a plain number: 12, -3.5, 3/4) in its 'answer' "
+                f"column: {str(example['answer'])[-80:]!r}. Map your dataset's columns to question/answer, or provide "
+                "a 'gold' column with the final number"
             )
         return {**example, "gold": gold}
 
