@@ -18,7 +18,7 @@ Every training rollout and every evaluation is scored through :func:`score_compl
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +67,10 @@ def score_completions(
             "must not raise: score a malformed completion 0 (see Task.reward)"
         ) from err
     n = len(completions)
+    if not isinstance(rewards, Iterable) or isinstance(rewards, (str, bytes)):
+        raise RewardError(f"{where}: the reward function returned {_shown(rewards)}, not a list of rewards; return one "
+                          "float per completion, in order")
+    rewards = list(rewards)  # a tensor or an array of rewards is read as its elements
     for what, values in (("answers", answers), ("correctness verdicts", correct), ("rewards", rewards)):
         if len(values) != n:
             raise RewardError(f"{where}: grade() returned {len(values)} {what} for {n} completions; return one per "
@@ -75,7 +79,8 @@ def score_completions(
         values = [float(r) for r in rewards]
     except (TypeError, ValueError) as err:
         bad = next(r for r in rewards if not _is_number(r))
-        raise RewardError(f"{where}: reward {bad!r} is not a number; return one float per completion") from err
+        raise RewardError(f"{where}: reward {_shown(bad)} is not a number; return one float per completion (0.0 "
+                          "for a completion that earns nothing)") from err
     return Scores(
         answers=list(answers),
         correct=torch.tensor([bool(c) for c in correct], dtype=torch.bool),
@@ -98,3 +103,9 @@ def _is_number(value: Any) -> bool:
     except (TypeError, ValueError):
         return False
     return True
+
+
+def _shown(value: Any) -> str:
+    """``value``'s repr, cut at 60 characters (a whole list of rewards would fill the line)."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

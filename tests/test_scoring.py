@@ -87,6 +87,30 @@ def test_score_completions_checks_the_contract():
     assert nan.finite.tolist() == [False, False]
 
 
+def test_a_reward_that_is_no_number_is_named_as_such_not_as_a_raise():
+    """A custom ``reward()`` returning ``None`` for a completion (or one float for the batch) was reported as "scoring
+    raised TypeError ... a reward function must not raise" (grade() converted it): the message now names the value."""
+    examples = [{"nums": [1, 2], "target": 3}] * 2
+
+    class NoneForJunk(CountdownTask):
+        def reward(self, completions, examples):
+            return [1.0 if c == "1+2" else None for c in completions]
+
+    class OneFloat(CountdownTask):
+        def reward(self, completions, examples):
+            return 0.5
+
+    class TensorRewards(CountdownTask):
+        def reward(self, completions, examples):
+            return torch.tensor([0.25] * len(completions))
+
+    with pytest.raises(RewardError, match=r"NoneForJunk: reward None is not a number; return one float per completion"):
+        score_completions(NoneForJunk(), ["1+2", "x"], examples)
+    with pytest.raises(RewardError, match=r"returned 0.5, not a list of rewards"):
+        score_completions(OneFloat(), ["1+2", "x"], examples)
+    assert score_completions(TensorRewards(), ["1+2", "x"], examples).rewards.tolist() == [0.25, 0.25]
+
+
 @pytest.mark.parametrize("module_cls", [ESModule, GRPOModule])
 def test_a_raising_reward_stops_the_fit_with_the_fix(tiny_model_dir, module_cls):
     kw = dict(population_size=2) if module_cls is ESModule else dict(group_size=2)

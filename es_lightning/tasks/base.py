@@ -13,7 +13,7 @@ the size of what they read (``max_completion_chars``).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from typing import Any, ClassVar
 
 from es_lightning.signatures import accepted_options
@@ -132,8 +132,9 @@ class Task(ABC):
         # a subclass that overrides reward() or is_correct() (a custom reward, e.g. length shaping) is obeyed; the
         # default reward follows an overridden is_correct(), so that what trains and what is measured agree
         correct = self._verdicts(completions, examples, correct)
-        if type(self).reward is not Task.reward:
-            rewards = [float(r) for r in self.reward(completions, examples)]
+        if type(self).reward is not Task.reward:  # as returned: the scorer checks it, naming a value that is no number
+            rewards = self.reward(completions, examples)
+            rewards = list(rewards) if isinstance(rewards, Iterable) and not isinstance(rewards, (str, bytes)) else rewards
         else:
             rewards = self._rewards(answers, correct)
         return answers, correct, rewards
