@@ -6,6 +6,7 @@ import itertools
 import random
 import re
 import time
+import warnings
 from fractions import Fraction
 
 import pytest
@@ -428,3 +429,27 @@ def test_default_reward_follows_an_overridden_is_correct():
     answers, correct, rewards = task.grade(texts, [example] * 4)
     assert correct == [True, True, False, False]
     assert rewards == [1.0, 1.0, 0.1, 0.0] == task.reward(texts, [example] * 4)
+
+
+def test_a_verifier_that_raises_is_reported_once_and_costs_only_the_sample():
+    """A custom check_answer that raised (here a KeyError on a column the records lack) scored every completion as
+    wrong in silence: the run trained on format rewards alone with no word of why. It is now reported, once per
+    method and kind of error, and still costs only the sample."""
+
+    class WrongColumn(AdditionTask):
+        def check_answer(self, answer, example):
+            return int(answer) == example["sum"]
+
+    class BadExtract(AdditionTask):
+        def extract_answer(self, completion):
+            raise ValueError("cannot read " + completion)
+
+    task, example = WrongColumn(), {"x": 2, "y": 3}
+    with pytest.warns(RuntimeWarning, match=r"WrongColumn.check_answer raised KeyError: 'sum'; the completion is scored "
+                                            r"as a wrong answer.*must not raise"):
+        assert task.reward(["5", "6"], [example] * 2) == [0.1, 0.1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same kind of error again: not reported twice
+        assert task.reward(["5"], [example]) == [0.1]
+    with pytest.warns(RuntimeWarning, match=r"BadExtract.extract_answer raised ValueError: cannot read 5; .*scored 0"):
+        assert BadExtract().reward(["5"], [example]) == [0.0]

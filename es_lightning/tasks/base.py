@@ -195,7 +195,8 @@ class Task(ABC):
             return None, False
         try:
             return answer, bool(self.check_answer(answer, example))
-        except Exception:  # a verifier bug or hostile input must cost a sample, not a run
+        except Exception as err:  # a verifier bug or hostile input must cost a sample, not a run
+            self._report_raise("check_answer", err, "as a wrong answer")
             return answer, False
 
     def _safe_extract(self, completion: str) -> str | None:
@@ -203,8 +204,25 @@ class Task(ABC):
             return None
         try:
             return self.extract_answer(completion)
-        except Exception:
+        except Exception as err:
+            self._report_raise("extract_answer", err, "0 (no answer)")
             return None
+
+    def _report_raise(self, method: str, err: Exception, scored: str) -> None:
+        """Warn, once per method and kind of exception, that the task's ``method`` raised: the sample is scored
+        ``scored`` and the run goes on, but a verifier that raises on every completion (a ``KeyError`` on a column the
+        data does not have) would otherwise train on rewards that say nothing, with no word of why."""
+        reported = self.__dict__.setdefault("_raises_reported", set())
+        if (method, type(err)) in reported:
+            return
+        reported.add((method, type(err)))
+        import warnings
+
+        text = str(err).splitlines()[0][:200] if str(err) else ""
+        warnings.warn(f"{type(self).__name__}.{method} raised {type(err).__name__}{': ' + text if text else ''}; the "
+                      f"completion is scored {scored} and the run goes on (reported once per kind of error). "
+                      f"{method} must not raise: fix it, or return {'None' if method == 'extract_answer' else 'False'} "
+                      "for what it cannot read", RuntimeWarning, stacklevel=2)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
