@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import random
 import re
 import time
@@ -284,6 +285,22 @@ def test_math_verify_rewards():
     assert task.reward(["\\boxed{" + "9" * 5000 + "}", "\\boxed{" + "{" * 3000 + "}"], [half] * 2) == [0.0, 0.0]
     assert time.perf_counter() - start < 0.5
 
+
+def test_math_refuses_a_record_without_a_reference_answer(tmp_path):
+    """A row whose answer is null/empty was kept: its gold read as the text "None" (a completion boxing "None" was
+    paid as correct) or as nothing, a problem no completion could solve, deflating Pass@k without a word."""
+    pytest.importorskip("math_verify")
+    task = MathTask()
+    for answer in (None, "", "  ", "see \\boxed{}"):
+        with pytest.raises(ValueError, match=r"MathTask record whose 'answer' column is .*no reference answer"):
+            task.preprocess({"problem": "p", "answer": answer})
+    assert task.preprocess({"problem": "p", "answer": 5}) == {"problem": "p", "answer": 5}
+    from es_lightning.data import ReasoningDataModule
+
+    (tmp_path / "train.jsonl").write_text("".join(
+        json.dumps({"problem": f"p{i}", "answer": None if i == 7 else str(i)}) + "\n" for i in range(12)))
+    with pytest.raises(ValueError, match="column is None, no reference answer"):
+        ReasoningDataModule(task, source=str(tmp_path), train_size=None, val_size=2, test_size=2).setup()
 
 def test_math_verifies_each_answer_once(monkeypatch):
     """A population repeats answers; a hostile one (a power tower) cost math-verify's whole timeout at every

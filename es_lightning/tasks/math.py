@@ -127,6 +127,20 @@ class MathTask(Task):
             return Fraction(int(rational.p), int(rational.q))
         return str(value)
 
+    def preprocess(self, example: dict[str, Any]) -> dict[str, Any]:
+        """The record unchanged; one without a reference answer (``None``, empty, or an empty ``\\boxed{}``) is refused
+        in one line: it could never be answered correctly (``None`` read as the text ``"None"``)."""
+        answer = example["answer"]
+        gold = "" if answer is None else str(answer).strip()
+        if _BOX in gold:
+            gold = last_boxed(gold, self.max_answer_chars) or ""
+        if not gold:
+            raise ValueError(
+                f"MathTask record whose 'answer' column is {repr(answer)[:80]}, no reference answer: drop the row or fill it "
+                "(e.g. \\frac{1}{2}), or map your dataset's answer column with data.column_mapping"
+            )
+        return example
+
     def check_answer(self, answer: str, example: dict[str, Any]) -> bool:
         gold = str(example["answer"]).strip()
         if _BOX in gold:  # a full reference solution rather than a final answer
