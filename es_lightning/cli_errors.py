@@ -533,6 +533,14 @@ def describe_parse_error(message: str, argv: Sequence[str], options: Sequence[st
             wrong = _CLASS_PROBLEM.findall(" ".join(_ancestors(lines, i) + [text]))  # the innermost class: the task's,
             wrong_path = wrong[-1] if wrong else (m.group(3) or "")  # not the data module's that holds it
             hint = ""
+            missing = m.group(3)
+            if missing and wrong_path.rpartition(".")[0] != missing and not wrong_path.startswith(missing + "."):
+                # the class's module exists but imports a package that is not installed
+                hint = (f": importing {wrong_path.rpartition('.')[0]!r} failed, it imports {missing!r}, which is not "
+                        f"installed (pip install it)")
+            elif missing:
+                hint = (f": no module {missing!r} is importable from here; put the folder that holds it on PYTHONPATH "
+                        f"(PYTHONPATH=/path/to/folder es-lightning ...) or pip install its package")
             if m.group(1):
                 module = importlib.import_module(m.group(1))
                 classes = [n for n in dir(module) if isinstance(getattr(module, n), type) and not n.startswith("_")]
@@ -573,6 +581,8 @@ def describe_parse_error(message: str, argv: Sequence[str], options: Sequence[st
             return f"{option} {m.group(1)}: the file {why}"
         if m := re.search(r"invalid choice: '([^']+)'", text):
             return f"unknown command {m.group(1)!r}{_did_you_mean(m.group(1), _SUBCOMMANDS)} (commands: {', '.join(_SUBCOMMANDS)})"
+    if raised := _class_module_raising(lines, argv, configs):
+        return raised
     # a value of the wrong type: the innermost key with only "Expected a <class ...>" errors, and the given value
     for i in range(len(lines) - 1, -1, -1):
         if m := _PARSER_KEY.search(lines[i]):
@@ -586,6 +596,33 @@ def describe_parse_error(message: str, argv: Sequence[str], options: Sequence[st
                     types = types.replace("float", "a finite float")  # parsed as a float, refused as not finite
                 return f"{where(key, cls)}expected {types}, got {given!r}"
     return _squash(message)
+
+
+_GIVEN_CLASS = re.compile(r"Given value: (?:NestedArg\(key='class_path', val=|\{'class_path': )'([\w.]+)'")
+
+
+def _class_module_raising(lines: list[str], argv: Sequence[str], configs: Sequence[str]) -> str | None:
+    """``<where>: importing 'my_tasks' (for class_path 'my_tasks.MyTask') raised RuntimeError: ...`` when a class
+    path's module exists but raises as it is imported: jsonargparse reports only the exception's text, under a type
+    mismatch of the key ("expected str"), which names neither the module nor that importing it failed."""
+    for i in range(len(lines) - 1, -1, -1):
+        if not (m := _GIVEN_CLASS.search(lines[i].strip())):
+            continue
+        module_name = m.group(1).rpartition(".")[0]
+        if not module_name or module_name in sys.modules:
+            continue
+        try:
+            importlib.import_module(module_name)
+        except Exception as err:  # the user's module, run again to name its error
+            j = next((k for k in range(i, -1, -1) if _PARSER_KEY.search(lines[k])), None)
+            key = ".".join(filter(None, [_key_path(lines, j)[0] if j is not None else "", "class_path"]))
+            found = _line_setting("class_path", m.group(1), configs) or locate(key, argv)
+            text = str(err).splitlines()[0] if str(err) else ""
+            where = f"{found}: " if found and found.startswith("--") else f"{found + ': ' if found else ''}{key}: "
+            return (f"{where}importing {module_name!r} (for class_path {m.group(1)!r}) "
+                    f"raised {type(err).__name__}{': ' + text if text else ''}; fix that module (python -c 'import "
+                    f"{module_name}' shows the traceback)")
+    return None
 
 
 def _as_given(key: str, names: Sequence[str]) -> str:

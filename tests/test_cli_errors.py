@@ -497,3 +497,48 @@ def test_a_model_fragment_stacked_before_the_recipe_says_to_stack_it_after(capsy
     assert "(it accepts: )" not in err, err
     assert "no class is chosen for model yet" in err and "give model.class_path before it" in err, err
     assert "--config <recipe> --config <fragment>" in err, err
+
+
+def _task_class_error(given: str, error: str) -> str:
+    """jsonargparse's message for a task class_path it could not load (the shape of jsonargparse 4.x)."""
+    return f"""Parser key "data":
+  Does not validate against any of the Union subtypes
+  Subtypes: [<class 'lightning.pytorch.core.datamodule.LightningDataModule'>, <class 'NoneType'>]
+  Errors:
+    - Problem with given class_path 'es_lightning.ReasoningDataModule':
+        Parser key "task":
+          Does not validate against any of the Union subtypes
+          Subtypes: [<class 'es_lightning.tasks.base.Task'>, <class 'str'>]
+          Errors:
+            - {error}
+            - Expected a <class 'str'>
+          Given value type: <class 'jsonargparse._util.NestedArg'>
+          Given value: NestedArg(key='class_path', val='{given}')
+    - Expected a <class 'NoneType'>
+  Given value type: <class 'jsonargparse._util.NestedArg'>
+  Given value: NestedArg(key='task.class_path', val='{given}')"""
+
+
+def test_a_task_module_that_cannot_be_imported_says_why(tmp_path, monkeypatch):
+    """A custom task's module off PYTHONPATH, one importing a package that is not installed, and one raising as it is
+    imported were "no class 'm.T'" (all alike, naming neither PYTHONPATH nor the missing package) or "expected str,
+    got NestedArg(...)"; each now names the cause and the fix."""
+    from es_lightning.cli_errors import describe_parse_error
+
+    (tmp_path / "needs_dep_mod.py").write_text("import not_installed_dep_xyz\n")
+    (tmp_path / "raising_mod.py").write_text("raise RuntimeError('boom in my tasks')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    argv = ["fit", "--config", "recipes/es.yaml", "--data.init_args.task.class_path", "X"]
+    cases = [
+        ("off_path_mod.T", "Problem with given class_path 'off_path_mod.T':\n                No module named 'off_path_mod'",
+         ["no class 'off_path_mod.T'", "no module 'off_path_mod' is importable from here", "PYTHONPATH"]),
+        ("needs_dep_mod.T", "Problem with given class_path 'needs_dep_mod.T':\n                No module named "
+         "'not_installed_dep_xyz'", ["importing 'needs_dep_mod' failed, it imports 'not_installed_dep_xyz'", "pip install"]),
+        ("raising_mod.T", "boom in my tasks",
+         ["--data.init_args.task.class_path: importing 'raising_mod' (for class_path 'raising_mod.T') raised "
+          "RuntimeError: boom in my tasks", "python -c 'import raising_mod'"]),
+    ]
+    for given, error, fragments in cases:
+        line = describe_parse_error(_task_class_error(given, error), argv[:-1] + [given])
+        assert all(f in line for f in fragments), line
+    monkeypatch.delitem(sys.modules, "raising_mod", raising=False)
