@@ -49,3 +49,13 @@ def qwen_like_small_dir(tmp_path_factory) -> str:
     from es_lightning.builtin.qwen_like import build_qwen_like
 
     return build_qwen_like(tmp_path_factory.mktemp("qwen-like-small"), vocab_size=1024)
+
+
+@pytest.fixture(scope="session")
+def llama_like_dir(tmp_path_factory) -> str:
+    """A Llama-3.2-1B-Instruct look-alike with a 1,024-row vocabulary (the last 256 special: ``<|begin_of_text|>`` 768,
+    ``<|eot_id|>`` 777): no pad token, a BOS the tokenizer adds and the chat template writes, three EOS ids, rope
+    scaling ``llama3``, tied embeddings, bf16 (es_lightning/builtin/llama_like.py)."""
+    from es_lightning.builtin.llama_like import build_llama_like
+
+    return build_llama_like(tmp_path_factory.mktemp("llama-like"), vocab_size=1024)

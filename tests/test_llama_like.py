@@ -1,0 +1,33 @@
+"""A Llama-3 checkpoint instead of Qwen (es_lightning/builtin/llama_like.py): no pad token, a BOS from the tokenizer and
+the chat template, several EOS ids, rope scaling ``llama3``, tied embeddings."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
+
+from es_lightning.builtin.llama_like import LLAMA3_VOCAB_SIZE, special_token_ids
+from es_lightning.policy import encode_prompts, load_policy
+
+
+def test_the_fixture_is_llama_3_shaped(llama_like_dir):
+    ids = special_token_ids()
+    assert (ids["<|begin_of_text|>"], ids["<|end_of_text|>"], ids["<|start_header_id|>"], ids["<|eot_id|>"]) == (
+        128000, 128001, 128006, 128009) and max(ids.values()) == LLAMA3_VOCAB_SIZE - 1
+    config = json.loads((Path(llama_like_dir) / "config.json").read_text())
+    assert config["rope_scaling"]["rope_type"] == "llama3" and config["tie_word_embeddings"]
+    assert AutoConfig.from_pretrained(llama_like_dir).eos_token_id == [769, 776, 777]
+    gen = json.loads((Path(llama_like_dir) / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == [769, 776, 777] and "pad_token_id" not in gen
+    raw = AutoTokenizer.from_pretrained(llama_like_dir)
+    assert raw.pad_token is None and raw.eos_token == "<|eot_id|>" and len(raw) == 1024
+    policy = load_policy(llama_like_dir)
+    assert isinstance(policy.model, LlamaForCausalLM)
+    assert policy.model.lm_head.weight is policy.model.model.embed_tokens.weight
+    assert raw("hi")["input_ids"] == [768, 104, 105]  # the tokenizer adds <|begin_of_text|>
+    templated = policy.render_prompts(["hi"], use_chat_template=True)[0]
+    assert templated.startswith("<|begin_of_text|><|start_header_id|>system")
+    rows = encode_prompts(policy.tokenizer, [templated, "hi"])
+    assert [row[mask.bool()].tolist().count(768) for row, mask in zip(rows["input_ids"], rows["attention_mask"])] == [1, 1]
