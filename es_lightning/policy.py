@@ -191,4 +191,37 @@ def load_policy(
         tokenizer = load_tokenizer(name_or_path, trust_remote_code=trust_remote_code, revision=revision)
     # model.generation_config is left as the checkpoint wrote it (HFExport saves it back unchanged); rollouts never
     # read its sampling defaults (es_lightning/generation/config.py)
+    keep_rotary_fp32(model)
     return Policy(model=model, tokenizer=tokenizer)
+
+
+def keep_rotary_fp32(model: torch.nn.Module) -> None:
+    """Keep the rotary embeddings' frequencies (``inv_freq`` buffers) in fp32 through any later dtype cast.
+
+    ``from_pretrained(dtype=bfloat16)`` leaves them in fp32, as inference engines compute them, but Lightning's
+    ``bf16-true`` converts the whole module (``module.to(torch.bfloat16)``), buffers included: 8 significant bits put
+    a RoPE phase error of p·|Δf| on position p — 0.5 rad at p = 512 and 3.7 rad at 4096 for Llama 3's θ = 5·10⁵
+    (Qwen's 10⁶ alike) — so rollouts and training forwards of long completions saw scrambled positions, and the HF
+    policy disagreed with vLLM's fp32 rotary cache. Each module with an ``inv_freq`` keeps an fp32 copy of its fp32
+    buffers (a plain attribute, which casts do not touch) and, before its forward, puts back any a cast changed
+    (verl's FSDP keeps buffers in fp32 for the same reason). A hook, not an override of ``_apply``: it survives
+    pickling (``ddp_spawn``) and ``deepcopy``."""
+    for module in model.modules():
+        if module._buffers.get("inv_freq") is None or hasattr(module, _FP32_BUFFERS):
+            continue
+        setattr(module, _FP32_BUFFERS, {name: b.detach().clone() for name, b in module._buffers.items()
+                                        if b is not None and b.dtype == torch.float32})
+        module.register_forward_pre_hook(_restore_fp32_buffers)
+
+
+_FP32_BUFFERS = "_es_lightning_fp32_buffers"
+
+
+def _restore_fp32_buffers(module: torch.nn.Module, args) -> None:
+    exact = getattr(module, _FP32_BUFFERS)
+    for name, value in exact.items():
+        buffer = module._buffers.get(name)
+        if buffer is not None and buffer.dtype != torch.float32 and buffer.is_floating_point():
+            if value.device != buffer.device:
+                value = exact[name] = value.to(buffer.device)
+            module._buffers[name] = value

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+from lightning.pytorch.plugins.precision import HalfPrecision
 from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
 
 from es_lightning.builtin.llama_like import LLAMA3_VOCAB_SIZE, special_token_ids
@@ -31,3 +33,17 @@ def test_the_fixture_is_llama_3_shaped(llama_like_dir):
     assert templated.startswith("<|begin_of_text|><|start_header_id|>system")
     rows = encode_prompts(policy.tokenizer, [templated, "hi"])
     assert [row[mask.bool()].tolist().count(768) for row, mask in zip(rows["input_ids"], rows["attention_mask"])] == [1, 1]
+
+
+def test_bf16_true_keeps_rotary_frequencies_fp32(llama_like_dir):
+    """Lightning's bf16-true casts the whole module; RoPE's inv_freq must stay fp32 (bf16 frequencies shift the phase
+    by 0.5 rad at position 512), so the converted policy computes exactly what the bf16 checkpoint computes."""
+    plain = load_policy(llama_like_dir, dtype="bfloat16").model
+    converted = HalfPrecision("bf16-true").convert_module(load_policy(llama_like_dir, dtype="bfloat16").model)
+    assert plain.model.rotary_emb.inv_freq.dtype == torch.float32  # as from_pretrained(dtype=bf16) leaves it
+    ids = torch.randint(0, 700, (1, 300), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected, got = plain(ids).logits, converted(ids).logits
+    assert converted.model.rotary_emb.inv_freq.dtype == torch.float32
+    assert torch.equal(converted.model.rotary_emb.inv_freq, plain.model.rotary_emb.inv_freq)
+    assert torch.equal(got, expected)
