@@ -153,9 +153,30 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, revision:
                                 "save it beside the weights: tokenizer.save_pretrained(<dir>)")
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, revision=revision)
     tokenizer.padding_side = "left"
-    if tokenizer.pad_token is None:
+    if tokenizer.pad_token is None:  # Llama 3, Mistral: batching needs one; the EOS, which attention masks hide
         tokenizer.pad_token = tokenizer.eos_token
+        setattr(tokenizer, _BORROWED_PAD, True)
     return tokenizer
+
+
+#: set on a tokenizer whose pad token :func:`load_tokenizer` borrowed from its EOS (the checkpoint has none)
+_BORROWED_PAD = "_es_lightning_borrowed_pad"
+
+
+def save_tokenizer(tokenizer: PreTrainedTokenizerBase, path: str | os.PathLike) -> None:
+    """``tokenizer.save_pretrained(path)`` as the checkpoint had it: without the pad token :func:`load_tokenizer`
+    borrowed from the EOS. Written into an export, ``pad_token: <|eot_id|>`` made every later user of a Llama 3
+    tokenizer treat its real end-of-turn tokens as padding — a collator that masks pad ids out of the labels (the
+    usual SFT setup) never teaches the model to stop."""
+    if not getattr(tokenizer, _BORROWED_PAD, False):
+        tokenizer.save_pretrained(path)
+        return
+    pad = tokenizer.pad_token
+    tokenizer.pad_token = None
+    try:
+        tokenizer.save_pretrained(path)
+    finally:
+        tokenizer.pad_token = pad
 
 
 def load_policy(

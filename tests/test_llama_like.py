@@ -11,6 +11,8 @@ from lightning.pytorch.plugins.precision import HalfPrecision
 from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
 
 from es_lightning.builtin.llama_like import LLAMA3_VOCAB_SIZE, special_token_ids
+from es_lightning.callbacks import HFExport
+from es_lightning.modules.base import ReasoningModule
 from es_lightning.policy import encode_prompts, load_policy
 
 
@@ -47,3 +49,15 @@ def test_bf16_true_keeps_rotary_frequencies_fp32(llama_like_dir):
     assert converted.model.rotary_emb.inv_freq.dtype == torch.float32
     assert torch.equal(converted.model.rotary_emb.inv_freq, plain.model.rotary_emb.inv_freq)
     assert torch.equal(got, expected)
+
+
+def test_hf_export_keeps_the_tokenizer_without_a_pad_token(llama_like_dir, tmp_path):
+    """The pad token load_tokenizer borrows from the EOS (Llama 3 has none) is not written into the export: with
+    ``pad_token: <|eot_id|>`` a collator that masks padding out of the labels would mask every end of turn."""
+    module = ReasoningModule(model=llama_like_dir, task="countdown")
+    assert module.tokenizer is None and module.policy.tokenizer.pad_token == "<|eot_id|>"  # batching needs one
+    HFExport(tmp_path / "export").export(module)
+    assert "pad_token" not in json.loads((tmp_path / "export" / "tokenizer_config.json").read_text())
+    assert AutoTokenizer.from_pretrained(tmp_path / "export").pad_token is None
+    assert module.tokenizer.pad_token == "<|eot_id|>"  # the module's tokenizer still pads
+    assert load_policy(str(tmp_path / "export")).tokenizer.pad_token_id == 777

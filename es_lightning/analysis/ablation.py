@@ -37,6 +37,7 @@ from es_lightning.analysis.drift import (
 )
 from es_lightning.analysis.output import Signed, check_out_dir, format_table, write_json
 from es_lightning.analysis.settings import PAPER_EVAL, EvalSettings
+from es_lightning.policy import save_tokenizer
 
 Weights = Mapping[str, torch.Tensor]
 
@@ -190,7 +191,7 @@ def sparsity_ablation(
                 target = Path(save_dir) / setting.label.replace(" ", "").replace("%", "pct")
                 tuned_model.save_pretrained(target)
                 if tokenizer is not None:
-                    tokenizer.save_pretrained(target)
+                    save_tokenizer(tokenizer, target)
                 rows[-1]["path"] = str(target)
     finally:
         ablate_(tuned_model, base_weights, tuned_weights, 0.0)  # the tuned weights again, bit for bit

@@ -29,6 +29,7 @@ import lightning as L
 
 from es_lightning.analysis.output import check_out_dir, format_table, write_json
 from es_lightning.analysis.settings import SWEEP_EVAL, EvalSettings
+from es_lightning.policy import save_tokenizer
 
 DEFAULT_POPULATIONS = (8, 16, 32, 64)
 
@@ -134,7 +135,7 @@ def population_sweep(
         if save_models:
             row["path"] = str(out / "models" / f"N{n}")
             module.policy.model.save_pretrained(row["path"])
-            module.policy.tokenizer.save_pretrained(row["path"])
+            save_tokenizer(module.policy.tokenizer, row["path"])
         rows.append(row)
         print(f"N={n}: reward {row['reward']:.3f}, pass@1 {row['pass@1']:.3f} ({seconds:.0f}s)", flush=True)
         del cli, module, trainer

@@ -18,6 +18,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 
 from es_lightning.callbacks.cadence import StepCadence
 from es_lightning.es.sharding import is_dtensor, is_sharded
+from es_lightning.policy import save_tokenizer
 
 
 class HFExport(L.Callback):
@@ -103,7 +104,7 @@ class HFExport(L.Callback):
         try:
             model.save_pretrained(tmp, state_dict=state_dict)  # model.safetensors (the only format transformers 5 writes)
             if tokenizer is not None:
-                tokenizer.save_pretrained(tmp)
+                save_tokenizer(tokenizer, tmp)  # without a pad token borrowed from the EOS
             for name in self.keep_files:
                 old = target / name
                 if old.is_file() and not (tmp / name).exists():
