@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from lightning.pytorch.plugins.precision import HalfPrecision
 from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
@@ -14,6 +15,7 @@ from es_lightning.builtin.llama_like import LLAMA3_VOCAB_SIZE, special_token_ids
 from es_lightning.callbacks import HFExport
 from es_lightning.modules.base import ReasoningModule
 from es_lightning.policy import encode_prompts, load_policy
+from es_lightning.tasks import CountdownTask
 
 
 def test_the_fixture_is_llama_3_shaped(llama_like_dir):
@@ -61,3 +63,14 @@ def test_hf_export_keeps_the_tokenizer_without_a_pad_token(llama_like_dir, tmp_p
     assert AutoTokenizer.from_pretrained(tmp_path / "export").pad_token is None
     assert module.tokenizer.pad_token == "<|eot_id|>"  # the module's tokenizer still pads
     assert load_policy(str(tmp_path / "export")).tokenizer.pad_token_id == 777
+
+
+def test_a_task_asking_for_the_chat_template_of_a_base_model_gets_the_no_template_prompt(tiny_model_dir):
+    """A base checkpoint without a chat template (tiny_model_dir's; a base Llama's may have none) under a recipe for
+    the instruct model: Countdown r1 keeps its "User: … Assistant: … <think>" scaffold instead of the bare user turn."""
+    example = {"nums": [3, 25, 7], "target": 46}
+    module = ReasoningModule(model=tiny_model_dir, task=CountdownTask(prompt_format="r1", use_chat_template=True))
+    with pytest.warns(UserWarning, match="has none"):
+        prompts = module.prompts([example])
+    assert prompts == [CountdownTask(prompt_format="r1").prompt(example)] and prompts[0].endswith("<think>")
+    assert module.task.use_chat_template  # the task itself is left as configured

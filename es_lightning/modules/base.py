@@ -19,6 +19,7 @@ context (FSDP, meta device) — and lazily on first use of :attr:`policy` in pla
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import os
@@ -140,6 +141,7 @@ class ReasoningModule(L.LightningModule):
         self.algorithm: Algorithm | None = None
         #: the rewards the last training update used (ES: one per member; GRPO: one per completion)
         self.last_rewards: Tensor | None = None
+        self._warned_no_chat_template = False
 
     # ------------------------------------------------------------------ policy
     def configure_model(self) -> None:
@@ -272,9 +274,22 @@ class ReasoningModule(L.LightningModule):
 
     # ------------------------------------------------------------------ rollouts and scoring
     def prompts(self, examples: Sequence[dict[str, Any]]) -> list[str]:
-        """Task prompts, rendered with the chat template when the task asks for it."""
+        """Task prompts, rendered with the chat template when the task asks for it.
+
+        A tokenizer without a chat template (a base checkpoint) gets the task's prompt *as written for no template*
+        (Countdown's ``r1``: the "User: … Assistant: … <think>" scaffold), with one warning: the task's templated
+        prompt is only the user turn, which the model was left to continue bare."""
         task = self.task
-        return self.policy.render_prompts([task.prompt(e) for e in examples], task.use_chat_template)
+        policy = self.policy
+        if task.use_chat_template and getattr(policy.tokenizer, "chat_template", None) is None:
+            if not getattr(self, "_warned_no_chat_template", False):
+                self._warned_no_chat_template = True
+                rank_zero_warn(f"the task asks for the chat template (use_chat_template=True) but {self.model_name!r} "
+                               "has none (a base model): its prompts are written as without a template; set "
+                               "use_chat_template: false to silence this")
+            task = copy.copy(task)
+            task.use_chat_template = False
+        return policy.render_prompts([task.prompt(e) for e in examples], task.use_chat_template)
 
     def sampling_params(self, **overrides: Any) -> SamplingParams:
         """The module's rollout settings with the task's stop strings, optionally overridden."""
