@@ -8,6 +8,7 @@ regular HF directory shipped inside the package, so tests exercise the very code
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -164,19 +165,29 @@ _BORROWED_PAD = "_es_lightning_borrowed_pad"
 
 
 def save_tokenizer(tokenizer: PreTrainedTokenizerBase, path: str | os.PathLike) -> None:
-    """``tokenizer.save_pretrained(path)`` as the checkpoint had it: without the pad token :func:`load_tokenizer`
-    borrowed from the EOS. Written into an export, ``pad_token: <|eot_id|>`` made every later user of a Llama 3
-    tokenizer treat its real end-of-turn tokens as padding — a collator that masks pad ids out of the labels (the
-    usual SFT setup) never teaches the model to stop."""
-    if not getattr(tokenizer, _BORROWED_PAD, False):
-        tokenizer.save_pretrained(path)
-        return
+    """``tokenizer.save_pretrained(path)`` as the checkpoint had it, readable by transformers 4 and 5:
+
+    - without the pad token :func:`load_tokenizer` borrowed from the EOS. Written into an export, ``pad_token:
+      <|eot_id|>`` made every later user of a Llama 3 tokenizer treat its real end-of-turn tokens as padding — a
+      collator that masks pad ids out of the labels (the usual SFT setup) never teaches the model to stop;
+    - ``tokenizer_class: PreTrainedTokenizerFast`` where transformers 5 writes ``TokenizersBackend`` (its new name for
+      the generic fast tokenizer, Llama 3's and Mistral's): transformers 4 (lm-eval environments, older vLLM) refuses
+      that name ("does not exist or is not currently imported"); 5 reads the old one as an alias."""
+    borrowed = getattr(tokenizer, _BORROWED_PAD, False)
     pad = tokenizer.pad_token
-    tokenizer.pad_token = None
+    if borrowed:
+        tokenizer.pad_token = None
     try:
         tokenizer.save_pretrained(path)
     finally:
-        tokenizer.pad_token = pad
+        if borrowed:
+            tokenizer.pad_token = pad
+    config = Path(path) / "tokenizer_config.json"
+    if config.is_file():
+        values = json.loads(config.read_text())
+        if values.get("tokenizer_class") == "TokenizersBackend":
+            values["tokenizer_class"] = "PreTrainedTokenizerFast"
+            config.write_text(json.dumps(values, indent=2, ensure_ascii=False) + "\n")
 
 
 def load_policy(

@@ -55,11 +55,14 @@ def test_bf16_true_keeps_rotary_frequencies_fp32(llama_like_dir):
 
 def test_hf_export_keeps_the_tokenizer_without_a_pad_token(llama_like_dir, tmp_path):
     """The pad token load_tokenizer borrows from the EOS (Llama 3 has none) is not written into the export: with
-    ``pad_token: <|eot_id|>`` a collator that masks padding out of the labels would mask every end of turn."""
+    ``pad_token: <|eot_id|>`` a collator that masks padding out of the labels would mask every end of turn. And the
+    class is named as transformers 4 can read it (5 writes ``TokenizersBackend``)."""
     module = ReasoningModule(model=llama_like_dir, task="countdown")
     assert module.tokenizer is None and module.policy.tokenizer.pad_token == "<|eot_id|>"  # batching needs one
     HFExport(tmp_path / "export").export(module)
-    assert "pad_token" not in json.loads((tmp_path / "export" / "tokenizer_config.json").read_text())
+    config = json.loads((tmp_path / "export" / "tokenizer_config.json").read_text())
+    assert "pad_token" not in config
+    assert config["tokenizer_class"] == "PreTrainedTokenizerFast"  # as the hub's; transformers 4 reads no other
     assert AutoTokenizer.from_pretrained(tmp_path / "export").pad_token is None
     assert module.tokenizer.pad_token == "<|eot_id|>"  # the module's tokenizer still pads
     assert load_policy(str(tmp_path / "export")).tokenizer.pad_token_id == 777
