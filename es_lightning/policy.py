@@ -80,6 +80,13 @@ def resolve_model_path(name_or_path: str) -> str:
     return str(path) if looks_local else name_or_path
 
 
+#: the date a chat template that asks for one is given. Llama 3.1–3.3's templates write "Today Date: " +
+#: ``strftime_now("%d %b %Y")`` into every prompt unless ``date_string`` is passed, so the prompts (their tokens, the
+#: samples, the rewards) changed at midnight: a run resumed the next day, or a base model evaluated on another day
+#: than its tuned one, was not prompted alike. This is those templates' own fallback date.
+CHAT_TEMPLATE_DATE = "26 Jul 2024"
+
+
 @dataclass
 class Policy:
     """A model and its tokenizer, plus how prompts are rendered for it."""
@@ -91,13 +98,15 @@ class Policy:
         """Apply the tokenizer's chat template (one user turn, generation prompt added) when asked and available.
 
         A task asks for the template (``Task.use_chat_template``); models without one (the built-in model, base
-        models) get the raw prompt, as TRL does for non-conversational datasets.
+        models) get the raw prompt, as TRL does for non-conversational datasets. A template that dates its prompts
+        (Llama 3's "Today Date") gets :data:`CHAT_TEMPLATE_DATE`, whatever day it is.
         """
         if not use_chat_template or getattr(self.tokenizer, "chat_template", None) is None:
             return list(prompts)
         return [
             self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+                [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True,
+                date_string=CHAT_TEMPLATE_DATE,
             )
             for p in prompts
         ]

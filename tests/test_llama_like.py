@@ -4,6 +4,7 @@ the chat template, several EOS ids, rope scaling ``llama3``, tied embeddings."""
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -77,3 +78,13 @@ def test_a_task_asking_for_the_chat_template_of_a_base_model_gets_the_no_templat
         prompts = module.prompts([example])
     assert prompts == [CountdownTask(prompt_format="r1").prompt(example)] and prompts[0].endswith("<think>")
     assert module.task.use_chat_template  # the task itself is left as configured
+
+
+def test_templated_prompts_do_not_change_with_the_day(llama_like_dir):
+    """Llama 3.2's template writes strftime_now's date into the system turn; a rollout's prompt must not change at
+    midnight (a resumed run, a base and a tuned model evaluated on different days)."""
+    policy = load_policy(llama_like_dir)
+    prompt = policy.render_prompts(["hi"], use_chat_template=True)[0]
+    assert "Today Date: 26 Jul 2024\n" in prompt
+    assert "Today Date: " + datetime.now().strftime("%d %b %Y") in policy.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False)  # the template itself does date its prompts

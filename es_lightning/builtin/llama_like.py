@@ -12,8 +12,8 @@ What a Llama-3.2-1B(-Instruct) directory has that matters to the library, this d
 - **A tokenizer like the hub's** (``PreTrainedTokenizerFast`` from ``tokenizer.json``): it prepends
   ``<|begin_of_text|>`` (its post-processor), its EOS is ``<|eot_id|>`` (``instruct=False``: ``<|end_of_text|>``, as the
   base model), and it has **no pad token**. One token per byte (ids 0–255) and no merges, so any text encodes exactly.
-- **A Llama-3-Instruct chat template** that writes ``{{ bos_token }}`` itself and a system header (``instruct=False``: no
-  template, as a base checkpoint may have none).
+- **A Llama-3-Instruct chat template** that writes ``{{ bos_token }}`` itself and a system turn with today's date
+  (``strftime_now``, as Llama 3.1–3.3's do) (``instruct=False``: no template, as a base checkpoint may have none).
 - **Llama 3.2's ``generation_config.json``**: ``bos_token_id`` 128000, ``eos_token_id`` [128001, 128008, 128009]
   (base: 128001), ``do_sample`` true, ``temperature`` 0.6, ``top_p`` 0.9; **bf16** weights.
 
@@ -36,7 +36,7 @@ _SPECIALS = 256
 BEGIN, END, START_HEADER, END_HEADER, EOM, EOT = (
     "<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>")
 
-#: Llama-3-Instruct's chat template (Llama-3.2's without the tools branch and with a fixed date)
+#: Llama-3-Instruct's chat template (Llama-3.2's without the tools branch; today's date in the system turn)
 LLAMA3_CHAT_TEMPLATE = (
     "{{- bos_token }}\n"
     "{%- if messages[0]['role'] == 'system' %}\n"
@@ -47,7 +47,14 @@ LLAMA3_CHAT_TEMPLATE = (
     "{%- endif %}\n"
     "{{- \"<|start_header_id|>system<|end_header_id|>\\n\\n\" }}\n"
     "{{- \"Cutting Knowledge Date: December 2023\\n\" }}\n"
-    "{{- \"Today Date: 26 Jul 2024\\n\\n\" }}\n"
+    "{%- if not date_string is defined %}\n"
+    "    {%- if strftime_now is defined %}\n"
+    "        {%- set date_string = strftime_now(\"%d %b %Y\") %}\n"
+    "    {%- else %}\n"
+    "        {%- set date_string = \"26 Jul 2024\" %}\n"
+    "    {%- endif %}\n"
+    "{%- endif %}\n"
+    "{{- \"Today Date: \" + date_string + \"\\n\\n\" }}\n"
     "{{- system_message }}\n"
     "{{- \"<|eot_id|>\" }}\n"
     "{%- for message in messages %}\n"
