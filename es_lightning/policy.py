@@ -94,8 +94,10 @@ class Policy:
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
 
-    def render_prompts(self, prompts: list[str], use_chat_template: bool = False) -> list[str]:
-        """Apply the tokenizer's chat template (one user turn, generation prompt added) when asked and available.
+    def render_prompts(self, prompts: list[str], use_chat_template: bool = False,
+                       system_prompt: str | None = None) -> list[str]:
+        """Apply the tokenizer's chat template (one user turn — after a system turn when ``system_prompt`` is given —
+        generation prompt added) when asked and available.
 
         A task asks for the template (``Task.use_chat_template``); models without one (the built-in model, base
         models) get the raw prompt, as TRL does for non-conversational datasets. A template that dates its prompts
@@ -103,9 +105,10 @@ class Policy:
         """
         if not use_chat_template or getattr(self.tokenizer, "chat_template", None) is None:
             return list(prompts)
+        system = [] if system_prompt is None else [{"role": "system", "content": system_prompt}]
         return [
             self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True,
+                [*system, {"role": "user", "content": p}], tokenize=False, add_generation_prompt=True,
                 date_string=CHAT_TEMPLATE_DATE,
             )
             for p in prompts

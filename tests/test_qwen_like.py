@@ -142,3 +142,24 @@ def test_repeated_prompts_encode_as_each_prompt_alone_left_padded(model, qwen_li
 def test_bad_sizes_are_refused(tmp_path, vocab_size, hidden, heads):
     with pytest.raises(ValueError, match="vocab_size|head_dim"):
         build_qwen_like(tmp_path / "x", vocab_size=vocab_size, hidden_size=hidden, num_attention_heads=heads)
+
+
+def test_a_task_system_prompt_replaces_the_templates_default_and_is_recorded(qwen_like_small_dir):
+    """``system_prompt`` (a Task setting): the system turn before every prompt instead of Qwen's "You are Qwen..."
+    default; recorded with the task, so an evaluation of the checkpoint prompts with it; refused without the template."""
+    from es_lightning.modules.base import ReasoningModule
+    from es_lightning.tasks import get_task
+    from es_lightning.tasks.base import task_record
+
+    example = {"question": "What is 2 + 3?", "answer": "5"}
+    module = ReasoningModule(model=qwen_like_small_dir, task=GSM8KTask(use_chat_template=True))
+    default = module.prompts([example])[0]
+    assert default.startswith("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud.")
+    task = GSM8KTask(use_chat_template=True, system_prompt="Reason step by step.")
+    (prompt,) = ReasoningModule(model=qwen_like_small_dir, task=task).prompts([example])
+    assert prompt == ("<|im_start|>system\nReason step by step.<|im_end|>\n" + default.split("<|im_end|>\n", 1)[1])
+    record = task_record(task)
+    assert record["init_args"]["system_prompt"] == "Reason step by step."
+    assert get_task(record["class_path"], **record["init_args"]).system_prompt == "Reason step by step."
+    with pytest.raises(ValueError, match="system_prompt is a turn of the chat template: set use_chat_template: true"):
+        GSM8KTask(system_prompt="Reason step by step.")

@@ -289,7 +289,8 @@ class ReasoningModule(L.LightningModule):
                                "use_chat_template: false to silence this")
             task = copy.copy(task)
             task.use_chat_template = False
-        return policy.render_prompts([task.prompt(e) for e in examples], task.use_chat_template)
+        return policy.render_prompts([task.prompt(e) for e in examples], task.use_chat_template,
+                                     getattr(task, "system_prompt", None))  # a custom task may skip Task.__init__
 
     def sampling_params(self, **overrides: Any) -> SamplingParams:
         """The module's rollout settings with the task's stop strings, optionally overridden."""

@@ -31,6 +31,11 @@ class Task(ABC):
         use_chat_template: wrap the prompt in the tokenizer's chat template (instruct models); the built-in model has
             none.
         max_completion_chars: completions longer than this score 0 without being parsed (bounds verifier time).
+        system_prompt: a system turn before every prompt, with the chat template (``use_chat_template: true``); None
+            leaves the template's own default (Qwen2.5-Instruct's writes "You are Qwen, created by Alibaba Cloud. You
+            are a helpful assistant."; Llama 3's writes none). TRL's conversational datasets carry it as the
+            ``system`` message; here it belongs to the task, so a checkpoint records it and an evaluation of the
+            checkpoint prompts with it.
     """
 
     #: short identifier used in logs and tables
@@ -48,11 +53,18 @@ class Task(ABC):
         format_reward: float = 0.1,
         use_chat_template: bool = False,
         max_completion_chars: int = 8192,
+        system_prompt: str | None = None,
     ) -> None:
         self.correct_reward = float(correct_reward)
         self.format_reward = float(format_reward)
         self.use_chat_template = bool(use_chat_template)
         self.max_completion_chars = int(max_completion_chars)
+        if system_prompt is not None and not isinstance(system_prompt, str):
+            raise ValueError(f"system_prompt must be a text, got {type(system_prompt).__name__} {system_prompt!r}")
+        if system_prompt is not None and not self.use_chat_template:
+            raise ValueError("system_prompt is a turn of the chat template: set use_chat_template: true with it (or "
+                             "write the instruction into the prompt)")
+        self.system_prompt = system_prompt
 
     # ----------------------------------------------------------------- what subclasses implement
     @abstractmethod
