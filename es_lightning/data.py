@@ -329,6 +329,8 @@ class ReasoningDataModule(L.LightningDataModule):
             if path.is_dir() and (path / "dataset_dict.json").exists() or (path / "dataset_info.json").exists():
                 loaded = datasets.load_from_disk(str(path))
                 return loaded if isinstance(loaded, datasets.DatasetDict) else datasets.DatasetDict({"train": loaded})
+            if path.is_dir():
+                path = self._data_folder(path)
             files = sorted(path.iterdir()) if path.is_dir() else [path]
             by_split: dict[str, list[str]] = {}
             fmt = None
@@ -365,6 +367,26 @@ class ReasoningDataModule(L.LightningDataModule):
             )
         with hub_errors(self.source, kind="dataset"):
             return datasets.load_dataset(self.source, self.hub_config or self.task.hub_config)
+
+    def _data_folder(self, path: Path) -> Path:
+        """The folder of ``path`` that holds the data files: ``path`` itself, or — a hub dataset repository downloaded
+        as it is laid out on the hub (``huggingface-cli download --repo-type dataset openai/gsm8k --local-dir gsm8k``:
+        ``gsm8k/main/train-*.parquet``) — its config's folder (``hub_config``, else the task's) or its ``data``
+        folder. A folder whose data files are all in other subfolders is refused, naming them."""
+        def has_files(folder: Path) -> bool:
+            return any(f.suffix in _LOCAL_FORMATS for f in folder.iterdir() if f.is_file())
+
+        if has_files(path):
+            return path
+        config = self.hub_config or self.task.hub_config
+        for name in (config, "data"):
+            if name and (path / name).is_dir() and has_files(path / name):
+                return path / name
+        holding = sorted(f.name for f in path.iterdir() if f.is_dir() and has_files(f))
+        if holding:
+            raise ValueError(f"no data files in {self.source!r} itself; its folders {', '.join(holding)} hold some (a hub "
+                             f"dataset's configs): set data.hub_config to one of them, or point data.source at it")
+        return path
 
     def map_columns(self, ds, split: str, fix: Callable[[list[str], str], str] | None = None):
         """``ds`` (a split of the source) with ``column_mapping`` applied and the task's columns checked: one line

@@ -58,6 +58,28 @@ def test_local_jsonl_with_hub_column_names(tmp_path):
     assert set(ex) >= {"nums", "target"}
 
 
+def test_a_hub_dataset_repository_downloaded_as_laid_out_reads_its_configs_folder(tmp_path):
+    """``huggingface-cli download --repo-type dataset openai/gsm8k --local-dir gsm8k``: parquet files under one folder
+    per config (``main/``, ``socratic/``). The config's folder is read (data.hub_config, else the task's: "main" for
+    GSM8K) — it was refused as "no data files"; with no config matching, the folders are named."""
+    rows = [{"question": f"What is {i} + 1?", "answer": f"... #### {i + 1}"} for i in range(12)]
+    for config, n in (("main", 12), ("socratic", 5)):
+        (tmp_path / "gsm8k" / config).mkdir(parents=True)
+        datasets.Dataset.from_list(rows[:n]).to_parquet(str(tmp_path / "gsm8k" / config / "train-00000-of-00001.parquet"))
+        datasets.Dataset.from_list(rows[:3]).to_parquet(str(tmp_path / "gsm8k" / config / "test-00000-of-00001.parquet"))
+    (tmp_path / "gsm8k" / "README.md").write_text("---\nconfigs: []\n---\n")
+    dm = ReasoningDataModule(task=GSM8KTask(), source=str(tmp_path / "gsm8k"), val_size=2, train_size=None,
+                             test_size=None)
+    dm.setup()
+    assert len(dm.splits["train"]) == 10 and len(dm.splits["test"]) == 3  # main's 12 rows: 2 carved off for val
+    dm = ReasoningDataModule(task=GSM8KTask(), source=str(tmp_path / "gsm8k"), hub_config="socratic", val_size=2,
+                             train_size=None, test_size=None)
+    dm.setup()
+    assert len(dm.splits["train"]) == 3
+    with pytest.raises(ValueError, match=r"its folders main, socratic hold some .*: set data.hub_config to one of them"):
+        ReasoningDataModule(task=CountdownTask(), source=str(tmp_path / "gsm8k"), val_size=2).setup()
+
+
 def test_local_jsonl_with_column_mapping(tmp_path):
     rows = [{"numbers": [1, 2, i], "goal": 3 + i, "extra": "x"} for i in range(12)]
     _write_jsonl(tmp_path / "data.jsonl", rows)
