@@ -6,6 +6,7 @@ import importlib.util
 from typing import Any
 
 from es_lightning.generation.base import Generator, Rollout, SamplingParams
+from es_lightning.generation.config import refuse_owned_options
 from es_lightning.generation.hf import HFGenerator
 
 __all__ = ["BACKENDS", "Generator", "HFGenerator", "Rollout", "SamplingParams", "check_backend", "check_generation_options",
@@ -46,25 +47,6 @@ def check_generation_options(backend: str, options: dict[str, Any] | None) -> No
         raise ValueError(f"unknown vLLM generation_options {unknown}; accepted: {own}, and the engine arguments of "
                          "vllm.LLM (vllm.engine.arg_utils.EngineArgs, e.g. max_num_batched_tokens, enable_lora)")
     _check_vllm_values(options)
-
-
-#: vLLM engine arguments the backend sets itself because correctness depends on them, each with why (a
-#: ``generation_options`` entry would otherwise override them silently: the engine's ``kwargs.update``)
-_OWNED = {
-    "model": "the engine is built from the policy (model.init_args.model), whose weights it is sent",
-    "load_format": "the engine's weights come from the policy, not from disk",
-    "generation_config": "the checkpoint's sampling defaults must not leak into sampling (the module's temperature, "
-                         "top_p and max_new_tokens are the sampling settings)",
-    "logprobs_mode": "GRPO's ratio needs log-probs at the sampling temperature (processed_logprobs)",
-    "worker_extension_cls": "engine-side ES needs es-lightning's worker extension (engine_side_es: false turns it off)",
-}
-
-def refuse_owned_options(options: dict[str, Any]) -> None:
-    """One line for the first ``generation_options`` key the vLLM backend owns (:data:`_OWNED`), saying why."""
-    owned = sorted(set(options) & set(_OWNED))
-    if owned:
-        raise ValueError(f"generation_options.{owned[0]} is set by es-lightning and cannot be changed: "
-                         f"{_OWNED[owned[0]]}; remove it")
 
 
 #: vLLM engine options that are counts (``max_model_len`` may also be None: the model's)

@@ -86,7 +86,7 @@ import torch
 from torch import Tensor
 
 from es_lightning.generation.base import Generator, Rollout, SamplingParams, default_seed
-from es_lightning.generation.config import checkpoint_eos_token_ids
+from es_lightning.generation.config import checkpoint_eos_token_ids, refuse_owned_options
 from es_lightning.generation.hf import _cut_at_stop
 from es_lightning.policy import Policy, encode_prompts
 
@@ -227,8 +227,6 @@ class VLLMGenerator(Generator):
         trust_remote_code: bool = False,
         **engine_kwargs: Any,
     ) -> None:
-        from es_lightning.generation import refuse_owned_options
-
         refuse_owned_options(engine_kwargs)
         import_vllm()
         self.policy = policy
