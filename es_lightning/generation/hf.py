@@ -47,6 +47,7 @@ class _Sampler(LogitsProcessor):
 
     def __init__(
         self, temperature: float, top_p: float, seed: int | None, track: bool, banned: list[int], blocks: int = 1,
+        max_steps: int = 64,
     ) -> None:
         self.banned = banned
         self.blocks = blocks
@@ -58,14 +59,19 @@ class _Sampler(LogitsProcessor):
         self.track = track
         self._banned_index: Tensor | None = None
         self._prev_logp: Tensor | None = None
-        self.logprobs: list[Tensor] = []  # per step [B*n]
-        self.entropy: list[Tensor] = []  # per step [B*n]
+        self.max_steps = max(1, int(max_steps))  # columns of the record buffers (max_new_tokens; grown if exceeded)
+        self.logprobs: Tensor | None = None  # [B*n, max_steps]: column t is the log-prob of completion token t
+        self.entropy: Tensor | None = None  # [B*n, max_steps]: column t is the entropy at completion position t
+        self.recorded = 0  # log-prob columns written
+        self.steps = 0  # entropy columns written (= calls)
 
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:  # scores [B*n, V]
         if self.track:  # the policy's own distribution, as the training forward pass computes it
             self._record(input_ids[:, -1])
             logp = F.log_softmax(scores.float() / self.temperature, dim=-1)  # [B*n, V]
-            self.entropy.append(-(logp.exp() * logp).sum(-1))
+            self._ensure(logp.shape[0], self.steps, logp.device)
+            self.entropy[:, self.steps] = -(logp.exp() * logp).sum(-1)
+            self.steps += 1
             self._prev_logp = logp
         if self.banned:
             if self._banned_index is None:
@@ -91,15 +97,33 @@ class _Sampler(LogitsProcessor):
         gumbel = -torch.log(-torch.log(u.clamp(min=1e-20, max=1.0 - 1e-7)))
         return scores + gumbel
 
+    def _ensure(self, rows: int, t: int, device: torch.device) -> None:
+        """Record buffers with a column ``t``, allocated once for ``max_steps`` (grown by doubling past it).
+
+        Written in place, one column per step: a list of per-step ``[B*n]`` tensors kept two small allocations alive
+        per token, which glibc's heap placed inside the ``[B*n, V]`` temporaries freed that step, so it could neither
+        reuse nor return them — on CPU the process grew by about ``B*n·V·4`` bytes per token (16 rows at Qwen's
+        vocabulary: +2.5 GB over 192 tokens, ~14 GB at 1024), the ``[B*n, C, V]`` this class exists to avoid."""
+        if self.entropy is not None and t < self.entropy.shape[1]:
+            return
+        width = self.max_steps if self.entropy is None else max(2 * self.entropy.shape[1], t + 1)
+        grown = [torch.zeros(rows, width, dtype=torch.float32, device=device) for _ in range(2)]
+        if self.entropy is not None:
+            grown[0][:, : self.logprobs.shape[1]] = self.logprobs
+            grown[1][:, : self.entropy.shape[1]] = self.entropy
+        self.logprobs, self.entropy = grown
+
     def _record(self, chosen: Tensor) -> None:
         if self._prev_logp is not None:
-            self.logprobs.append(self._prev_logp.gather(-1, chosen.unsqueeze(-1)).squeeze(-1))
+            self._ensure(chosen.shape[0], self.recorded, chosen.device)
+            self.logprobs[:, self.recorded] = self._prev_logp.gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
+            self.recorded += 1
 
     def finish(self, completion_ids: Tensor) -> tuple[Tensor, Tensor]:
         """Per-token log-probs and entropies ``[B*n, C]`` once generation is over."""
-        self._record(completion_ids[:, len(self.logprobs)])
+        self._record(completion_ids[:, self.recorded])
         length = completion_ids.shape[1]
-        return torch.stack(self.logprobs[:length], 1), torch.stack(self.entropy[:length], 1)
+        return self.logprobs[:, :length], self.entropy[:, :length]
 
 
 class _RowEnds(StoppingCriteria):
@@ -181,7 +205,7 @@ class HFGenerator(Generator):
         banned = [] if tokenizer.pad_token_id in eos_ids else [tokenizer.pad_token_id]
         seed = None if params.temperature == 0 else (default_seed() if seed is None else int(seed))
         sampler = _Sampler(params.temperature, params.top_p, seed, track=return_logprobs, banned=banned,
-                           blocks=common_random_blocks)
+                           blocks=common_random_blocks, max_steps=params.max_new_tokens)
         ends = _RowEnds(P, torch.tensor(eos_ids, device=device), self._stop_criterion(params.stop), rows)
         was_training = model.training
         model.eval()
