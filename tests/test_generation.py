@@ -117,3 +117,24 @@ def test_logprob_recording_allocates_nothing_per_token():
     logp = torch.log_softmax(scores / 0.7, -1).transpose(0, 1)  # [rows, steps, V]
     assert torch.allclose(logprobs, logp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1), atol=1e-5)
     assert torch.allclose(entropy, -(logp.exp() * logp).sum(-1), atol=1e-5)
+
+
+def test_completions_past_the_models_positions_are_warned_once(tiny_model_dir):
+    """The fixture has max_position_embeddings = 128: a 120-token prompt with 16 new tokens may generate at positions
+    the model never saw (transformers does not stop there; the vLLM backend does), said once per prompt length."""
+    import warnings
+
+    import pytest
+
+    gen = HFGenerator(load_policy(tiny_model_dir))
+    params = SamplingParams(max_new_tokens=4, temperature=0.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gen.generate(["a:1+2="], 1, params)  # 6 + 4 tokens: within 128
+    long_prompt = "a:" + "1+" * 59  # 120 characters, one token each
+    with pytest.warns(UserWarning, match=r"prompt of 120 tokens plus max_new_tokens=16 exceeds the model's "
+                                         r"max_position_embeddings=128"):
+        gen.generate([long_prompt], 1, SamplingParams(max_new_tokens=16, temperature=0.0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gen.generate([long_prompt], 1, SamplingParams(max_new_tokens=16, temperature=0.0))  # said already

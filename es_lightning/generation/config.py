@@ -119,3 +119,12 @@ def refuse_owned_options(options: dict[str, Any]) -> None:
     if owned:
         raise ValueError(f"generation_options.{owned[0]} is set by es-lightning and cannot be changed: "
                          f"{_OWNED[owned[0]]}; remove it")
+
+
+def position_limit(config) -> int | None:
+    """The longest prompt + completion a model's position encoding was built for: its ``max_position_embeddings``
+    when the RoPE is not scaled (YaRN, dynamic NTK … extend it: ``None``, no limit known)."""
+    limit = getattr(config, "max_position_embeddings", None)
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    scaled = isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) != "default"
+    return limit if isinstance(limit, int) and not isinstance(limit, bool) and not scaled else None

@@ -19,6 +19,7 @@ look exactly like a sampled EOS, and were counted as one more sampled token (los
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -28,7 +29,12 @@ from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria,
 from transformers.generation.stopping_criteria import StopStringCriteria
 
 from es_lightning.generation.base import Generator, Rollout, SamplingParams, default_seed
-from es_lightning.generation.config import checkpoint_defaults_off, checkpoint_eos_token_ids, rollout_generation_config
+from es_lightning.generation.config import (
+    checkpoint_defaults_off,
+    checkpoint_eos_token_ids,
+    position_limit,
+    rollout_generation_config,
+)
 from es_lightning.policy import Policy, encode_prompts
 
 
@@ -156,6 +162,7 @@ class HFGenerator(Generator):
     def __init__(self, policy: Policy) -> None:
         self.policy = policy
         self._stop_criteria: dict[tuple[str, ...], StopStringCriteria] = {}
+        self._warned_lengths: set[int] = set()
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -199,6 +206,7 @@ class HFGenerator(Generator):
         prompt_ids = enc["input_ids"].repeat_interleave(num_samples, 0).to(device)  # [B*n, P]
         prompt_mask = enc["attention_mask"].repeat_interleave(num_samples, 0).to(device)  # [B*n, P]
         rows, P = prompt_ids.shape
+        self._check_positions(model, P, params.max_new_tokens)
 
         eos_ids = self.eos_token_ids
         # the pad token marks finished rows; when it is not an EOS it is never a real token, so it is never sampled
@@ -243,6 +251,19 @@ class HFGenerator(Generator):
             logprobs=logprobs,
             entropy=entropy,
         )
+
+    def _check_positions(self, model: torch.nn.Module, longest: int, max_new_tokens: int) -> None:
+        """One warning per prompt length whose completions may run past the model's ``max_position_embeddings``
+        (unscaled RoPE): transformers generates on, at positions the model was never trained at (Qwen2.5-Math: 4096,
+        which a MATH recipe's prompt + 4096 new tokens passes), where the vLLM backend stops the completion there."""
+        limit = position_limit(getattr(model, "config", None))
+        if limit is None or longest + max_new_tokens <= limit or longest in self._warned_lengths:
+            return
+        self._warned_lengths.add(longest)
+        warnings.warn(f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} exceeds the model's "
+                      f"max_position_embeddings={limit}: its completions may run past {limit - longest} new tokens, "
+                      "at positions the model was not trained for; lower max_new_tokens or shorten the prompts (the "
+                      "vLLM backend ends such completions at the limit, counted as truncated)", stacklevel=3)
 
     def _decode(self, completion_ids: Tensor, stop: Sequence[str]) -> list[str]:
         texts = self.policy.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)

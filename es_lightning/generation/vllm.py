@@ -86,7 +86,7 @@ import torch
 from torch import Tensor
 
 from es_lightning.generation.base import Generator, Rollout, SamplingParams, default_seed
-from es_lightning.generation.config import checkpoint_eos_token_ids, refuse_owned_options
+from es_lightning.generation.config import checkpoint_eos_token_ids, position_limit, refuse_owned_options
 from es_lightning.generation.hf import _cut_at_stop
 from es_lightning.policy import Policy, encode_prompts
 
@@ -614,10 +614,8 @@ def _within_positions(config, max_model_len: int | None) -> int | None:
     is not scaled (vLLM refuses a longer one, and its override makes RoPE produce NaN): a generation fragment's
     ``max_model_len: 2048`` then also serves the built-in model's 128 positions. Scaled RoPE (YaRN, …) is vLLM's to
     judge."""
-    limit = getattr(config, "max_position_embeddings", None)
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    scaled = isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) != "default"
-    if max_model_len is None or not isinstance(limit, int) or scaled or max_model_len <= limit:
+    limit = position_limit(config)
+    if max_model_len is None or limit is None or max_model_len <= limit:
         return max_model_len
     warnings.warn(f"generation_options.max_model_len={max_model_len} is beyond the model's max_position_embeddings "
                   f"({limit}): the vLLM engine takes {limit}", stacklevel=3)
