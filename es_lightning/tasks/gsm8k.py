@@ -1,7 +1,8 @@
 """GSM8K grade-school math (Cobbe et al. 2021): a free-text solution ending in ``#### <number>``.
 
-The answer is read strictly from the last ``#### <number>`` of the completion — the "strict-match" of lm-eval's
-``gsm8k`` task and verl's GSM8K reward — with no fallback to "the last number in the text": a fallback would pay the
+The answer is read strictly from the last ``#### <number>`` of the completion, as verl's GSM8K reward reads it
+(lm-eval's ``gsm8k`` "strict-match" reads the same mark but takes the first one: a completion that revises its answer
+is graded on the revision here) — with no fallback to "the last number in the text": a fallback would pay the
 format reward (Ba et al. 2026 convention, :mod:`es_lightning.tasks.base`) to completions that ignored the instruction.
 Numbers are compared exactly as fractions after removing thousands separators, ``$`` and a leading ``+``, so ``1,234``,
 ``$1234``, ``1234.0`` and ``1234.00`` are all ``1234``, and ``3/4`` is ``0.75`` (never ``3``); nothing is ``eval``-ed.
