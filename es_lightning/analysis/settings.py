@@ -64,7 +64,8 @@ class EvalSettings:
     """seeds the choice of held-out problems and the sampling (the same for every model)."""
     batch_size: int = 64
     """problems per generation call; the sampling seeds follow the batches, so keep it fixed across evaluations you
-    compare."""
+    compare. On the transformers backend a call holds batch_size × num_samples rows of KV cache: at 64 × 32 and 1,024
+    new tokens ~72 GB for a 1.5B model — use 4 there, or generation_backend vllm."""
     source: str = "procedural"
     """where held-out problems come from: procedural (the held-out pool of a procedural task), hub (the task's hub
     dataset), a hub dataset name, or a local jsonl/parquet file."""
