@@ -26,7 +26,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from es_lightning import cli_errors, console, run_dirs
-from es_lightning.callbacks import PassAtKCallback, TrainingReport
+from es_lightning.callbacks import PassAtKCallback, TrainingReport, sigterm
 from es_lightning.callbacks.report import format_table
 
 
@@ -40,8 +40,14 @@ class _FitRecord(L.Callback):
     def __init__(self) -> None:
         self.start_step: int | None = None
 
+    def setup(self, trainer, pl_module, stage) -> None:
+        sigterm.install(trainer, stage)  # several processes: a SIGTERM stops them all after the same step
+
     def on_train_start(self, trainer, pl_module) -> None:
         self.start_step = trainer.global_step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        sigterm.agree(trainer)
 
     def on_fit_end(self, trainer, pl_module) -> None:
         if _trains_in_workers(trainer):

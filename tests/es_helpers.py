@@ -76,3 +76,18 @@ def teardown_bomb(directory: Path) -> str:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "sitecustomize.py").write_text(TEARDOWN_BOMB)
     return str(directory)
+
+
+class SigtermRankZero(L.Callback):
+    """Rank 0 alone gets a SIGTERM, when training step ``step`` starts: a scheduler signals every rank at the same
+    moment, which is a different point of each rank's code (rank 1 is told later, here by Lightning's launcher)."""
+
+    def __init__(self, step: int = 1) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        if trainer.global_rank == 0 and trainer.global_step == self.step:
+            import os
+            import signal
+
+            os.kill(os.getpid(), signal.SIGTERM)

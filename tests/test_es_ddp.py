@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 from es_helpers import teardown_bomb
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -237,6 +238,25 @@ def test_a_bug_in_a_distributed_command_keeps_its_traceback_and_status_1(tmp_pat
     assert proc.stderr.count("teardown bomb armed") == 2, proc.stderr[-3000:]
     assert proc.stderr.count("Traceback (most recent call last)") >= 1, proc.stderr[-3000:]
     assert "RuntimeError: a bug in a callback" in proc.stderr.splitlines(), proc.stderr[-3000:]
+
+
+def test_a_sigterm_stops_every_rank_after_the_same_step_and_saves_it(tmp_path):
+    """A SIGTERM that reaches the ranks at different points of their code (a scheduler's preemption: here rank 0 at
+    step 1, rank 1 later): Lightning's handler broadcast from inside the signal handler, which met another collective
+    of rank 1 — gloo aborted the job (status 1) and no checkpoint was written. Now every rank stops after the same
+    step, that step is saved, and the command exits 143 with its one line."""
+    callbacks = tmp_path / "callbacks.yaml"
+    callbacks.write_text("trainer:\n  callbacks:\n    - class_path: es_lightning.RunCheckpoint\n      init_args:\n"
+                         f"        dirpath: {tmp_path / 'ckpt'}\n    - class_path: es_helpers.SigtermRankZero\n")
+    proc = _distributed_fit(tmp_path, "--config", str(callbacks), "--trainer.enable_checkpointing", "true",
+                            "--trainer.max_steps", "4", "--model.init_args.population_size", "4",
+                            "--data.init_args.batch_size", "2", "--trainer.limit_val_batches", "0")
+    assert proc.returncode == 143, (proc.returncode, proc.stderr[-3000:])
+    ckpt = tmp_path / "ckpt" / "last.ckpt"
+    line = (f"es-lightning fit: stopped by SIGTERM at step 2; {ckpt} holds step 2: resume with the same command and "
+            "--ckpt_path last")
+    assert proc.stderr.splitlines().count(line) == 1, proc.stderr[-3000:]
+    assert torch.load(ckpt, weights_only=True)["global_step"] == 2
 
 
 def _spawn_fit(tmp_path, *extra):

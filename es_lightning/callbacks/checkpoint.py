@@ -37,6 +37,8 @@ import numpy as np
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from es_lightning.callbacks import sigterm
+
 PARTIAL_SUFFIX = ".partial"
 OLD_SUFFIX = ".old"
 
@@ -163,6 +165,7 @@ class RunCheckpoint(ModelCheckpoint):
     # ------------------------------------------------------------------ when
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
+        sigterm.install(trainer, stage)  # several processes: a SIGTERM stops them all after the same step
         if trainer.is_global_zero and self.dirpath is not None:
             recover(self.dirpath)
         trainer.strategy.barrier("RunCheckpoint.setup")
@@ -175,6 +178,7 @@ class RunCheckpoint(ModelCheckpoint):
             self._restored_rng = None
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
+        sigterm.agree(trainer)  # every rank, before anything here returns early
         k = self._every_n_train_steps
         if self._should_skip_saving_checkpoint(trainer) or trainer.global_step // k <= self._last_global_step_saved // k:
             return
@@ -192,7 +196,8 @@ class RunCheckpoint(ModelCheckpoint):
         from lightning.pytorch.utilities.exceptions import SIGTERMException
 
         if (isinstance(exception, SIGTERMException) and not trainer.validating
-                and not self._should_skip_saving_checkpoint(trainer)):
+                and not self._should_skip_saving_checkpoint(trainer)
+                and self._last_global_step_saved != trainer.global_step):  # not again when this step was just saved
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
