@@ -66,7 +66,12 @@ def run_root(config: Any) -> Path | None:
 
 
 def find_last_checkpoint(root: Path) -> Path | None:
-    """The most recently written ``last.ckpt`` of any run under ``root`` (a kill's leftovers are repaired first)."""
+    """The most recently written ``last.ckpt`` of any run under ``root`` (a kill's leftovers are repaired first).
+
+    Every process of a multi-process launch (``torchrun``, ``srun``) looks on its own, before any process group exists,
+    while rank 0 repairs: a ``.last.ckpt.old`` whose ``last.ckpt`` is missing (a kill between the two renames of a
+    sharded checkpoint) counts as the ``last.ckpt`` rank 0 puts back (a rename keeps its time), so the other ranks find
+    the same checkpoint whether they look before or after the repair; equal times are decided by the path."""
     if not root.is_dir():
         return None
     dirs = [d for d in root.glob("*/checkpoints") if d.is_dir()] + ([root / "checkpoints"] if (root / "checkpoints").is_dir() else [])
@@ -74,8 +79,27 @@ def find_last_checkpoint(root: Path) -> Path | None:
         for d in dirs:
             recover(d)
             recover_exports(d.parent)  # a run's export/ beside its checkpoints/
-    candidates = [p for d in dirs for p in d.glob("last*.ckpt")]
-    return max(candidates, key=lambda p: p.stat().st_mtime) if candidates else None
+    candidates = []
+    for d in dirs:
+        olds = {d / old.name[1 : -len(OLD_SUFFIX)]: old for old in d.glob(f".last*.ckpt{OLD_SUFFIX}")}  # before: rank 0
+        names = set(d.glob("last*.ckpt")) | set(olds)  # may be renaming them back right now
+        for path in names:
+            mtime = _mtime(path, olds.get(path))
+            if mtime is not None:
+                candidates.append((mtime, str(path), path))
+    return max(candidates)[2] if candidates else None
+
+
+def _mtime(path: Path, old: Path | None) -> int | None:
+    """``path``'s modification time, or that of ``old`` that is being renamed to it (``None``: neither is there)."""
+    for p in (path, old, path):  # the rename may happen between two looks; it keeps the time
+        if p is None:
+            continue
+        try:
+            return p.stat().st_mtime_ns
+        except FileNotFoundError:
+            continue
+    return None
 
 
 def resolve_last(config: Any, subcommand: str = "fit") -> None:

@@ -121,6 +121,29 @@ def test_sharded_directory_swap_is_repaired_after_a_kill_between_renames(tmp_pat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
 
 
+def test_every_rank_resolves_last_to_the_checkpoint_rank_0_repairs(tmp_path, monkeypatch):
+    """Under torchrun / srun every process resolves `--ckpt_path last` itself, before any process group, while rank 0
+    repairs a kill's leftovers: a sharded last.ckpt moved aside (`.last.ckpt.old`) by a kill between the two renames of
+    its swap is put back by rank 0 only. Rank 1, looking before that rename, skipped the newest run and resumed an
+    older one (or none) while rank 0 resumed the newest: now it counts the moved-aside checkpoint as the last.ckpt
+    rank 0 puts back, and equal times are decided by the path, as on every rank."""
+    from es_lightning.run_dirs import find_last_checkpoint
+
+    older, newer = tmp_path / "version_0" / "checkpoints", tmp_path / "version_1" / "checkpoints"
+    (older / "last.ckpt").mkdir(parents=True)
+    (newer / side_path("last.ckpt", OLD_SUFFIX)).mkdir(parents=True)  # the kill between the renames
+    os.utime(older / "last.ckpt", ns=(10**18, 10**18))
+    os.utime(newer / side_path("last.ckpt", OLD_SUFFIX), ns=(2 * 10**18, 2 * 10**18))
+    monkeypatch.setenv("RANK", "1")  # looks before rank 0 repairs
+    assert find_last_checkpoint(tmp_path) == newer / "last.ckpt"
+    monkeypatch.setenv("RANK", "0")  # repairs, then looks
+    assert find_last_checkpoint(tmp_path) == newer / "last.ckpt" and (newer / "last.ckpt").is_dir()
+    monkeypatch.setenv("RANK", "1")  # looks after the repair
+    assert find_last_checkpoint(tmp_path) == newer / "last.ckpt"
+    os.utime(older / "last.ckpt", ns=(2 * 10**18, 2 * 10**18))  # the same time: the same choice on every rank
+    assert find_last_checkpoint(tmp_path) == newer / "last.ckpt"
+
+
 def test_an_export_a_kill_interrupted_is_cleaned_up_when_the_recipe_resumes(tmp_path):
     """A kill while HFExport writes leaves a hidden half-written .export.tmp-* (gigabytes at 1.5B), or — between the
     two renames of the swap — the previous export moved aside as .export.old-*; `--ckpt_path last` (which resumes into
