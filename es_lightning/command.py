@@ -6,7 +6,9 @@ make the command a user runs (``class CommandCLI(CommandMixin, ESLightningCLI)``
 - refuses mistakes in one line (:mod:`es_lightning.cli_errors`), checks that every output directory can be written
   before anything is loaded (:func:`~es_lightning.run_dirs.check_writable`);
 - resolves ``--ckpt_path last`` to the newest run of the recipe, for ``fit``, ``validate`` and ``test``
-  (:func:`~es_lightning.run_dirs.resolve_last`);
+  (:func:`~es_lightning.run_dirs.resolve_last`), and — each process of a multi-process run resolves it alone —
+  stops them all in one line at setup when they would start from different checkpoints (node-local disks);
+- stops every process of a multi-process fit after the same step on a SIGTERM (:mod:`es_lightning.callbacks.sigterm`);
 - shows a step bar on a terminal and progress lines in a log (:mod:`es_lightning.console`);
 - after a fit, says where everything went — or that nothing was trained; after a failure, removes the run directory
   it had just created if nothing but its startup files landed there;
@@ -39,9 +41,13 @@ class _FitRecord(L.Callback):
 
     def __init__(self) -> None:
         self.start_step: int | None = None
+        #: ``(as given, run_dirs.checkpoint_identity of the checkpoint this process resolved)``, set by the command
+        self.checkpoint: tuple[str, tuple | None] | None = None
 
     def setup(self, trainer, pl_module, stage) -> None:
         sigterm.install(trainer, stage)  # several processes: a SIGTERM stops them all after the same step
+        if self.checkpoint is not None:  # every process resolved it alone: the same one on all of them?
+            run_dirs.check_same_checkpoint(self.checkpoint[1], self.checkpoint[0])
 
     def on_train_start(self, trainer, pl_module) -> None:
         self.start_step = trainer.global_step
@@ -134,9 +140,12 @@ class CommandMixin:
         super().before_instantiate_classes()
         config = self.config[self.subcommand]
         cli_errors.remember(config=config)
-        if self.subcommand in ("fit", "validate", "test") and config.get("ckpt_path") == "last":
+        given = config.get("ckpt_path")
+        if self.subcommand in ("fit", "validate", "test") and given == "last":
             run_dirs.resolve_last(config, self.subcommand)
             run_dirs.check_ckpt_path(config, fitting=self.subcommand == "fit")  # the run it found: a sharded one too
+        if given is not None and str(given) not in ("best", "hpc"):  # each process's own; compared at setup
+            self._record.checkpoint = (str(given), run_dirs.checkpoint_identity(config.get("ckpt_path")))
         run_dirs.check_writable(config)
 
     def instantiate_classes(self) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +101,47 @@ def _mtime(path: Path, old: Path | None) -> int | None:
         except FileNotFoundError:
             continue
     return None
+
+
+def checkpoint_identity(path: str | os.PathLike | None) -> tuple | None:
+    """What tells two processes' checkpoints apart without reading them: the path as configured, its size and its
+    modification time (``None`` for no checkpoint; Lightning's names and remote paths as they are)."""
+    if path is None:
+        return None
+    try:
+        stat = Path(os.path.expanduser(str(path))).stat()
+    except OSError:
+        return (str(path),)
+    return (str(path), stat.st_size, stat.st_mtime_ns)
+
+
+def check_same_checkpoint(identity: tuple | None, option: str) -> None:
+    """In a multi-process run (process group up): refuse, on every rank at once, a run whose processes would start
+    from different checkpoints. Each process resolved ``--ckpt_path`` on its own, before the group existed: on disks
+    local to each node, the other nodes see none of the checkpoints rank 0 wrote, start from scratch while rank 0
+    resumes, and the job hangs in a collective when rank 0's shorter fit ends."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return
+    found: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(found, identity)
+    if all(x == found[0] for x in found):
+        return
+
+    def say(x: tuple | None) -> str:
+        if x is None or len(x) == 1:
+            return "no checkpoint" if x is None else x[0]
+        return f"{x[0]} ({x[1]} bytes, written {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(x[2] / 1e9))})"
+
+    differ = [rank for rank, x in enumerate(found) if x != found[0]]
+    shown = ", ".join(f"rank {rank}: {say(found[rank])}" for rank in differ[:3]) + (", ..." if len(differ) > 3 else "")
+    raise UserError(
+        f"--ckpt_path {option}: the processes of this run would start from different checkpoints (rank 0: "
+        f"{say(found[0])}; {shown}): each reads the run directories itself, so they must be on a filesystem every node "
+        "shares (NFS, Lustre), not a node-local disk; set trainer.logger.init_args.save_dir (and the checkpoints' "
+        "dirpath) to a shared directory"
+    )
 
 
 def resolve_last(config: Any, subcommand: str = "fit") -> None:

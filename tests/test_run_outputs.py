@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from es_lightning import ReasoningDataModule, RunCheckpoint
+from es_lightning import ReasoningDataModule, RunCheckpoint, run_dirs
 from es_lightning.callbacks.checkpoint import OLD_SUFFIX, PARTIAL_SUFFIX, recover, replace_atomically, side_path
 from es_lightning.cli import ESLightningCLI, check_config, cli_main
 from es_lightning.policy import load_policy, resolve_model_path
@@ -142,6 +142,32 @@ def test_every_rank_resolves_last_to_the_checkpoint_rank_0_repairs(tmp_path, mon
     assert find_last_checkpoint(tmp_path) == newer / "last.ckpt"
     os.utime(older / "last.ckpt", ns=(2 * 10**18, 2 * 10**18))  # the same time: the same choice on every rank
     assert find_last_checkpoint(tmp_path) == newer / "last.ckpt"
+
+
+def test_processes_that_would_start_from_different_checkpoints_are_stopped_in_one_line(tmp_path, monkeypatch):
+    """Node-local disks: rank 1 sees no checkpoint where rank 0 resolved `--ckpt_path last` to one, started from
+    scratch while rank 0 resumed, and the job hung in a collective once rank 0's shorter fit ended (measured on 2
+    torchrun processes with a working directory each). At setup the processes now compare what they found; every rank
+    raises the same one line (here rank 1's view of a 2-process gather)."""
+    import torch.distributed as dist
+
+    from es_lightning.cli_errors import UserError
+    from es_lightning.run_dirs import check_same_checkpoint, checkpoint_identity
+
+    ckpt = tmp_path / "last.ckpt"
+    ckpt.write_bytes(b"x" * 5)
+    mine = checkpoint_identity(None)  # rank 1: nothing on its disk
+    check_same_checkpoint(mine, "last")  # no process group: nothing to compare
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    theirs = [checkpoint_identity(str(ckpt)), mine]
+    monkeypatch.setattr(dist, "all_gather_object", lambda out, obj, group=None: out.__setitem__(slice(None), theirs))
+    with pytest.raises(UserError, match=rf"^--ckpt_path last: the processes of this run would start from different "
+                                        rf"checkpoints \(rank 0: {ckpt} \(5 bytes, written .*\); rank 1: no checkpoint\)"
+                                        r": .* not a node-local disk; set trainer.logger.init_args.save_dir"):
+        check_same_checkpoint(mine, "last")
+    theirs[1] = checkpoint_identity(str(ckpt))
+    check_same_checkpoint(theirs[1], "last")  # the same file on a shared filesystem: nothing to say
 
 
 def test_an_export_a_kill_interrupted_is_cleaned_up_when_the_recipe_resumes(tmp_path):
@@ -373,7 +399,10 @@ def test_sigterm_saves_the_step_reached_says_so_and_exits_nonzero(tmp_path, monk
     err = capsys.readouterr().err
     assert f"stopped by SIGTERM at step 2; {ckpt} holds step 2: resume with the same command and --ckpt_path last" in err
     assert torch.load(ckpt, weights_only=True)["global_step"] == 2  # K = 5: without the save, no checkpoint at all
+    compared = []  # what each process compares with the others at setup (test_processes_that_would_start_from_...)
+    monkeypatch.setattr(run_dirs, "check_same_checkpoint", lambda identity, option: compared.append((identity, option)))
     cli_main([*small, "--ckpt_path", "last"])
+    assert compared == [(run_dirs.checkpoint_identity(str(ckpt)), "last")]
     assert f"ckpt_path: {ckpt}" in (tmp_path / "es" / "version_1" / "config.yaml").read_text()
     assert torch.load(tmp_path / "es" / "version_1" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 3
 
