@@ -63,3 +63,12 @@ def test_a_trainer_fragment_stacked_before_a_recipe_decides_the_scale(fragment):
         for key in ("accelerator", "devices", "num_nodes", "precision"):
             if key in wanted:
                 assert trainer[key] == wanted[key], (recipe.name, key)
+
+
+def test_every_srun_example_ends_the_job_when_one_process_fails():
+    """srun's default (KillOnBadExit=0) keeps a multi-node job's other processes waiting for a failed one in their next
+    collective until the process group's timeout (30 minutes under NCCL), holding every GPU: each srun example a user
+    copies carries --kill-on-bad-exit=1."""
+    lines = [line for path in [ROOT / "README.md", *FRAGMENTS] for line in path.read_text().splitlines()
+             if "srun " in line and "es-lightning" in line]
+    assert lines and all("--kill-on-bad-exit=1" in line for line in lines), lines
