@@ -89,13 +89,3 @@ def test_templated_prompts_do_not_change_with_the_day(llama_like_dir):
     assert "Today Date: " + datetime.now().strftime("%d %b %Y") in policy.tokenizer.apply_chat_template(
         [{"role": "user", "content": "hi"}], tokenize=False)  # the template itself does date its prompts
 
-
-def test_rollouts_stop_at_the_tokenizers_eos_too(llama_like_dir):
-    """The first Meta-Llama-3-8B-Instruct release listed only <|end_of_text|> in generation_config.json while its chat
-    turns end with <|eot_id|>: rollouts stop at both lists' ids (vLLM's default), not at generation_config's alone."""
-    from es_lightning.generation import HFGenerator
-
-    policy = load_policy(llama_like_dir)
-    assert HFGenerator(policy).eos_token_ids == [769, 776, 777]  # <|eot_id|> (777) already listed: nothing added
-    policy.model.generation_config.eos_token_id = 769  # <|end_of_text|> only
-    assert HFGenerator(policy).eos_token_ids == [769, 777]

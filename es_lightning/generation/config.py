@@ -87,18 +87,15 @@ def checkpoint_defaults_off(model: torch.nn.Module) -> Iterator[None]:
 
 def checkpoint_eos_token_ids(model: torch.nn.Module, tokenizer) -> list[int]:
     """The ids that end a completion: the checkpoint's ``generation_config`` EOS (Qwen2.5-Instruct: ``<|im_end|>`` and
-    ``<|endoftext|>``; Llama 3.x-Instruct: 128001, 128008, 128009) and the tokenizer's EOS, as vLLM stops at both by
-    default (a checkpoint whose generation_config lists only the end of text would otherwise never stop at the end
-    of a chat turn its tokenizer names)."""
+    ``<|endoftext|>``), else the tokenizer's EOS."""
     config = getattr(model, "generation_config", None)
     eos = getattr(config, "eos_token_id", None) if config is not None else None
-    ids = [] if eos is None else [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
-    if tokenizer.eos_token_id is not None and int(tokenizer.eos_token_id) not in ids:
-        ids.append(int(tokenizer.eos_token_id))
-    if not ids:
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
         raise ValueError("the model has no EOS token: neither generation_config.eos_token_id nor the tokenizer's "
                          "eos_token is set; set one in the checkpoint's generation_config.json")
-    return ids
+    return [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
 
 
 #: vLLM engine arguments the backend sets itself because correctness depends on them, each with why (a
