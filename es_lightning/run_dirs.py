@@ -105,14 +105,21 @@ def _mtime(path: Path, old: Path | None) -> int | None:
 
 def checkpoint_identity(path: str | os.PathLike | None) -> tuple | None:
     """What tells two processes' checkpoints apart without reading them: the path as configured, its size and its
-    modification time (``None`` for no checkpoint; Lightning's names and remote paths as they are)."""
+    modification time (``None`` for no checkpoint; Lightning's names and remote paths as they are).
+
+    A checkpoint a kill left moved aside (``.last.ckpt.old``, which rank 0 is putting back while the others look, see
+    :func:`find_last_checkpoint`) is identified by that file: a rename keeps its size and time, so every rank gives
+    the same identity whether it looked before or after the repair."""
     if path is None:
         return None
-    try:
-        stat = Path(os.path.expanduser(str(path))).stat()
-    except OSError:
-        return (str(path),)
-    return (str(path), stat.st_size, stat.st_mtime_ns)
+    target = Path(os.path.expanduser(str(path)))
+    for p in (target, target.parent / f".{target.name}{OLD_SUFFIX}", target):  # the rename may happen in between
+        try:
+            stat = p.stat()
+        except OSError:
+            continue
+        return (str(path), stat.st_size, stat.st_mtime_ns)
+    return (str(path),)
 
 
 def check_same_checkpoint(identity: tuple | None, option: str) -> None:

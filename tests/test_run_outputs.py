@@ -170,6 +170,24 @@ def test_processes_that_would_start_from_different_checkpoints_are_stopped_in_on
     check_same_checkpoint(theirs[1], "last")  # the same file on a shared filesystem: nothing to say
 
 
+def test_a_rank_that_resolved_last_before_rank_0_repaired_it_has_rank_0s_identity(tmp_path, monkeypatch):
+    """Rank 1 resolved `--ckpt_path last` to the sharded last.ckpt a kill left moved aside (.last.ckpt.old) before rank
+    0 put it back: its identity of that checkpoint must be rank 0's (the rename keeps size and time), or the setup
+    comparison stopped a correct resume as "different checkpoints"."""
+    from es_lightning.run_dirs import checkpoint_identity, find_last_checkpoint
+
+    ckpts = tmp_path / "version_0" / "checkpoints"
+    (ckpts / side_path("last.ckpt", OLD_SUFFIX)).mkdir(parents=True)  # the kill between the renames
+    (ckpts / side_path("last.ckpt", OLD_SUFFIX) / "meta.pt").write_bytes(b"x")
+    monkeypatch.setenv("RANK", "1")  # looks before rank 0 repairs
+    found = find_last_checkpoint(tmp_path)
+    rank1 = checkpoint_identity(str(found))
+    monkeypatch.setenv("RANK", "0")  # repairs, then looks
+    found = find_last_checkpoint(tmp_path)
+    assert (ckpts / "last.ckpt").is_dir() and checkpoint_identity(str(found)) == rank1
+    assert len(rank1) == 3
+
+
 def test_an_export_a_kill_interrupted_is_cleaned_up_when_the_recipe_resumes(tmp_path):
     """A kill while HFExport writes leaves a hidden half-written .export.tmp-* (gigabytes at 1.5B), or — between the
     two renames of the swap — the previous export moved aside as .export.old-*; `--ckpt_path last` (which resumes into
