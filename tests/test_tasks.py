@@ -270,6 +270,18 @@ def test_gsm8k_reads_a_fraction_whole_never_as_its_numerator():
     assert task.reward(["#### 3/4", "#### 0.75", "#### 6/8 cups", "#### 3"], [quarter] * 4) == [1.0, 1.0, 1.0, 0.1]
     assert task.votes(["3/4", "0.75", "1/3"], quarter)[:2] == [Fraction(3, 4)] * 2
 
+
+def test_gsm8k_reads_a_fraction_that_ends_a_sentence():
+    """``#### 3/4.`` was no answer at all (the period after the denominator voided the fraction) while ``#### 18.``
+    is 18: a reference answer written so was refused, and such a completion lost its format reward."""
+    from es_lightning.tasks.gsm8k import normalize_number
+
+    task = GSM8KTask()
+    assert normalize_number("3/4.") == "0.75" and normalize_number("3/4. Done") == "0.75"
+    assert normalize_number("3/4.5") is None and normalize_number("10/10/2020") is None
+    assert task.preprocess({"question": "q", "answer": "work\n#### 3/4."})["gold"] == "0.75"
+    assert task.reward(["so #### 3/4."], [task.preprocess({"question": "q", "answer": "#### 3"})]) == [0.1]
+
 # ------------------------------------------------------------------------------------------ MATH
 def test_math_verify_rewards():
     pytest.importorskip("math_verify")

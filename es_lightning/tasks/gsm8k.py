@@ -25,9 +25,10 @@ INSTRUCTION = 'Let\'s think step by step and output the final answer after "####
 #: a number right after "####": optional sign and "$" in either order, digits with thousands commas, optional decimals
 #: ASCII digits only (``re.ASCII``), as verl's GSM8K reward reads them (``[0-9]``): ``#### ١٢٣٤`` is no answer, as in
 #: Countdown and the arithmetic tasks
-#: a fraction ``3/4`` is read whole (as 0.75), never as its numerator; an exponent (``1e3``) is no GSM8K number
+#: a fraction ``3/4`` is read whole (as 0.75), never as its numerator, also at the end of a sentence (``3/4.``, as
+#: ``18.`` is 18); an exponent (``1e3``) is no GSM8K number
 _AFTER_MARK = re.compile(
-    r"\s*(?:\$\s*)?([-+]?)\s*(?:\$\s*)?(\d[\d,]*(?:\.\d+)?|\.\d+)(?:\s*/\s*(\d+)(?![\d.]))?", re.ASCII)
+    r"\s*(?:\$\s*)?([-+]?)\s*(?:\$\s*)?(\d[\d,]*(?:\.\d+)?|\.\d+)(?:\s*/\s*(\d+)(?!\d|\.\d))?", re.ASCII)
 #: what may not follow a number: an exponent, or a slash that does not make a fraction (``3/4.5``, ``10/10/2020``)
 _NOT_AFTER = re.compile(r"[eE][-+]?\d|\s*/\s*[\d.]", re.ASCII)
 _MAX_NUMBER_CHARS = 40
