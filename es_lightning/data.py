@@ -184,7 +184,8 @@ class ReasoningDataModule(L.LightningDataModule):
         hub_config: dataset config name for the hub (default: the task's, e.g. ``"main"`` for gsm8k).
         train_split, val_split, test_split: split names in the source; a missing val/test split is carved off the train
             split (``val_size``/``test_size`` examples, seeded). ``val_split: null`` reads the source's ``validation``
-            (or ``val``) split when it has one — a ``validation.jsonl`` beside ``train.jsonl`` — and carves otherwise.
+            (or ``val``) split when it has one that is not the ``test_split`` — a ``validation.jsonl`` beside
+            ``train.jsonl`` — and carves otherwise.
         column_mapping: ``{source_column: task_column}`` renames applied before the task reads a record.
         train_size, val_size, test_size: number of examples per split (``None`` = all; procedural needs numbers, at
             most ``MAX_PROCEDURAL_PROBLEMS``). ``val_size``/``test_size`` may be 0 (no such problems: then also turn
@@ -255,8 +256,9 @@ class ReasoningDataModule(L.LightningDataModule):
                 f"source {self.source!r} has no split {self.train_split!r} (it has {sorted(dsets)}); set data.train_split"
             )
         out: dict[str, Any] = {"train": dsets[self.train_split]}
-        val_split = self.val_split if self.val_split is not None else next(
-            (name for name in ("validation", "val") if name in dsets and name != self.train_split), None)
+        val_split = self.val_split if self.val_split is not None else next(  # never the train or the test split
+            (name for name in ("validation", "val") if name in dsets and name not in (self.train_split, self.test_split)),
+            None)
         for split, name in (("val", val_split), ("test", self.test_split)):
             out[split] = dsets[name] if name is not None and name in dsets else None  # None: carved off train below
         mapped_train = self.map_columns(out["train"], "train")  # a missing column first: no row count can mend it

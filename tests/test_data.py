@@ -199,6 +199,20 @@ def test_a_validation_file_beside_train_is_the_val_split(tmp_path):
     assert len(dm.splits["train"]) == 12 and len(dm.splits["test"]) == 2
 
 
+def test_a_validation_split_taken_as_the_test_split_is_not_also_the_val_split(tmp_path):
+    """``test_split: validation`` (a source with train and validation only, its validation the test set) under the
+    default ``val_split: null``: the val rows were that same split, so validation scored the test problems; val is
+    carved off train then, as before."""
+    for split, n in (("train", 12), ("validation", 3)):
+        _write_jsonl(tmp_path / f"{split}.jsonl", [{"question": f"{split} {i}", "answer": f"#### {i}"} for i in range(n)])
+    dm = ReasoningDataModule(task="gsm8k", source=str(tmp_path), test_split="validation", train_size=None,
+                             val_size=2, test_size=None)
+    dm.setup()
+    assert sorted(e["question"] for e in dm.splits["test"]) == ["validation 0", "validation 1", "validation 2"]
+    assert len(dm.splits["val"]) == 2 and all(e["question"].startswith("train") for e in dm.splits["val"])
+    assert len(dm.splits["train"]) == 10
+
+
 def test_a_repeated_problem_is_never_both_held_out_and_trained_on(tmp_path):
     """Val/test rows carved off a train split are whole problems: a dataset that repeats a problem (common in real
     data) had its copies split at random, so validation scored problems the policy trained on."""
