@@ -186,6 +186,8 @@ MODES = {
     "a": lambda n, r: {"members_per_batch": n},
     "a1": lambda n, r: {"members_per_batch": 1},
 }
+#: below this (d) peak a peak/d ratio is noise, printed as "-" (VmHWM moves in pages; a tiny generate may not move it)
+PEAK_FLOOR_MB = 1.0
 MODE_NAMES = {"d": "one batched generate, centre weights", "l": "low-rank r={r}, {n} members/batch",
               "a": "full-rank, {n} members/batch (copies)", "a1": "full-rank, one member at a time"}
 
@@ -356,11 +358,17 @@ def lowrank_main(args) -> None:
                   f"{sorted(d_mb)[len(d_mb) // 2]:>10.1f}{1:>8.2f}")
             for mode, r in res.items():
                 label = f"({mode}) ".ljust(5) + MODE_NAMES[mode].format(r=args.rank, n=args.population)
+                # a ratio over a (d) peak under PEAK_FLOOR_MB is noise (VmHWM moves in pages; a tiny model's
+                # generate may not raise it at all): shown as "-" rather than a number in the thousands
+                ratio = f"{r['step_mb'] / r['d_mb']:>8.2f}" if r["d_mb"] >= PEAK_FLOOR_MB else f"{'-':>8}"
                 print(f"{label:<48}{r['step_s']:>9.3f}{r['step_over_d']:>8.2f}{r['generate_over_d']:>7.2f}"
-                      f"{r['step_mb']:>10.1f}{r['step_mb'] / max(r['d_mb'], 1e-9):>8.2f}")
+                      f"{r['step_mb']:>10.1f}{ratio}")
             for mode, r in res.items():  # the spread the medians come from (a shared machine's noise is ±0.05 here)
                 rounds = sorted(r["step_over_d_rounds"])
                 print(f"({mode}) step/d of the {len(rounds)} rounds: {rounds[0]:.2f}-{rounds[-1]:.2f}")
+            if any(r["d_mb"] < PEAK_FLOOR_MB for r in res.values()):
+                print(f"peak/d '-': (d)'s peak is under {PEAK_FLOOR_MB:g} MB at this size; use a larger --batch or "
+                      "--max-new-tokens, or --accelerator gpu (CUDA allocator), for a memory ratio")
             print(f"targets (issue 14): (l) step/d <= {target:.2f}, (l) peak/d <= 1.20")
 
 
