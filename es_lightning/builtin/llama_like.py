@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from es_lightning.builtin.look_alike import rewrite_json, write_look_alike
+
 #: Llama 3's vocabulary (tokenizer and embedding): 128,000 BPE tokens and 256 special tokens
 LLAMA3_VOCAB_SIZE = 128_256
 _SPECIALS = 256
@@ -144,41 +146,30 @@ def build_llama_like(
     tokenizer = build_llama_like_tokenizer(vocab_size, instruct=instruct)
     ids = special_token_ids(vocab_size)
     generation = llama3_generation_config(vocab_size, instruct=instruct)
-    config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
-        num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
-        num_key_value_heads=num_key_value_heads, head_dim=hidden_size // num_attention_heads,
-        max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=tie_word_embeddings,
-        rope_theta=500000.0,
+    write_look_alike(
+        path, LlamaConfig, LlamaForCausalLM, tokenizer, vocab_size=vocab_size, hidden_size=hidden_size,
+        intermediate_size=intermediate_size, num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads, dtype=dtype, tie_word_embeddings=tie_word_embeddings, seed=seed,
+        hub_config=_hub_config, head_dim=hidden_size // num_attention_heads, max_position_embeddings=131072,
+        rms_norm_eps=1e-5, rope_theta=500000.0,
         rope_scaling={"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
                       "original_max_position_embeddings": 8192, "rope_type": "llama3"},
         bos_token_id=ids[BEGIN], eos_token_id=generation["eos_token_id"], attention_bias=False, mlp_bias=False,
-        hidden_act="silu", initializer_range=0.02,
+        hidden_act="silu",
     )
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
-    model.to(dtype).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    _rewrite_json(path / "config.json", lambda c: _hub_config(c, dtype))
-    _rewrite_json(path / "tokenizer_config.json", lambda c: {**c, "tokenizer_class": "PreTrainedTokenizerFast"})
+    rewrite_json(path / "tokenizer_config.json", lambda c: {**c, "tokenizer_class": "PreTrainedTokenizerFast"})
     (path / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     return str(path)
 
 
-def _hub_config(config: dict, dtype: torch.dtype) -> dict:
+def _hub_config(config: dict) -> dict:
     """``config.json`` as the hub's Llama 3 files spell it (transformers 5 writes ``rope_parameters``; they have
-    ``rope_theta`` and ``rope_scaling``, and ``torch_dtype``)."""
-    config = {k: v for k, v in config.items() if k not in ("dtype", "pad_token_id")}
+    ``rope_theta`` and ``rope_scaling``; :func:`write_look_alike` appends ``torch_dtype``)."""
+    config = {k: v for k, v in config.items() if k != "pad_token_id"}
     rope = dict(config.pop("rope_parameters"))
     config["rope_theta"] = rope.pop("rope_theta")
     config["rope_scaling"] = rope
-    config["torch_dtype"] = str(dtype).removeprefix("torch.")
     return config
-
-
-def _rewrite_json(file: Path, edit) -> None:
-    file.write_text(json.dumps(edit(json.loads(file.read_text())), indent=2) + "\n")
 
 
 def main() -> None:

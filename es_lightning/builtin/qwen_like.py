@@ -40,6 +40,8 @@ from pathlib import Path
 
 import torch
 
+from es_lightning.builtin.look_alike import write_look_alike
+
 #: Qwen2.5's padded embedding size (config.json ``vocab_size`` of Qwen2.5-0.5B/1.5B/3B/7B-Instruct)
 QWEN_VOCAB_SIZE = 151_936
 #: rows after the first special token in Qwen2.5's embedding (151936 - 151643)
@@ -153,29 +155,18 @@ def build_qwen_like(
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = build_qwen_like_tokenizer(vocab_size, add_bos_token=add_bos_token)
     ids = special_token_ids(vocab_size)
-    config = Qwen2Config(
-        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
-        num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
-        num_key_value_heads=num_key_value_heads, max_position_embeddings=32768, rope_theta=1_000_000.0,
-        rms_norm_eps=1e-6, tie_word_embeddings=tie_word_embeddings, bos_token_id=ids[ENDOFTEXT],
-        eos_token_id=ids[IM_END], use_sliding_window=False, attention_dropout=0.0, initializer_range=0.02,
+    write_look_alike(
+        path, Qwen2Config, Qwen2ForCausalLM, tokenizer, vocab_size=vocab_size, hidden_size=hidden_size,
+        intermediate_size=intermediate_size, num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads, dtype=dtype, tie_word_embeddings=tie_word_embeddings, seed=seed,
+        max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6, bos_token_id=ids[ENDOFTEXT],
+        eos_token_id=ids[IM_END], use_sliding_window=False, attention_dropout=0.0,
     )
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config)
-    model.to(dtype).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    _rewrite_json(path / "config.json", lambda c: {**{k: v for k, v in c.items() if k != "dtype"},
-                                                   "torch_dtype": str(dtype).removeprefix("torch.")})
     generation = qwen25_generation_config(vocab_size)
     if not generation_defaults:
         generation = {k: generation[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id", "transformers_version")}
     (path / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     return str(path)
-
-
-def _rewrite_json(file: Path, edit) -> None:
-    file.write_text(json.dumps(edit(json.loads(file.read_text())), indent=2) + "\n")
 
 
 def main() -> None:
