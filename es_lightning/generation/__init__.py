@@ -6,8 +6,8 @@ import importlib.util
 from typing import Any
 
 from es_lightning.generation.base import Generator, Rollout, SamplingParams
-from es_lightning.generation.config import refuse_owned_options
 from es_lightning.generation.hf import HFGenerator
+from es_lightning.generation.options import refuse_owned_options
 
 __all__ = ["BACKENDS", "Generator", "HFGenerator", "Rollout", "SamplingParams", "check_backend", "check_generation_options",
            "make_generator"]

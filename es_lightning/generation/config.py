@@ -32,7 +32,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import torch
 from transformers import GenerationConfig
@@ -96,26 +95,6 @@ def checkpoint_eos_token_ids(model: torch.nn.Module, tokenizer) -> list[int]:
         raise ValueError("the model has no EOS token: neither generation_config.eos_token_id nor the tokenizer's "
                          "eos_token is set; set one in the checkpoint's generation_config.json")
     return [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
-
-
-#: vLLM engine arguments the backend sets itself because correctness depends on them, each with why (a
-#: ``generation_options`` entry would otherwise override them silently: the engine's ``kwargs.update``)
-_OWNED = {
-    "model": "the engine is built from the policy (model.init_args.model), whose weights it is sent",
-    "load_format": "the engine's weights come from the policy, not from disk",
-    "generation_config": "the checkpoint's sampling defaults must not leak into sampling (the module's temperature, "
-                         "top_p and max_new_tokens are the sampling settings)",
-    "logprobs_mode": "GRPO's ratio needs log-probs at the sampling temperature (processed_logprobs)",
-    "worker_extension_cls": "engine-side ES needs es-lightning's worker extension (engine_side_es: false turns it off)",
-}
-
-
-def refuse_owned_options(options: dict[str, Any]) -> None:
-    """One line for the first ``generation_options`` key the vLLM backend owns (:data:`_OWNED`), saying why."""
-    owned = sorted(set(options) & set(_OWNED))
-    if owned:
-        raise ValueError(f"generation_options.{owned[0]} is set by es-lightning and cannot be changed: "
-                         f"{_OWNED[owned[0]]}; remove it")
 
 
 def position_limit(config) -> int | None:

@@ -86,8 +86,9 @@ import torch
 from torch import Tensor
 
 from es_lightning.generation.base import Generator, Rollout, SamplingParams, default_seed
-from es_lightning.generation.config import checkpoint_eos_token_ids, position_limit, refuse_owned_options
+from es_lightning.generation.config import checkpoint_eos_token_ids, position_limit
 from es_lightning.generation.hf import _cut_at_stop
+from es_lightning.generation.options import refuse_owned_options
 from es_lightning.policy import Policy, encode_prompts
 
 INSTALL_HINT = (
