@@ -18,7 +18,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from es_lightning import ESModule, GRPOModule, ReasoningDataModule, SequentialStrategy
+from es_lightning import ESModule, GRPOModule, ParameterDrift, ReasoningDataModule, SequentialStrategy
 from es_lightning.es.noise import param_noise
 from es_lightning.es.update import ESOptimizer
 from es_lightning.precision import MasterAdamW
@@ -311,6 +311,29 @@ def test_drift_reads_the_master(kind, model_dir, tmp_path, capsys, monkeypatch):
     legacy = load_model(str(tmp_path / "old.ckpt"))
     assert not legacy.masters and legacy.unmatched_masters == len(start)
     assert "cannot be tied to its weights" in legacy.masters_note()
+
+
+def test_drift_in_chunks_cut_inside_the_qwen_like_embedding(qwen_like_dir, monkeypatch):
+    """train/drift read in chunks whose boundaries cut the bf16 151,936-row embedding across rows (9 whole chunks of
+    1,000,003 elements and a partial one) is ‖θ − θ₀‖/‖θ₀‖ of plain torch on the whole fp32 masters after a GRPO step
+    (tied embeddings: the LM head's gradient moves every row)."""
+    chunk = 1_000_003
+    monkeypatch.setattr("es_lightning.callbacks.drift.DRIFT_CHUNK", chunk)
+    module = _grpo(qwen_like_dir, max_new_tokens=2)
+    start = _start(module)
+    embed = start["model.embed_tokens.weight"]
+    assert embed.shape == (151_936, 64) and embed.numel() > chunk and embed.numel() % chunk and chunk % 64
+    trainer = _fit(module, 1)
+    drift = next(c for c in trainer.callbacks if isinstance(c, ParameterDrift))
+    masters = _masters(module)
+    moved = masters["model.embed_tokens.weight"].double() != embed
+    assert bool(moved.any(1).all()) and float(moved.double().mean()) > 0.99
+    assert masters.keys() == start.keys()
+    num = sum(float((masters[n].double() - start[n]).square().sum()) for n in start)
+    den = sum(float(t.square().sum()) for t in start.values())
+    by_hand = (num / den) ** 0.5
+    assert drift.compute(module) == pytest.approx(by_hand, rel=1e-12)
+    assert float(trainer.logged_metrics["train/drift"]) == pytest.approx(by_hand, rel=1e-6)  # logged as fp32
 
 
 # ---------------------------------------------------------------------------------------------------- resume, switch

@@ -372,6 +372,46 @@ def test_master_adamw_takes_weights_changed_outside_the_optimizer(tiny_model_dir
     assert bool((opt.state[p]["master"][0] == 0.25).all()) and torch.equal(opt.state[p]["master"][1:], master[1:])
 
 
+#: a chunk length whose boundaries fall inside the Qwen-like embedding (151,936 × 64 = 9,723,904 elements), across its
+#: rows: 9 whole chunks and a partial one
+EMBED_CHUNK = 1_000_003
+
+
+def test_master_adamw_sync_in_chunks_cut_inside_the_qwen_like_embedding(qwen_like_dir, monkeypatch):
+    """sync_masters compared in chunks whose boundaries cut the bf16 151,936-row embedding across rows takes exactly
+    the elements that plain torch on the whole tensors finds stale, and keeps the other masters' extra bits."""
+    monkeypatch.setattr("es_lightning.precision.SYNC_CHUNK", EMBED_CHUNK)
+    model = _bf16_model(qwen_like_dir)
+    embed = model.get_input_embeddings().weight
+    flat, width = embed.detach().view(-1), embed.shape[1]
+    assert embed.shape == (151_936, 64) and embed.dtype == torch.bfloat16
+    assert flat.numel() > EMBED_CHUNK and flat.numel() % EMBED_CHUNK and EMBED_CHUNK % width
+    opt = MasterAdamW(model.parameters(), lr=1e-6, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(0)
+    boundaries = range(EMBED_CHUNK, flat.numel(), EMBED_CHUNK)
+    with torch.no_grad():
+        for p in model.parameters():  # masters with bits below bf16 (as after AdamW steps); ~28% round elsewhere
+            opt.master(p).mul_(1 + (torch.rand(p.shape, generator=gen) - 0.5) * 2 ** -7)
+        for b in boundaries:  # weights written outside the optimizer on both sides of every chunk boundary
+            flat[b - 40:b + 40].neg_()
+        embed[151_645].fill_(0.25)  # <|im_end|>'s row, and a row of another weight
+        dict(model.named_parameters())[LINEAR][3].fill_(-0.25)
+
+    expected, stale = {}, 0
+    for p in model.parameters():  # plain torch on the whole tensors
+        master = opt.state[p]["master"]
+        differs = p.detach().ne(master.to(p.dtype))
+        expected[p] = torch.where(differs, p.detach().float(), master)
+        stale += int(differs.sum())
+    kept = expected[embed].ne(flat.view(embed.shape).float())
+    assert 0.1 < float(kept.double().mean()) < 0.9  # both kinds of element, in bulk, in every chunk (~72% kept)
+
+    assert opt.sync_masters() == stale
+    assert all(torch.equal(opt.state[p]["master"], expected[p]) for p in model.parameters())
+    master = opt.state[embed]["master"].view(-1)
+    assert all(torch.equal(master[b - 40:b + 40], flat[b - 40:b + 40].float()) for b in boundaries)
+
+
 def test_copy_masters_hands_grpo_masters_to_es(tiny_model_dir):
     model = _bf16_model(tiny_model_dir)
     adamw = MasterAdamW(model.parameters(), lr=1e-6, weight_decay=0.0)
