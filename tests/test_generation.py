@@ -121,20 +121,25 @@ def test_logprob_recording_allocates_nothing_per_token():
 
 def test_completions_past_the_models_positions_are_warned_once(tiny_model_dir):
     """The fixture has max_position_embeddings = 128: a 120-token prompt with 16 new tokens may generate at positions
-    the model never saw (transformers does not stop there; the vLLM backend does), said once per prompt length."""
+    the model never saw (transformers does not stop there; the vLLM backend does). Said once per generator and limit
+    — a MATH run's prompts of many lengths got a line each — naming the longest prompt so far and the
+    max_new_tokens that fits it."""
     import warnings
 
     import pytest
 
     gen = HFGenerator(load_policy(tiny_model_dir))
-    params = SamplingParams(max_new_tokens=4, temperature=0.0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        gen.generate(["a:1+2="], 1, params)  # 6 + 4 tokens: within 128
-    long_prompt = "a:" + "1+" * 59  # 120 characters, one token each
-    with pytest.warns(UserWarning, match=r"prompt of 120 tokens plus max_new_tokens=16 exceeds the model's "
-                                         r"max_position_embeddings=128"):
-        gen.generate([long_prompt], 1, SamplingParams(max_new_tokens=16, temperature=0.0))
+        gen.generate(["a:1+2="], 1, SamplingParams(max_new_tokens=4, temperature=0.0))  # 6 + 4 tokens: within 128
+        gen.generate(["a:" + "1+" * 59], 1, SamplingParams(max_new_tokens=4, temperature=0.0))  # 120 + 4: within
+    with pytest.warns(UserWarning) as record:
+        gen.generate(["a:" + "1+" * 49], 1, SamplingParams(max_new_tokens=40, temperature=0.0))  # 100 + 40
+    assert len(record) == 1
+    assert str(record[0].message).startswith(
+        "prompts of up to 120 tokens so far plus max_new_tokens=40 exceed the model's max_position_embeddings=128")
+    assert "lower max_new_tokens to 8 or shorten the prompts" in str(record[0].message)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        gen.generate([long_prompt], 1, SamplingParams(max_new_tokens=16, temperature=0.0))  # said already
+        for n in (59, 58, 55, 50):  # other prompt lengths past the same limit: said already
+            gen.generate(["a:" + "1+" * n], 1, SamplingParams(max_new_tokens=16, temperature=0.0))

@@ -162,7 +162,8 @@ class HFGenerator(Generator):
     def __init__(self, policy: Policy) -> None:
         self.policy = policy
         self._stop_criteria: dict[tuple[str, ...], StopStringCriteria] = {}
-        self._warned_lengths: set[int] = set()
+        self._longest_prompt = 0  # the longest prompt (tokens) generated from so far
+        self._warned_limits: set[int] = set()  # the position limits already warned about
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -253,17 +254,23 @@ class HFGenerator(Generator):
         )
 
     def _check_positions(self, model: torch.nn.Module, longest: int, max_new_tokens: int) -> None:
-        """One warning per prompt length whose completions may run past the model's ``max_position_embeddings``
+        """One warning per position limit when completions may run past the model's ``max_position_embeddings``
         (unscaled RoPE): transformers generates on, at positions the model was never trained at (Qwen2.5-Math: 4096,
-        which a MATH recipe's prompt + 4096 new tokens passes), where the vLLM backend stops the completion there."""
+        which a MATH recipe's prompt + 4096 new tokens passes), where the vLLM backend stops the completion there. It
+        names the longest prompt seen so far and the ``max_new_tokens`` that fits it: a MATH run's prompts of many
+        lengths get one line, not one per length."""
+        self._longest_prompt = max(self._longest_prompt, longest)
         limit = position_limit(getattr(model, "config", None))
-        if limit is None or longest + max_new_tokens <= limit or longest in self._warned_lengths:
+        if limit is None or longest + max_new_tokens <= limit or limit in self._warned_limits:
             return
-        self._warned_lengths.add(longest)
-        warnings.warn(f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} exceeds the model's "
-                      f"max_position_embeddings={limit}: its completions may run past {limit - longest} new tokens, "
-                      "at positions the model was not trained for; lower max_new_tokens or shorten the prompts (the "
-                      "vLLM backend ends such completions at the limit, counted as truncated)", stacklevel=3)
+        self._warned_limits.add(limit)
+        worst = self._longest_prompt
+        fix = (f"lower max_new_tokens to {limit - worst} or shorten the prompts" if worst < limit
+               else "shorten the prompts")
+        warnings.warn(f"prompts of up to {worst} tokens so far plus max_new_tokens={max_new_tokens} exceed the model's "
+                      f"max_position_embeddings={limit}: completions may run at positions the model was not trained "
+                      f"for (the vLLM backend ends them at the limit, counted as truncated); {fix} (said once)",
+                      stacklevel=3)
 
     def _decode(self, completion_ids: Tensor, stop: Sequence[str]) -> list[str]:
         texts = self.policy.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
