@@ -143,3 +143,58 @@ def test_completions_past_the_models_positions_are_warned_once(tiny_model_dir):
         warnings.simplefilter("error")
         for n in (59, 58, 55, 50):  # other prompt lengths past the same limit: said already
             gen.generate(["a:" + "1+" * n], 1, SamplingParams(max_new_tokens=16, temperature=0.0))
+
+
+def test_position_limit_of_real_configs():
+    """``max_position_embeddings`` is the limit unless the RoPE is scaled; RoPE per layer type (Gemma-3) is judged by
+    its full-attention entry (sliding-window layers see positions a window apart), and a multimodal config by its
+    text config."""
+    from transformers import Gemma3Config, Gemma3TextConfig, LlamaConfig, Qwen2Config
+
+    from es_lightning.generation.config import position_limit
+
+    linear = {"rope_type": "linear", "factor": 8.0}
+    cases = [
+        (Qwen2Config(max_position_embeddings=4096), 4096),
+        (Qwen2Config(max_position_embeddings=32768, rope_scaling={"rope_type": "yarn", "factor": 4.0}), None),
+        (LlamaConfig(max_position_embeddings=131072, rope_scaling={
+            "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}), None),
+        (Gemma3TextConfig(max_position_embeddings=32768), 32768),  # gemma-3-1b: both entries default
+        (Gemma3TextConfig(max_position_embeddings=131072, rope_parameters={  # gemma-3-4b and up
+            "full_attention": dict(linear), "sliding_attention": {"rope_type": "default"}}), None),
+        (Gemma3TextConfig(max_position_embeddings=8192, rope_parameters={
+            "full_attention": {"rope_type": "default"}, "sliding_attention": dict(linear)}), 8192),
+        (Gemma3Config(text_config={"max_position_embeddings": 32768}), 32768),
+        (Gemma3Config(text_config={"max_position_embeddings": 131072, "rope_parameters": {
+            "full_attention": dict(linear), "sliding_attention": {"rope_type": "default"}}}), None),
+        (None, None),
+    ]
+    for config, expected in cases:
+        assert position_limit(config) == expected, (config, expected)
+
+
+def test_per_layer_type_rope_model_generates_and_warns(tmp_path):
+    """A real Gemma-3 text model (RoPE keyed by layer type) with unscaled full attention: generation past its 64
+    positions is warned about with that limit."""
+    import pytest
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from es_lightning.builtin.tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    config = Gemma3TextConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"], eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id, bos_token_id=None,
+    )
+    assert set(config.rope_parameters) == {"full_attention", "sliding_attention"}
+    torch.manual_seed(0)
+    Gemma3ForCausalLM(config).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    gen = HFGenerator(load_policy(str(tmp_path)))
+    with pytest.warns(UserWarning, match=r"prompts of up to 60 tokens so far plus max_new_tokens=8 exceed the "
+                                         r"model's max_position_embeddings=64: .*lower max_new_tokens to 4"):
+        r = gen.generate(["a:" + "1+" * 29], 1, SamplingParams(max_new_tokens=8, temperature=0.0))
+    assert r.completion_ids.shape[0] == 1

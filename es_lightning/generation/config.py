@@ -99,8 +99,24 @@ def checkpoint_eos_token_ids(model: torch.nn.Module, tokenizer) -> list[int]:
 
 def position_limit(config) -> int | None:
     """The longest prompt + completion a model's position encoding was built for: its ``max_position_embeddings``
-    when the RoPE is not scaled (YaRN, dynamic NTK … extend it: ``None``, no limit known)."""
+    when the RoPE is not scaled (YaRN, dynamic NTK … extend it: ``None``, no limit known).
+
+    RoPE given per layer type (Gemma-3, OLMo-3: ``{"full_attention": {...}, "sliding_attention": {...}}``) is judged
+    by its full-attention entry — sliding-window layers only relate positions a window apart — or, without one, by
+    all its entries. A multimodal config (Gemma-3's) holds the limit in its text config."""
+    if config is not None and hasattr(config, "get_text_config"):
+        config = config.get_text_config()
     limit = getattr(config, "max_position_embeddings", None)
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    scaled = isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) != "default"
-    return limit if isinstance(limit, int) and not isinstance(limit, bool) and not scaled else None
+    return limit if isinstance(limit, int) and not isinstance(limit, bool) and not _rope_scaled(rope) else None
+
+
+def _rope_scaled(rope: Any) -> bool:
+    """Whether a ``rope_parameters`` / ``rope_scaling`` value extends the positions: a flat dict whose ``rope_type``
+    is not ``default``, or one keyed by layer type whose full-attention entry (else any entry) is."""
+    if not isinstance(rope, dict):
+        return False
+    if not any(isinstance(value, dict) for value in rope.values()):  # flat: one RoPE for every layer
+        return rope.get("rope_type", rope.get("type", "default")) != "default"
+    entries = [rope["full_attention"]] if "full_attention" in rope else list(rope.values())
+    return any(isinstance(entry, dict) and _rope_scaled(entry) for entry in entries)
