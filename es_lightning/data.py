@@ -32,6 +32,8 @@ from es_lightning.tasks import Task, get_task
 HELDOUT_FRACTION = 0.1
 #: most procedural problems one split may ask for: they are generated in memory (a held-out split draws ~20x as many)
 MAX_PROCEDURAL_PROBLEMS = 1_000_000
+#: how a refusal of a dataset's invalid rows names the option that drops them (an evaluation, which has none, cuts it)
+DROP_INVALID_HINT = ", or set data.drop_invalid_rows: true to train and evaluate without them"
 _LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
 
 
@@ -194,6 +196,11 @@ class ReasoningDataModule(L.LightningDataModule):
         val_batch_size: prompts per validation step.
         seed: seeds generation, shuffling and carving.
         num_workers: DataLoader workers (0 is right for in-memory prompt lists).
+        drop_invalid_rows: a dataset's rows the task refuses (``Task.preprocess`` raises ``ValueError``: a MATH row
+            without an answer, a GSM8K row without ``#### <number>``) are dropped, with one warning per split naming
+            how many. By default the run is refused in one line naming how many there are and the first (its row
+            number in the source split, counting from 0, and why): a silently smaller val/test set would compare
+            differently with other runs'.
     """
 
     def __init__(
@@ -212,6 +219,7 @@ class ReasoningDataModule(L.LightningDataModule):
         val_batch_size: int = 64,
         seed: int = 0,
         num_workers: int = 0,
+        drop_invalid_rows: bool = False,
     ) -> None:
         super().__init__()
         self.task = get_task(task)
@@ -224,6 +232,7 @@ class ReasoningDataModule(L.LightningDataModule):
         self.val_batch_size = val_batch_size
         self.seed = seed
         self.num_workers = num_workers
+        self.drop_invalid_rows = bool(drop_invalid_rows)
         self.splits: dict[str, list[dict[str, Any]]] = {}
         for name, value in (("batch_size", batch_size), ("val_batch_size", val_batch_size)):
             if value < 1:
@@ -261,6 +270,10 @@ class ReasoningDataModule(L.LightningDataModule):
             None)
         for split, name in (("val", val_split), ("test", self.test_split)):
             out[split] = dsets[name] if name is not None and name in dsets else None  # None: carved off train below
+        names = {"train": self.train_split, "val": val_split, "test": self.test_split}
+        for split, ds in out.items():  # before carving and sizing: a row number is the source split's
+            if ds is not None:
+                out[split] = self.valid_rows(ds, names[split])
         mapped_train = self.map_columns(out["train"], "train")  # a missing column first: no row count can mend it
         carving = [split for split in ("test", "val") if out[split] is None]
         keys = self._problem_keys(mapped_train) if carving and len(mapped_train) else None
@@ -282,6 +295,32 @@ class ReasoningDataModule(L.LightningDataModule):
                 ds = ds.shuffle(seed=self.seed).select(range(size))
             result[split] = [self.task.preprocess(dict(r)) for r in ds]
         return result
+
+    def valid_rows(self, ds, split: str):
+        """``ds`` (a split of the source, named ``split`` there) without the rows the task refuses: with
+        ``drop_invalid_rows``, dropped with one warning naming how many; otherwise refused in one line naming how many,
+        the first's row number and the task's reason, and the fix."""
+        mapped, task = self.map_columns(ds, split), self.task
+        refused: list[int] = []
+        reason = None
+        rows = (dict(zip(batch, values)) for batch in mapped.iter(batch_size=1000) for values in zip(*batch.values()))
+        for i, row in enumerate(rows):
+            try:
+                task.preprocess(row)
+            except ValueError as err:
+                refused.append(i)
+                reason = reason or err
+        if not refused:
+            return ds
+        what = (f"{len(refused)} of the {len(ds)} rows of the {split!r} split of data.source {self.source!r} are "
+                f"refused by task {task.name!r}, the first (row {refused[0]}, counting from 0) as: {reason}")
+        if not self.drop_invalid_rows:
+            raise ValueError(f"{what} — fix those rows{DROP_INVALID_HINT}")
+        from lightning.pytorch.utilities import rank_zero_warn
+
+        rank_zero_warn(f"data.drop_invalid_rows: dropped {what}")
+        dropped = set(refused)
+        return ds.select([i for i in range(len(ds)) if i not in dropped])
 
     def _problem_keys(self, ds) -> list[str]:
         """Each row's problem identity (``Task.pool_key`` of the preprocessed record, as procedural problems are

@@ -314,6 +314,46 @@ def test_math_refuses_a_record_without_a_reference_answer(tmp_path):
     with pytest.raises(ValueError, match="column is None, no reference answer"):
         ReasoningDataModule(task, source=str(tmp_path), train_size=None, val_size=2, test_size=2).setup()
 
+
+def test_math_rows_without_an_answer_are_counted_and_dropped_on_request(tmp_path):
+    """One row without an answer refused the whole dataset naming neither the row nor how many there were. The run
+    is refused in one line with the count, the first row (its number in the source split) and the option that drops
+    them; ``drop_invalid_rows: true`` trains and evaluates on the others, with one warning naming the count."""
+    pytest.importorskip("math_verify")
+    import datasets
+
+    from es_lightning.data import ReasoningDataModule
+
+    bad = {7: None, 12: "", 15: "\\boxed{}"}
+    train = datasets.Dataset.from_dict({"problem": [f"p{i}" for i in range(20)],
+                                        "answer": [bad.get(i, str(i)) for i in range(20)]})
+    test = datasets.Dataset.from_dict({"problem": ["q0", "q1"], "answer": ["1", "2"]})
+    datasets.DatasetDict({"train": train, "test": test}).save_to_disk(str(tmp_path / "math"))
+    source = str(tmp_path / "math")
+    with pytest.raises(ValueError) as refused:
+        ReasoningDataModule(MathTask(), source=source, train_size=None, val_size=2, test_size=None).setup()
+    message = str(refused.value)
+    assert "\n" not in message
+    assert message.startswith(f"3 of the 20 rows of the 'train' split of data.source {source!r} are refused by "
+                              "task 'math', the first (row 7, counting from 0) as: MathTask record whose 'answer' column "
+                              "is None, no reference answer")
+    assert message.endswith("or set data.drop_invalid_rows: true to train and evaluate without them")
+
+    dm = ReasoningDataModule(MathTask(), source=source, train_size=None, val_size=2, test_size=None,
+                             drop_invalid_rows=True)
+    with pytest.warns(UserWarning) as record:
+        dm.setup()
+    said = [str(w.message) for w in record if "drop_invalid_rows" in str(w.message)]
+    assert len(said) == 1 and said[0].startswith("data.drop_invalid_rows: dropped 3 of the 20 rows"), said
+    kept = dm.splits["train"] + dm.splits["val"]
+    assert sorted(int(e["problem"][1:]) for e in kept) == [i for i in range(20) if i not in bad]
+    assert [e["answer"] for e in dm.splits["test"]] == ["1", "2"]
+    from es_lightning.analysis.evaluate import heldout_problems
+
+    datasets.DatasetDict({"train": train, "validation": test}).save_to_disk(str(tmp_path / "no-test"))
+    with pytest.raises(ValueError, match=r"^3 of the 20 rows .* — fix those rows$"):  # no option to drop there
+        heldout_problems(MathTask(), 2, source=str(tmp_path / "no-test"))
+
 def test_math_verifies_each_answer_once(monkeypatch):
     """A population repeats answers; a hostile one (a power tower) cost math-verify's whole timeout at every
     comparison. Each (gold, answer) pair is now verified once, and its verdict stays the verifier's."""

@@ -34,7 +34,7 @@ import torch
 from es_lightning.analysis.checkpoints import LoadedModel, TrainedWith, check_model_spec, load_model, trained_with
 from es_lightning.analysis.output import check_out_dir, format_table, markdown_table, write_json
 from es_lightning.analysis.settings import PAPER_EVAL, EvalSettings, resolve_device
-from es_lightning.data import ReasoningDataModule, procedural_split
+from es_lightning.data import DROP_INVALID_HINT, ReasoningDataModule, procedural_split
 from es_lightning.policy import Policy
 from es_lightning.tasks import Task, get_task
 
@@ -83,7 +83,7 @@ _EVAL_TERMS = (("data.column_mapping", "--eval.column_mapping"), ("data.source",
 
 def _in_eval_terms(err: Exception) -> ValueError:
     """``err`` (raised by the data module) with its hints naming ``--eval.*``, the options an evaluation is given."""
-    text = str(err)
+    text = str(err).replace(DROP_INVALID_HINT, "")  # an evaluation scores every row it is given
     for data_option, eval_option in _EVAL_TERMS:
         text = text.replace(data_option, eval_option)
     return ValueError(text)
