@@ -282,6 +282,40 @@ def test_gsm8k_reads_a_fraction_that_ends_a_sentence():
     assert task.preprocess({"question": "q", "answer": "work\n#### 3/4."})["gold"] == "0.75"
     assert task.reward(["so #### 3/4."], [task.preprocess({"question": "q", "answer": "#### 3"})]) == [0.1]
 
+
+#: (text after "####", the number it is, hand-computed; None: no number)
+GSM8K_FORMS = [
+    ("1,234", "1234"), ("$1,234.50", "1234.5"), ("12.0", "12"), ("12.00", "12"), ("-$5.50", "-5.5"),
+    ("10,000,000", "10000000"), ("12,34,567", "1234567"), ("18, which is", "18"), ("1234 dollars", "1234"),
+    ("1 1/2", "1.5"), ("-1 1/2", "-1.5"), ("$2 1/4 per cup", "2.25"), ("1,000 1/2", "1000.5"), ("0 3/4", "0.75"),
+    ("1 1/3", "4/3"), ("5 2-liter bottles", "5"), ("1 1/2.", "1.5"),
+    ("1 3/2", None), ("1 0/2", None), ("1.5 1/2", None), ("1 1/2/3", None),  # not a mixed number
+    ("12,34", None), ("1,2345", None), ("1234,567", None), ("1.234,56", None), ("1.2.3", None),
+    ("1\u00bd", None), ("3 \u00be", None),
+]
+
+
+def test_gsm8k_number_forms_table():
+    """A mixed number ``1 1/2`` was read as 1 (a completion answering 1 1/2 paid for a gold of 1, a reference answer
+    1 1/2 became a gold of 1); a comma that groups no thousands (``12,34``: a decimal comma) was dropped (1234), as
+    was ``1½``'s fraction. Each form is now its value or no number, the same for gold answers and completions."""
+    from es_lightning.tasks.gsm8k import normalize_number
+
+    task = GSM8KTask()
+    for text, expected in GSM8K_FORMS:
+        assert normalize_number(text) == expected, text
+        assert task.extract_answer(f"work\n#### {text}") == expected, text
+        if expected is None:
+            with pytest.raises(ValueError, match="gold"):
+                task.preprocess({"question": "q", "answer": f"#### {text}"})
+            continue
+        gold = task.preprocess({"question": "q", "answer": f"steps\n#### {text}"})
+        assert gold["gold"] == expected, text
+        assert task.reward([f"#### {text}", f"#### {expected}"], [gold] * 2) == [1.0, 1.0], text
+    one = task.preprocess({"question": "q", "answer": "#### 1"})
+    assert task.reward(["#### 1 1/2", "#### 1\u00bd", "#### 1"], [one] * 3) == [0.1, 0.0, 1.0]
+    assert task.votes(["1 1/2", "1.5", "3/2"], one) == [Fraction(3, 2)] * 3
+
 # ------------------------------------------------------------------------------------------ MATH
 def test_math_verify_rewards():
     pytest.importorskip("math_verify")

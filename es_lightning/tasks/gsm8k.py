@@ -5,7 +5,9 @@ The answer is read strictly from the last ``#### <number>`` of the completion, a
 is graded on the revision here) — with no fallback to "the last number in the text": a fallback would pay the
 format reward (Ba et al. 2026 convention, :mod:`es_lightning.tasks.base`) to completions that ignored the instruction.
 Numbers are compared exactly as fractions after removing thousands separators, ``$`` and a leading ``+``, so ``1,234``,
-``$1234``, ``1234.0`` and ``1234.00`` are all ``1234``, and ``3/4`` is ``0.75`` (never ``3``); nothing is ``eval``-ed.
+``$1234``, ``1234.0`` and ``1234.00`` are all ``1234``, ``3/4`` is ``0.75`` (never ``3``) and the mixed number ``1 1/2``
+is ``1.5`` (never ``1``); a comma that groups no thousands (``12,34``, a decimal comma) or a vulgar fraction (``1½``)
+makes no number, as the gold answer's and the completion's alike. Nothing is ``eval``-ed.
 """
 
 from __future__ import annotations
@@ -22,15 +24,20 @@ __all__ = ["GSM8KTask", "normalize_number"]
 
 #: verl's GSM8K instruction (examples/data_preprocess/gsm8k.py): the answer goes after "####"
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
-#: a number right after "####": optional sign and "$" in either order, digits with thousands commas, optional decimals
+#: the whole part of a number: thousands grouped by commas (1,234,567, or India's 12,34,567) or plain digits, never
+#: followed by another group of digits: ``12,34`` (a decimal comma), ``1,2345`` and ``1234,567`` are no number, not 1234
+_WHOLE = r"(?:\d{1,3}(?:,\d{3})+|\d{1,2}(?:,\d{2})+,\d{3}|\d+)(?!,?\d)"
+#: a number right after "####": optional sign and "$" in either order, the whole part, optional decimals
 #: ASCII digits only (``re.ASCII``), as verl's GSM8K reward reads them (``[0-9]``): ``#### ١٢٣٤`` is no answer, as in
 #: Countdown and the arithmetic tasks
 #: a fraction ``3/4`` is read whole (as 0.75), never as its numerator, also at the end of a sentence (``3/4.``, as
-#: ``18.`` is 18); an exponent (``1e3``) is no GSM8K number
+#: ``18.`` is 18), and so is a mixed number ``1 1/2`` (1.5, never 1); an exponent (``1e3``) is no GSM8K number
 _AFTER_MARK = re.compile(
-    r"\s*(?:\$\s*)?([-+]?)\s*(?:\$\s*)?(\d[\d,]*(?:\.\d+)?|\.\d+)(?:\s*/\s*(\d+)(?!\d|\.\d))?", re.ASCII)
-#: what may not follow a number: an exponent, or a slash that does not make a fraction (``3/4.5``, ``10/10/2020``)
-_NOT_AFTER = re.compile(r"[eE][-+]?\d|\s*/\s*[\d.]", re.ASCII)
+    r"\s*(?:\$\s*)?([-+]?)\s*(?:\$\s*)?(" + _WHOLE + r"(?:\.\d+)?|\.\d+)"
+    r"(?:[ \t]+(\d+)[ \t]*/[ \t]*(\d+)(?!\d|\.\d)|\s*/\s*(\d+)(?!\d|\.\d))?", re.ASCII)
+#: what may not follow a number: an exponent, a slash that does not make a fraction (``3/4.5``, ``10/10/2020``), more
+#: digits after a comma or a point (``1.234,56``, ``1.2.3``), or a vulgar fraction (``1½``, which is not 1)
+_NOT_AFTER = re.compile(r"[eE][-+]?\d|\s*/\s*[\d.]|[,.]\d|[ \t]*[\u00bc-\u00be\u2150-\u215e]", re.ASCII)
 _MAX_NUMBER_CHARS = 40
 
 
@@ -38,25 +45,32 @@ def normalize_number(text: str) -> str | None:
     """Canonical decimal string of a number such as ``"$1,234.50"`` → ``"1234.5"``, or ``None`` if it is not one.
 
     A fraction is its exact value: ``"3/4"`` → ``"0.75"``, ``"1/3"`` → ``"1/3"`` (reading ``3/4`` as ``3`` paid a
-    completion that wrote ``3/4`` for a gold of 3, and turned a reference answer ``3/4`` into a gold of 3); a number
-    written with an exponent (``1e3``) is not one (``None``)."""
+    completion that wrote ``3/4`` for a gold of 3, and turned a reference answer ``3/4`` into a gold of 3), and so is a
+    mixed number: ``"1 1/2"`` → ``"1.5"``. A number written with an exponent (``1e3``), with commas that group no
+    thousands (``12,34``) or with a vulgar fraction (``1½``) is not one (``None``)."""
     if not isinstance(text, str):
         return None
-    head = text[: 2 * _MAX_NUMBER_CHARS + 16]
+    head = text[: 4 * _MAX_NUMBER_CHARS + 16]  # room for a mixed number's three parts, with thousands commas
     match = _AFTER_MARK.match(head)
-    if match is None or _NOT_AFTER.match(head, match.end()):
-        return None
-    sign, digits, denominator = match.groups()
+    if match is None or match.end() > len(head) - 8 and len(text) > len(head) or _NOT_AFTER.match(head, match.end()):
+        return None  # no number, one that may run on past the head (a cut denominator), or one followed by more
+    sign, digits, numerator, denominator, divisor = match.groups()
     digits = digits.replace(",", "")
-    if len(digits) > _MAX_NUMBER_CHARS or len(denominator or "") > _MAX_NUMBER_CHARS:
+    if max(len(digits), len(numerator or ""), len(denominator or ""), len(divisor or "")) > _MAX_NUMBER_CHARS:
         return None
     value = Decimal(digits)  # an exact decimal: only digits and at most one "." reach here
-    if sign == "-":
-        value = -value
-    if denominator is not None:
-        if int(denominator) == 0:
+    exact = None
+    if numerator is not None:  # a mixed number: a whole number and a proper fraction (1 1/2), else no number
+        if "." in digits or not 0 < int(numerator) < int(denominator):
             return None
-        exact = Fraction(value) / int(denominator)
+        exact = Fraction(value) + Fraction(int(numerator), int(denominator))
+    elif divisor is not None:
+        if int(divisor) == 0:
+            return None
+        exact = Fraction(value) / int(divisor)
+    if exact is not None:
+        if sign == "-":
+            exact = -exact
         q = exact.denominator
         while q % 2 == 0:
             q //= 2
@@ -65,6 +79,8 @@ def normalize_number(text: str) -> str | None:
         if q != 1:  # no finite decimal: the fraction itself, in lowest terms
             return f"{exact.numerator}/{exact.denominator}"
         value = Decimal(exact.numerator) / Decimal(exact.denominator)  # exact: the denominator is 2^a 5^b
+    elif sign == "-":
+        value = -value
     if value == value.to_integral_value():
         return str(int(value))
     return format(value.normalize(), "f")
