@@ -275,7 +275,8 @@ class VLLMGenerator(Generator):
         #: whether the engine-side ES centre (es_set_centre) is the engine's current weights; a push ends it
         self.es_centre_current = False
         self._adapters: list[str] | None = None
-        self._warned_lengths: set[int] = set()
+        self._longest_prompt = 0  # the longest prompt (tokens) generated from so far
+        self._warned_truncation = False  # the max_model_len warning is said once per engine
         self.llm = self._build_engine(kwargs)
         #: the longest prompt + completion the engine takes (vLLM's, from max_model_len or the model's config)
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
@@ -519,17 +520,21 @@ class VLLMGenerator(Generator):
     def _check_lengths(self, longest: int, max_new_tokens: int) -> None:
         """A prompt the engine cannot take is refused (vLLM would raise mid-fit in 41 frames); a prompt whose
         completion would run past ``max_model_len`` is generated — vLLM ends it there, marked truncated as at
-        ``max_new_tokens`` — with one warning per length, since the fit's rewards then come from shorter completions
+        ``max_new_tokens`` — with one warning per engine naming the longest prompt so far (a MATH run's prompts of
+        many lengths get one line, not one per length), since the fit's rewards then come from shorter completions
         than asked for."""
-        fix = f"set generation_options.max_model_len to at least {longest + max_new_tokens} (prompt + max_new_tokens)"
+        self._longest_prompt = max(self._longest_prompt, longest)
+        worst = self._longest_prompt
+        fix = f"set generation_options.max_model_len to at least {worst + max_new_tokens} (prompt + max_new_tokens)"
         if longest >= self.max_model_len:
             raise ValueError(f"a prompt of {longest} tokens leaves no room in the vLLM engine's max_model_len="
                              f"{self.max_model_len}; {fix}, or shorten the prompts")
-        if longest + max_new_tokens > self.max_model_len and longest not in self._warned_lengths:
-            self._warned_lengths.add(longest)
-            warnings.warn(f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} exceeds the vLLM "
-                          f"engine's max_model_len={self.max_model_len}: its completions end at "
-                          f"{self.max_model_len - longest} tokens (counted as truncated); {fix}", stacklevel=3)
+        if longest + max_new_tokens > self.max_model_len and not self._warned_truncation:
+            self._warned_truncation = True
+            warnings.warn(f"prompts of up to {worst} tokens so far plus max_new_tokens={max_new_tokens} exceed the "
+                          f"vLLM engine's max_model_len={self.max_model_len}: their completions end at "
+                          f"{self.max_model_len - worst} tokens or more (counted as truncated); {fix} (said once)",
+                          stacklevel=3)
 
     def _lora_requests(self, prompts: int, blocks: int) -> list | None:
         """One LoRA request per block of prompts inside :meth:`member_adapters`, else ``None``."""

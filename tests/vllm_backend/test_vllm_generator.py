@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -159,13 +161,19 @@ def test_common_random_numbers_across_members(builtin_pair):
 
 def test_prompts_beyond_max_model_len(builtin_pair):
     """vLLM refused a prompt longer than max_model_len with a 41-line traceback (one line now), and cut a completion
-    that ran past it without a word (a warning now, naming the length to set; the row is counted truncated)."""
+    that ran past it without a word (a warning now, naming the length to set; the row is counted truncated). The
+    warning is said once per engine, naming the longest prompt so far: a MATH run warned once per prompt length."""
     _, gen = builtin_pair
     prompt = "1 2 3 = " * 12  # 96 tokens of the character tokenizer
-    with pytest.warns(UserWarning, match=r"a prompt of 9\d tokens plus max_new_tokens=40 exceeds the vLLM engine's "
-                                         r"max_model_len=128: its completions end at 3\d tokens .*at least 13\d"):
+    with pytest.warns(UserWarning, match=r"prompts of up to 9\d tokens so far plus max_new_tokens=40 exceed the vLLM "
+                                         r"engine's max_model_len=128: their completions end at 3\d tokens or more "
+                                         r".*at least 13\d .*\(said once\)"):
         cut = gen.generate([prompt, "1 2 ="], 1, SamplingParams(max_new_tokens=40, temperature=0.0, stop=["#"]))
     assert int(cut.completion_mask[0].sum()) <= 128 - len(prompt)  # within the engine's length, whatever ended it
+    with warnings.catch_warnings(record=True) as seen:  # another length past the limit: nothing more is said
+        warnings.simplefilter("always")
+        gen.generate([prompt + "1 ="], 1, SamplingParams(max_new_tokens=40, temperature=0.0, stop=["#"]))
+    assert not [w for w in seen if "max_model_len" in str(w.message)], [str(w.message) for w in seen]
     with pytest.raises(ValueError, match=r"a prompt of 1\d\d tokens leaves no room in the vLLM engine's "
                                          r"max_model_len=128; set generation_options.max_model_len to at least"):
         gen.generate([prompt * 2], 1, SamplingParams(max_new_tokens=4, temperature=0.0))
