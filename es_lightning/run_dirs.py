@@ -15,10 +15,10 @@ run's metrics. When no checkpoint exists yet, the fit starts from scratch (so a 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -103,23 +103,63 @@ def _mtime(path: Path, old: Path | None) -> int | None:
     return None
 
 
+#: bytes read from each end of a checkpoint file to tell it apart: a ``torch.save`` archive begins with its pickle
+#: (Lightning's ``epoch`` and ``global_step`` first) and ends with the zip directory, which lists every record's CRC-32
+_IDENTITY_ENDS = 4 << 20
+#: the same for each file of a sharded checkpoint directory (one ``.distcp`` per rank that wrote it, ``meta.pt``
+#: with the step, ``.metadata``)
+_IDENTITY_ENDS_SHARD = 64 << 10
+
+
 def checkpoint_identity(path: str | os.PathLike | None) -> tuple | None:
-    """What tells two processes' checkpoints apart without reading them: the path as configured, its size and its
-    modification time (``None`` for no checkpoint; Lightning's names and remote paths as they are).
+    """What tells two processes' checkpoints apart without reading all of them: the path as configured, the size in
+    bytes and a digest of the content's ends (of each file, by name, for a sharded checkpoint directory) — ``None``
+    for no checkpoint; Lightning's names and remote paths as they are. Not the modification time: the same checkpoint
+    copied to each node's disk (``cp``, a new time) is the same checkpoint.
 
     A checkpoint a kill left moved aside (``.last.ckpt.old``, which rank 0 is putting back while the others look, see
-    :func:`find_last_checkpoint`) is identified by that file: a rename keeps its size and time, so every rank gives
-    the same identity whether it looked before or after the repair."""
+    :func:`find_last_checkpoint`) is identified by that file: a rename keeps its content, so every rank gives the same
+    identity whether it looked before or after the repair."""
     if path is None:
         return None
     target = Path(os.path.expanduser(str(path)))
     for p in (target, target.parent / f".{target.name}{OLD_SUFFIX}", target):  # the rename may happen in between
         try:
-            stat = p.stat()
+            return (str(path), *_content_digest(p))
         except OSError:
             continue
-        return (str(path), stat.st_size, stat.st_mtime_ns)
     return (str(path),)
+
+
+def _content_digest(path: Path) -> tuple[int, str]:
+    """``path``'s size and a digest of its first and last bytes; a directory's total size and a digest of each file's
+    name, size and ends (``OSError`` when it is gone, also midway: it was being renamed)."""
+    digest = hashlib.blake2b(digest_size=16)
+    if not path.is_dir():
+        return _digest_ends(path, _IDENTITY_ENDS, digest), digest.hexdigest()
+
+    def gone(error: OSError):
+        raise error
+
+    files = sorted(os.path.relpath(os.path.join(d, f), path) for d, _, names in os.walk(path, onerror=gone) for f in names)
+    if not files:
+        path.stat()  # still there (an empty directory)
+    total = 0
+    for name in files:
+        digest.update(name.encode() + b"\0")
+        total += _digest_ends(path / name, _IDENTITY_ENDS_SHARD, digest)
+    return total, digest.hexdigest()
+
+
+def _digest_ends(path: Path, ends: int, digest: Any) -> int:
+    """Feed ``digest`` the size and the first and last ``ends`` bytes of the file ``path``; return its size."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        digest.update(size.to_bytes(8, "little") + f.read(ends))
+        if size > ends:
+            f.seek(max(ends, size - ends))
+            digest.update(f.read(ends))
+    return size
 
 
 def check_same_checkpoint(identity: tuple | None, option: str) -> None:
@@ -139,7 +179,7 @@ def check_same_checkpoint(identity: tuple | None, option: str) -> None:
     def say(x: tuple | None) -> str:
         if x is None or len(x) == 1:
             return "no checkpoint" if x is None else x[0]
-        return f"{x[0]} ({x[1]} bytes, written {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(x[2] / 1e9))})"
+        return f"{x[0]} ({x[1]} bytes, content {x[2][:8]})"
 
     differ = [rank for rank, x in enumerate(found) if x != found[0]]
     shown = ", ".join(f"rank {rank}: {say(found[rank])}" for rank in differ[:3]) + (", ..." if len(differ) > 3 else "")
@@ -147,7 +187,7 @@ def check_same_checkpoint(identity: tuple | None, option: str) -> None:
         f"--ckpt_path {option}: the processes of this run would start from different checkpoints (rank 0: "
         f"{say(found[0])}; {shown}): each reads the run directories itself, so they must be on a filesystem every node "
         "shares (NFS, Lustre), not a node-local disk; set trainer.logger.init_args.save_dir (and the checkpoints' "
-        "dirpath) to a shared directory"
+        "dirpath) to a shared directory, or copy the same checkpoint to every node"
     )
 
 

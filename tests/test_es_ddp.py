@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -257,6 +258,75 @@ def test_a_sigterm_stops_every_rank_after_the_same_step_and_saves_it(tmp_path):
             "--ckpt_path last")
     assert proc.stderr.splitlines().count(line) == 1, proc.stderr[-3000:]
     assert torch.load(ckpt, weights_only=True)["global_step"] == 2
+
+
+NODE_LOCAL = textwrap.dedent(
+    """
+    import os, runpy, sys
+    os.chdir(os.path.join(sys.argv.pop(1), f"node{os.environ['LOCAL_RANK']}"))  # a disk of its own per process
+    runpy.run_module("es_lightning.cli", run_name="__main__", alter_sys=True)
+    """
+)
+
+#: es.yaml at its smallest, every run directory relative to the process's working directory
+_SMALL = ["--config", str(ROOT / "recipes" / "es.yaml"), "--model.init_args.population_size", "4",
+          "--model.init_args.members_per_batch", "4", "--data.init_args.batch_size", "2",
+          "--data.init_args.train_size", "16", "--data.init_args.val_size", "4", "--trainer.limit_val_batches", "0",
+          "--trainer.enable_progress_bar", "false"]
+
+
+def _node_local_resume(base: Path, steps: int) -> subprocess.CompletedProcess:
+    """`es-lightning fit --ckpt_path last` on 2 torchrun processes, each in its own working directory
+    (``base/node0``, ``base/node1``: the disks of two nodes)."""
+    (base / "node_local.py").write_text(NODE_LOCAL)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         str(base / "node_local.py"), str(base), "fit", *_SMALL, "--trainer.accelerator", "cpu",
+         "--trainer.devices", "2", "--trainer.strategy", "ddp", "--trainer.max_steps", str(steps),
+         "--ckpt_path", "last"], cwd=base, capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_a_checkpoint_copied_to_each_node_resumes_and_another_step_is_refused(tmp_path, monkeypatch):
+    """Node-local disks: the processes compare the checkpoints they resolved at setup, and that comparison included
+    the modification time, so the same checkpoint copied to each node with a plain `cp` (a new time) stopped the
+    resume as "different checkpoints". Now they compare content: 2 torchrun processes, each in its own directory with
+    a `shutil.copy` of the same step-2 run, resume it to step 3; given a step-1 checkpoint of the same size on rank 1
+    instead, they still stop at setup with one line."""
+    from es_lightning.cli import cli_main
+
+    source = tmp_path / "source"
+    source.mkdir()
+    monkeypatch.chdir(source)
+    cli_main(["fit", *_SMALL, "--trainer.max_steps", "2"])  # version_0: step 2
+    cli_main(["fit", *_SMALL, "--trainer.max_steps", "1"])  # version_1: step 1
+    run = Path("lightning_logs") / "es" / "version_0"
+    ckpt = run / "checkpoints" / "last.ckpt"
+    step_1 = source / "lightning_logs" / "es" / "version_1" / "checkpoints" / "last.ckpt"
+    assert ckpt.stat().st_size == step_1.stat().st_size  # told apart by content only
+
+    copied, other = tmp_path / "copied", tmp_path / "other"
+    for base in (copied, other):
+        for node in ("node0", "node1"):
+            shutil.copytree(source / run, base / node / run, copy_function=shutil.copy)  # cp: a new time
+        os.utime(base / "node1" / ckpt, ns=(10**18, 10**18))  # copied at another time
+    shutil.copy(step_1, other / "node1" / ckpt)
+
+    proc = _node_local_resume(copied, 3)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-3000:])
+    resumed = copied / "node0" / "lightning_logs" / "es" / "version_1"
+    assert f"ckpt_path: {ckpt}" in (resumed / "config.yaml").read_text()
+    assert torch.load(resumed / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 3
+
+    proc = _node_local_resume(other, 3)
+    assert proc.returncode == 1 and proc.stderr.count("exitcode  : 2 ") == 2, proc.stderr[-3000:]  # torchrun's 1
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("es-lightning: error: --ckpt_path last: ")]
+    assert len(lines) == 1, proc.stderr[-3000:]  # said once
+    size = ckpt.stat().st_size
+    assert (f"would start from different checkpoints (rank 0: {ckpt} ({size} bytes, content " in lines[0]
+            and f"; rank 1: {ckpt} ({size} bytes, content " in lines[0]), lines[0]
+    assert not (other / "node0" / "lightning_logs" / "es" / "version_1" / "checkpoints").exists()
 
 
 def _spawn_fit(tmp_path, *extra):

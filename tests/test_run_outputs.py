@@ -163,7 +163,7 @@ def test_processes_that_would_start_from_different_checkpoints_are_stopped_in_on
     theirs = [checkpoint_identity(str(ckpt)), mine]
     monkeypatch.setattr(dist, "all_gather_object", lambda out, obj, group=None: out.__setitem__(slice(None), theirs))
     with pytest.raises(UserError, match=rf"^--ckpt_path last: the processes of this run would start from different "
-                                        rf"checkpoints \(rank 0: {ckpt} \(5 bytes, written .*\); rank 1: no checkpoint\)"
+                                        rf"checkpoints \(rank 0: {ckpt} \(5 bytes, content [0-9a-f]{{8}}\); rank 1: no checkpoint\)"
                                         r": .* not a node-local disk; set trainer.logger.init_args.save_dir"):
         check_same_checkpoint(mine, "last")
     theirs[1] = checkpoint_identity(str(ckpt))
@@ -186,6 +186,39 @@ def test_a_rank_that_resolved_last_before_rank_0_repaired_it_has_rank_0s_identit
     found = find_last_checkpoint(tmp_path)
     assert (ckpts / "last.ckpt").is_dir() and checkpoint_identity(str(found)) == rank1
     assert len(rank1) == 3
+
+
+def test_a_sharded_checkpoint_copied_to_each_node_has_one_identity(tmp_path):
+    """A sharded checkpoint (FSDP2 writes a directory) copied to another node's disk with a plain `cp -r` (new times)
+    is the same checkpoint to the setup comparison — also while rank 0 puts a kill's moved-aside one back — and one
+    whose step or shard differs is not (the comparison of 2 processes: test_es_ddp)."""
+    from es_lightning.run_dirs import checkpoint_identity
+
+    ckpt = tmp_path / "node0" / "last.ckpt"
+    ckpt.mkdir(parents=True)
+    torch.save({"epoch": 0, "global_step": 2}, ckpt / "meta.pt")
+    (ckpt / ".metadata").write_bytes(b"layout")
+    for rank in range(2):
+        (ckpt / f"__{rank}_0.distcp").write_bytes(torch.randn(100_000, generator=torch.Generator().manual_seed(rank))
+                                                  .numpy().tobytes())
+    copy = tmp_path / "node1" / "last.ckpt"
+    shutil.copytree(ckpt, copy, copy_function=shutil.copy)
+    for f in copy.iterdir():
+        os.utime(f, ns=(10**18, 10**18))
+    os.utime(copy, ns=(10**18, 10**18))
+    assert checkpoint_identity(str(ckpt))[1:] == checkpoint_identity(str(copy))[1:]
+    os.replace(copy, side_path(copy, OLD_SUFFIX))  # a kill between the renames: rank 0 puts it back
+    assert checkpoint_identity(str(copy))[1:] == checkpoint_identity(str(ckpt))[1:]
+
+    other = tmp_path / "node2" / "last.ckpt"
+    shutil.copytree(ckpt, other, copy_function=shutil.copy)
+    torch.save({"epoch": 0, "global_step": 1}, other / "meta.pt")  # another step, the same size
+    assert (other / "meta.pt").stat().st_size == (ckpt / "meta.pt").stat().st_size
+    assert checkpoint_identity(str(other))[1:] != checkpoint_identity(str(ckpt))[1:]
+    torch.save({"epoch": 0, "global_step": 2}, other / "meta.pt")
+    shard = (other / "__1_0.distcp").read_bytes()
+    (other / "__1_0.distcp").write_bytes(shard[:-4] + bytes(4))  # another run's weights
+    assert checkpoint_identity(str(other))[1:] != checkpoint_identity(str(ckpt))[1:]
 
 
 def test_an_export_a_kill_interrupted_is_cleaned_up_when_the_recipe_resumes(tmp_path):
