@@ -106,6 +106,11 @@ def carve_problems(keys: list[str], n: int, seed: int) -> tuple[list[int], list[
     return [i for i in order if keys[i] not in chosen], held
 
 
+def _shown(value: Any) -> str:
+    """A recorded data setting as a user writes it (``False`` for a held-out split: carved off the train split)."""
+    return "null (carved off the train split)" if value is False else "null" if value is None else str(value)
+
+
 def _collate(examples: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return list(examples)
 
@@ -234,6 +239,8 @@ class ReasoningDataModule(L.LightningDataModule):
         self.num_workers = num_workers
         self.drop_invalid_rows = bool(drop_invalid_rows)
         self.splits: dict[str, list[dict[str, Any]]] = {}
+        #: the held-out settings that decided the training rows (:meth:`_load_datasets`; recorded for a resume)
+        self._held_out: dict[str, Any] = {}
         for name, value in (("batch_size", batch_size), ("val_batch_size", val_batch_size)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
@@ -278,8 +285,11 @@ class ReasoningDataModule(L.LightningDataModule):
         carving = [split for split in ("test", "val") if out[split] is None]
         keys = self._problem_keys(mapped_train) if carving and len(mapped_train) else None
         self._check_carving(out, len(set(keys)) if keys is not None else None)
+        self._held_out = {f"{split}_split": out[split] is not None and name  # the split read, else False: carved
+                          for split, name in (("test", self.test_split), ("val", val_split))}
         for split in carving:
             size = {"val": self.val_size, "test": self.test_size}[split]
+            self._held_out[f"{split}_size"] = size
             n = size if size is not None else max(1, len(set(keys)) // 10)
             if n == 0:  # data.{split}_size: 0, no held-out rows
                 out[split] = out["train"].select([])
@@ -464,13 +474,18 @@ class ReasoningDataModule(L.LightningDataModule):
         )
 
     # ------------------------------------------------------------------ resume
-    #: the settings that decide which prompts each training step gets
+    #: the settings that decide which prompts each training step gets; with a dataset source also the held-out
+    #: settings that decided its training rows: ``val_split`` / ``test_split`` (the split read, or ``False``: carved off
+    #: the train split) and, for a carved one, ``val_size`` / ``test_size`` (``_held_out``)
     STREAM_SETTINGS = ("source", "hub_config", "train_split", "column_mapping", "train_size", "batch_size", "seed")
 
     def _stream_settings(self) -> dict[str, Any]:
         from es_lightning.tasks.base import task_record
 
-        return {**{name: getattr(self, name) for name in self.STREAM_SETTINGS}, "task": task_record(self.task)}
+        if not self.splits:
+            self.setup()
+        return {**{name: getattr(self, name) for name in self.STREAM_SETTINGS}, **self._held_out,
+                "task": task_record(self.task)}
 
     def state_dict(self) -> dict[str, Any]:
         """The training stream's settings, so that a resume which changes them says so (:meth:`load_state_dict`)."""
@@ -479,16 +494,19 @@ class ReasoningDataModule(L.LightningDataModule):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """A resume runs the configured data settings (as it does the model's); those that differ from the
         checkpoint's are named in a warning: the stream continues at the batch count, so from there the resumed run
-        trains on other prompts than the interrupted one would have."""
+        trains on other prompts than the interrupted one would have. A setting the checkpoint does not record (one
+        written before it was recorded, e.g. the held-out settings) is not compared: what the run used is unknown."""
         saved, now = state_dict.get("stream"), self._stream_settings()
         if not saved:
             return
-        changed = sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k))
+        changed = sorted(k for k in saved if saved[k] != now.get(k))
         if changed:
             from lightning.pytorch.utilities import rank_zero_warn
 
+            was = ", ".join(f"{k}={_shown(saved[k])}" for k in changed if k != "task")
             rank_zero_warn(f"resuming with the configured data settings; the checkpoint's differ in {changed}, so the "
-                           "batches from here are not those the interrupted run would have trained on")
+                           "batches from here are not those the interrupted run would have trained on"
+                           + (f" (to continue its stream, resume with its {was})" if was else ""))
 
     def train_dataloader(self) -> DataLoader:
         """A resumable stream of batches (see :class:`EpochBatches`), positioned at the trainer's batch count."""

@@ -1,6 +1,7 @@
 """ReasoningDataModule from procedural data and real local files (jsonl, parquet, save_to_disk) via `datasets`."""
 
 import json
+import warnings
 from types import SimpleNamespace
 
 import datasets
@@ -228,3 +229,22 @@ def test_a_repeated_problem_is_never_both_held_out_and_trained_on(tmp_path):
     _write_jsonl(tmp_path / "few.jsonl", rows[:3] * 4)
     with pytest.raises(ValueError, match=r"has 12 rows \(3 distinct problems\).*too few to carve"):
         ReasoningDataModule(task="gsm8k", source=str(tmp_path / "few.jsonl"), val_size=2, test_size=2).setup()
+
+
+def test_a_resume_names_a_val_split_that_changes_the_training_rows(tmp_path):
+    """The training rows of a directory with train/validation/test files depend on whether val is that validation
+    file or carved off train.jsonl: the resume's data settings comparison (the datamodule's state as Lightning saves
+    and restores it) did not record val_split, so a resume with a val_split naming no split (carved) went on over other rows
+    without a word. A resume whose val_split reads the same split (null resolves to validation) says nothing."""
+    for split, n in (("train", 12), ("validation", 3), ("test", 2)):
+        _write_jsonl(tmp_path / f"{split}.jsonl", [{"question": f"{split} {i}", "answer": f"#### {i}"} for i in range(n)])
+    settings = dict(task="gsm8k", source=str(tmp_path), train_size=None, val_size=2, test_size=None)
+    saved = ReasoningDataModule(**settings).state_dict()
+    assert saved["stream"]["val_split"] == "validation" and "val_size" not in saved["stream"]  # not carved
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ReasoningDataModule(**settings, val_split="validation").load_state_dict(saved)
+    carving = ReasoningDataModule(**settings, val_split="dev")  # no such split: carved off train
+    with pytest.warns(UserWarning, match=r"differ in \['val_split'\].*resume with its val_split=validation\)$"):
+        carving.load_state_dict(saved)
+    assert len(carving.splits["train"]) == 10

@@ -499,3 +499,46 @@ def test_a_resume_with_other_data_settings_names_them(tmp_path, monkeypatch):
     with pytest.warns(UserWarning, match=r"the checkpoint's differ in \['batch_size', 'seed'\]"):
         CommandCLI(args=[*small, "--data.init_args.batch_size", "3", "--data.init_args.seed", "1",
                          "--trainer.max_steps", "3", "--ckpt_path", "last"])
+
+
+def test_a_resume_with_other_held_out_settings_names_them(tmp_path, monkeypatch):
+    """With a dataset source, the val/test problems carved off its train split decide which rows are training rows:
+    a resume that changed data.val_size trained on other rows than the interrupted run without a word (the resume
+    compared only the settings of test_a_resume_with_other_data_settings_names_them). Now the checkpoint records the
+    held-out settings and the resume names the changed one with the checkpoint's value; a checkpoint written before
+    they were recorded resumes without the comparison (what its run carved is unknown)."""
+    import json
+    import warnings
+
+    from es_lightning import CountdownTask
+    from es_lightning.cli import CommandCLI
+
+    monkeypatch.chdir(tmp_path)
+    rows = CountdownTask().procedural(40, 0)
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"nums": r["nums"], "target": r["target"]}) + "\n" for r in rows))
+    small = ["fit", "--config", str(ROOT / "recipes" / "es.yaml"), "--model.init_args.population_size", "4",
+             "--model.init_args.members_per_batch", "4", "--data.init_args.source", str(tmp_path / "train.jsonl"),
+             "--data.init_args.train_size", "16", "--data.init_args.test_size", "4", "--data.init_args.batch_size", "2",
+             "--trainer.limit_val_batches", "0", "--trainer.enable_progress_bar", "false",
+             "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.callbacks", "[]",
+             "--trainer.callbacks+", "es_lightning.RunCheckpoint"]
+    first = CommandCLI(args=[*small, "--data.init_args.val_size", "4", "--trainer.max_steps", "1"])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*data settings")  # the same settings: no warning
+        CommandCLI(args=[*small, "--data.init_args.val_size", "4", "--trainer.max_steps", "2", "--ckpt_path", "last"])
+    with pytest.warns(UserWarning, match=r"the checkpoint's differ in \['val_size'\], so the batches from here are not "
+                                         r"those the interrupted run would have trained on \(to continue its stream, "
+                                         r"resume with its val_size=4\)$"):
+        other = CommandCLI(args=[*small, "--data.init_args.val_size", "6", "--trainer.max_steps", "3",
+                                 "--ckpt_path", "last"])
+    assert other.datamodule.splits["train"] != first.datamodule.splits["train"]  # the carving decides the rows
+
+    ckpt = tmp_path / "es" / "version_2" / "checkpoints" / "last.ckpt"  # as one written before they were recorded
+    checkpoint = torch.load(ckpt, weights_only=False)
+    stream = checkpoint["ReasoningDataModule"]["stream"]
+    assert {k: stream.pop(k) for k in ("val_split", "test_split", "val_size", "test_size")} == {
+        "val_split": False, "test_split": False, "val_size": 6, "test_size": 4}
+    torch.save(checkpoint, ckpt)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*data settings")
+        CommandCLI(args=[*small, "--data.init_args.val_size", "4", "--trainer.max_steps", "4", "--ckpt_path", "last"])
