@@ -188,6 +188,27 @@ def test_a_rank_that_resolved_last_before_rank_0_repaired_it_has_rank_0s_identit
     assert len(rank1) == 3
 
 
+def test_a_checkpoint_file_copied_to_each_node_has_one_identity(tmp_path):
+    """A checkpoint file copied to another node's disk with a plain `cp` (a new time) is the same checkpoint to the
+    setup comparison of the processes (which counted the modification time and stopped such a resume as "different
+    checkpoints"); one of another step, of the same size, is not."""
+    from es_lightning.run_dirs import checkpoint_identity
+
+    def save(path, step):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"epoch": 0, "global_step": step, "state_dict": {"w": torch.arange(2_000_000.0)}}, path)
+
+    ckpt, copy, other = (tmp_path / node / "last.ckpt" for node in ("node0", "node1", "node2"))
+    save(ckpt, 2)
+    copy.parent.mkdir()
+    shutil.copy(ckpt, copy)
+    os.utime(copy, ns=(10**18, 10**18))  # copied at another time
+    assert checkpoint_identity(str(copy))[1:] == checkpoint_identity(str(ckpt))[1:]
+    save(other, 1)
+    assert other.stat().st_size == ckpt.stat().st_size
+    assert checkpoint_identity(str(other))[1:] != checkpoint_identity(str(ckpt))[1:]
+
+
 def test_a_sharded_checkpoint_copied_to_each_node_has_one_identity(tmp_path):
     """A sharded checkpoint (FSDP2 writes a directory) copied to another node's disk with a plain `cp -r` (new times)
     is the same checkpoint to the setup comparison — also while rank 0 puts a kill's moved-aside one back — and one
