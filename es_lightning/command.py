@@ -8,7 +8,8 @@ make the command a user runs (``class CommandCLI(CommandMixin, ESLightningCLI)``
 - resolves ``--ckpt_path last`` to the newest run of the recipe, for ``fit``, ``validate`` and ``test``
   (:func:`~es_lightning.run_dirs.resolve_last`), and — each process of a multi-process run resolves it alone —
   stops them all in one line at setup when they would start from different checkpoints (node-local disks);
-- stops every process of a multi-process fit after the same step on a SIGTERM (:mod:`es_lightning.callbacks.sigterm`);
+- stops every process of a multi-process fit after the same step on a SIGTERM, and every process of a SLURM fit on
+  SLURM's requeue signal, which it then saves and requeues (:mod:`es_lightning.callbacks.sigterm`);
 - shows a step bar on a terminal and progress lines in a log (:mod:`es_lightning.console`);
 - after a fit, says where everything went — or that nothing was trained; after a failure, removes the run directory
   it had just created if nothing but its startup files landed there;
@@ -45,7 +46,7 @@ class _FitRecord(L.Callback):
         self.checkpoint: tuple[str, tuple | None] | None = None
 
     def setup(self, trainer, pl_module, stage) -> None:
-        sigterm.install(trainer, stage)  # several processes: a SIGTERM stops them all after the same step
+        sigterm.install(trainer, stage)  # SIGTERM (several processes), SLURM requeue: all stop after the same step
         if self.checkpoint is not None:  # every process resolved it alone: the same one on all of them?
             run_dirs.check_same_checkpoint(self.checkpoint[1], self.checkpoint[0])
 
@@ -98,20 +99,35 @@ SIGTERM_STATUS = 143
 
 @rank_zero_only
 def stopped_summary(trainer: L.Trainer, subcommand: str) -> None:
-    """One line after a SIGTERM stopped the command (Lightning stops between two steps): the step reached, the
-    checkpoint that holds it, and how to go on."""
+    """One line after a SIGTERM or SLURM's requeue signal stopped the command (Lightning stops between two steps): the
+    step reached, the checkpoint that holds it, whether the job was requeued, and how to go on."""
     checkpoint = trainer.checkpoint_callback
     path = getattr(checkpoint, "last_model_path", "") if checkpoint is not None else ""
+    requeued = sigterm.requeue_requested(trainer)
+    by = "SIGTERM" if requeued is None else f"SLURM's requeue signal ({sigterm.requeue_signal(trainer).name})"
     if subcommand != "fit":
-        line = f"stopped by SIGTERM during {subcommand}"
+        line = f"stopped by {by} during {subcommand}"
     elif path:
         saved = getattr(checkpoint, "_last_global_step_saved", None)
-        line = (f"stopped by SIGTERM at step {trainer.global_step}; {path} holds step {saved}: resume with the same "
+        line = (f"stopped by {by} at step {trainer.global_step}; {path} holds step {saved}: resume with the same "
                 "command and --ckpt_path last")
     else:
-        line = f"stopped by SIGTERM at step {trainer.global_step}, before this run wrote a checkpoint" + (
+        line = f"stopped by {by} at step {trainer.global_step}, before this run wrote a checkpoint" + (
             f"; the same command with --ckpt_path last resumes from {trainer.ckpt_path} again" if trainer.ckpt_path else "")
+    if requeued is not None and requeued["status"] == 0:
+        line += f"; SLURM job {requeued['job']} requeued (its command needs --ckpt_path last to resume)"
+    elif requeued is not None:
+        line += (f"; requeueing SLURM job {requeued['job']} failed (scontrol requeue exited {requeued['status']}): "
+                 "submit the job again with --ckpt_path last")
     print(f"es-lightning {subcommand}: {line}", file=sys.stderr, flush=True)
+
+
+def stopped_status(trainer: L.Trainer) -> int:
+    """The command's exit status after a stop by signal: 128 + the signal's number, as a shell reports a process that
+    signal ended (143 for SIGTERM, 138 for SLURM's default requeue signal SIGUSR1)."""
+    if sigterm.requeue_requested(trainer) is not None:
+        return 128 + int(sigterm.requeue_signal(trainer))
+    return SIGTERM_STATUS
 
 
 class CommandMixin:
@@ -167,8 +183,9 @@ class CommandMixin:
         except BaseException as error:
             run_dirs.remove_if_empty(log_dir, existed)
             if isinstance(error, SIGTERMException):  # a SystemExit with no status: it would end the command with 0
+                sigterm.requeue(self.trainer)  # SLURM's requeue signal, when no RunCheckpoint did it after its save
                 stopped_summary(self.trainer, subcommand)
-                raise SystemExit(SIGTERM_STATUS) from None
+                raise SystemExit(stopped_status(self.trainer)) from None
             raise
         if subcommand == "fit" and not _trains_in_workers(self.trainer):  # else the workers' rank 0 said it
             fit_summary(self.trainer, self._record.start_step, self.trainer.log_dir)  # log_dir: a collective (DDP)

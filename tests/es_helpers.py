@@ -91,3 +91,23 @@ class SigtermRankZero(L.Callback):
             import signal
 
             os.kill(os.getpid(), signal.SIGTERM)
+
+
+class SignalRankAtStep(L.Callback):
+    """Rank ``rank`` alone gets signal ``signum`` (a name: ``SIGUSR1``, SLURM's requeue signal) when training step
+    ``step`` starts; every rank says the step it stopped at on stderr (``rank R stopped at step S``)."""
+
+    def __init__(self, signum: str = "SIGUSR1", rank: int = 1, step: int = 1) -> None:
+        self.signum, self.rank, self.step = signum, rank, step
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            import os
+            import signal
+
+            os.kill(os.getpid(), getattr(signal, self.signum))
+
+    def on_exception(self, trainer, module, exception):
+        import sys
+
+        print(f"rank {trainer.global_rank} stopped at step {trainer.global_step}", file=sys.stderr, flush=True)

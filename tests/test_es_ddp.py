@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import textwrap
@@ -317,6 +318,76 @@ def test_checkpoints_of_another_step_on_each_node_are_refused_by_content(tmp_pat
     assert (f"would start from different checkpoints (rank 0: {ckpt} ({size} bytes, content " in lines[0]
             and f"; rank 1: {ckpt} ({size} bytes, content " in lines[0]), lines[0]
     assert not (other / "node0" / "lightning_logs" / "es" / "version_1" / "checkpoints").exists()
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _slurm_fit(tmp_path, *extra, nodes=1, cwds=None):
+    """`es-lightning fit` of es.yaml as ``srun`` starts it in a SLURM job of 2 tasks (on ``nodes`` nodes): two
+    processes started here, each with SLURM's variables for its rank (Lightning's ``SLURMEnvironment``, auto-requeue
+    on), ``scontrol`` a script first on ``PATH`` that appends its arguments to ``scontrol.log``; rank ``r`` runs in
+    ``cwds[r]`` (default ``tmp_path``). Returns ``(status, stderr)`` of each rank."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "scontrol.log"}\n')
+    scontrol.chmod(0o755)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join([teardown_bomb(tmp_path / "bomb"), str(ROOT), str(ROOT / "tests")]),
+           "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "es",
+           "SLURM_NTASKS": "2", "SLURM_NNODES": str(nodes), "SLURM_NTASKS_PER_NODE": str(2 // nodes),
+           "SLURM_NODELIST": "127.0.0.1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    procs = []
+    for rank in range(2):
+        local = rank % (2 // nodes)
+        ranked = {**env, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(local), "SLURM_NODEID": str(rank // (2 // nodes))}
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "es_lightning.cli", "fit", "--config", str(ROOT / "recipes" / "es.yaml"),
+             "--trainer.accelerator", "cpu", "--trainer.max_steps", "1", "--trainer.logger", "false",
+             "--trainer.enable_checkpointing", "false", *extra, "--trainer.devices", str(2 // nodes),
+             "--trainer.num_nodes", str(nodes)], cwd=(cwds or [tmp_path, tmp_path])[rank], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, env=ranked))
+    try:
+        errs = [proc.communicate(timeout=300)[1] for proc in procs]
+        return [(proc.returncode, err) for proc, err in zip(procs, errs)]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+
+
+def test_slurm_requeue_signal_stops_every_rank_after_the_same_step_saves_it_and_requeues(tmp_path):
+    """SLURM's requeue signal (SIGUSR1, ``#SBATCH --signal=SIGUSR1@90``) reaching rank 1 alone at step 1, in a job of 2
+    ``srun`` tasks: Lightning's handler saved a checkpoint inside the signal handler, a collective rank 0 never joined
+    (the job hung or aborted, never requeued). Now both ranks stop after the same step, it is saved to last.ckpt, rank 0
+    alone runs ``scontrol requeue 4242``, the command exits 138 (128 + SIGUSR1) with its one line; the requeued job
+    (the same command, with --ckpt_path last) resumes there and finishes."""
+    callbacks = tmp_path / "callbacks.yaml"  # the recipe's logger and checkpoints, a signal, no evaluations
+    callbacks.write_text("trainer:\n  logger:\n    class_path: lightning.pytorch.loggers.CSVLogger\n    init_args:\n"
+                         "      save_dir: lightning_logs\n      name: es\n  callbacks:\n"
+                         "    - class_path: es_lightning.RunCheckpoint\n    - class_path: es_helpers.SignalRankAtStep\n")
+    job = ("--config", str(callbacks), "--trainer.enable_checkpointing", "true", "--trainer.max_steps", "4",
+           "--model.init_args.population_size", "4", "--data.init_args.batch_size", "2", "--trainer.limit_val_batches",
+           "0", "--ckpt_path", "last")
+    (status0, err0), (status1, err1) = _slurm_fit(tmp_path, *job)
+    assert (status0, status1) == (138, 138), (status0, status1, err0[-3000:], err1[-3000:])
+    assert "rank 0 stopped at step 2" in err0 and "rank 1 stopped at step 2" in err1, (err0[-3000:], err1[-3000:])
+    ckpt = "lightning_logs/es/version_0/checkpoints/last.ckpt"
+    line = (f"es-lightning fit: stopped by SLURM's requeue signal (SIGUSR1) at step 2; {ckpt} holds step 2: resume with "
+            "the same command and --ckpt_path last; SLURM job 4242 requeued (its command needs --ckpt_path last to "
+            "resume)")
+    assert err0.splitlines().count(line) == 1 and "stopped by" not in err1, (err0[-3000:], err1[-3000:])
+    assert torch.load(tmp_path / ckpt, weights_only=True)["global_step"] == 2
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"  # once: rank 0 only
+
+    (status0, err0), (status1, err1) = _slurm_fit(tmp_path, *job)  # the requeued job: its script again
+    assert (status0, status1) == (0, 0), (status0, status1, err0[-3000:], err1[-3000:])
+    restored = [x for x in err0.splitlines() if x.startswith("Restoring states from the checkpoint path at")]
+    assert len(restored) == 1 and restored[0].endswith(ckpt), err0[-3000:]
+    assert torch.load(tmp_path / ckpt.replace("version_0", "version_1"), weights_only=True)["global_step"] == 4
+    assert "stopped at step" not in err0 + err1 and (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"
 
 
 def _spawn_fit(tmp_path, *extra):

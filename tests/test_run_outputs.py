@@ -392,6 +392,38 @@ def test_wandb_logger_runs_offline_beside_the_csv_logger(tmp_path):
     assert runs and list(runs[0].glob("*.wandb")), sorted(str(p) for p in tmp_path.rglob("*"))[:40]
 
 
+@pytest.mark.parametrize("scontrol_status", [0, 1])
+def test_slurm_requeue_signal_on_one_process_saves_the_step_and_requeues(tmp_path, monkeypatch, capsys, scontrol_status):
+    """A one-task SLURM job (Lightning's SLURMEnvironment, auto-requeue on) gets SLURM's requeue signal, SIGUSR1, at
+    step 1: Lightning's handler wrote hpc_ckpt_1.ckpt inside the signal handler, in the middle of the ES step (the
+    centre weights perturbed by a member's noise), and the fit went on. Now the fit stops after that step, saves it to
+    last.ckpt, runs ``scontrol requeue <job>`` (a script first on PATH here) and exits 138 (128 + SIGUSR1); when
+    scontrol fails, the line says so and how to go on."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "scontrol.log"}\nexit {scontrol_status}\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    for name, value in {"SLURM_JOB_ID": "77", "SLURM_JOB_NAME": "es", "SLURM_NTASKS": "1", "SLURM_NTASKS_PER_NODE": "1",
+                        "SLURM_NNODES": "1", "SLURM_NODEID": "0", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stopped:
+        cli_main(["fit", "--config", str(ROOT / "recipes" / "es.yaml"), "--model.init_args.population_size", "4",
+                  "--model.init_args.members_per_batch", "4", "--data.init_args.batch_size", "2",
+                  "--trainer.limit_val_batches", "0", "--trainer.enable_progress_bar", "false",
+                  "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.max_steps", "3",
+                  "--trainer.callbacks+", "es_helpers.SignalRankAtStep", "--trainer.callbacks.init_args.rank", "0"])
+    assert stopped.value.code == 138
+    ckpt = tmp_path / "es" / "version_0" / "checkpoints" / "last.ckpt"
+    requeued = ("SLURM job 77 requeued (its command needs --ckpt_path last to resume)" if scontrol_status == 0 else
+                "requeueing SLURM job 77 failed (scontrol requeue exited 1): submit the job again with --ckpt_path last")
+    assert (f"es-lightning fit: stopped by SLURM's requeue signal (SIGUSR1) at step 2; {ckpt} holds step 2: resume "
+            f"with the same command and --ckpt_path last; {requeued}") in capsys.readouterr().err.splitlines()
+    assert torch.load(ckpt, weights_only=True)["global_step"] == 2
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 77\n" and not list(tmp_path.rglob("hpc_ckpt_*"))
+
+
 def test_an_explicit_ckpt_path_resumes_with_the_configured_settings(tmp_path, monkeypatch):
     """`--ckpt_path <file>` runs what the command configures, as `--ckpt_path last` does: Lightning's LightningCLI
     would replace the configured model settings with the checkpoint's hyperparameters (a `--model.init_args.sigma`

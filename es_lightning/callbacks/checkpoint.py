@@ -165,7 +165,7 @@ class RunCheckpoint(ModelCheckpoint):
     # ------------------------------------------------------------------ when
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
-        sigterm.install(trainer, stage)  # several processes: a SIGTERM stops them all after the same step
+        sigterm.install(trainer, stage)  # SIGTERM (several processes), SLURM requeue: all stop after the same step
         if trainer.is_global_zero and self.dirpath is not None:
             recover(self.dirpath)
         trainer.strategy.barrier("RunCheckpoint.setup")
@@ -192,13 +192,16 @@ class RunCheckpoint(ModelCheckpoint):
         """A SIGTERM (a scheduler's preemption or time limit, ``kill``, ``timeout``) stops the fit between two steps:
         save the step reached, so the graceful stop Lightning gives costs nothing (a SIGKILL still costs < K steps).
         Not when the signal stopped a validation run half-way (its state is not a step boundary): the previous
-        checkpoint stands, as after a kill."""
+        checkpoint stands, as after a kill. SLURM's requeue signal stops the fit the same way; once the step is saved,
+        the job is requeued (:func:`~es_lightning.callbacks.sigterm.requeue`)."""
         from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-        if (isinstance(exception, SIGTERMException) and not trainer.validating
-                and not self._should_skip_saving_checkpoint(trainer)
+        if not isinstance(exception, SIGTERMException):
+            return
+        if (not trainer.validating and not self._should_skip_saving_checkpoint(trainer)
                 and self._last_global_step_saved != trainer.global_step):  # not again when this step was just saved
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        sigterm.requeue(trainer)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Nothing: saves happen by steps (an epoch of a stream of prompts has no meaning for the run)."""
