@@ -390,6 +390,41 @@ def test_slurm_requeue_signal_stops_every_rank_after_the_same_step_saves_it_and_
     assert "stopped at step" not in err0 + err1 and (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"
 
 
+def test_sharded_checkpoints_on_disks_local_to_each_node_are_refused_at_setup(tmp_path):
+    """FSDP2 sharded checkpoints, 2 SLURM tasks on 2 "nodes" whose run directory (the recipe's relative
+    lightning_logs/) lies on a disk of each node's own: here each rank runs in a directory of its own, so the same
+    path names a different directory on each, as on node-local disks. Every rank wrote only its shard into its own
+    disk (no node held a whole checkpoint) and the fit ended with status 0, saying nothing. Now the fit stops at setup,
+    every rank alike, in one line naming the fix."""
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    for node in nodes:
+        node.mkdir()
+    callbacks = tmp_path / "callbacks.yaml"
+    callbacks.write_text("trainer:\n  logger:\n    class_path: lightning.pytorch.loggers.CSVLogger\n    init_args:\n"
+                         "      save_dir: lightning_logs\n      name: es\n  callbacks:\n"
+                         "    - class_path: es_lightning.RunCheckpoint\n")
+    (status0, err0), (status1, err1) = _slurm_fit(
+        tmp_path, "--config", str(ROOT / "configs" / "trainer" / "fsdp2_cpu.yaml"), "--config", str(callbacks),
+        "--trainer.enable_checkpointing", "true", "--model.init_args.population_size", "4",
+        "--data.init_args.batch_size", "2", "--trainer.limit_val_batches", "0", nodes=2, cwds=nodes)
+    assert (status0, status1) == (2, 2), (status0, status1, err0[-3000:], err1[-3000:])
+    line = ("es-lightning: error: RunCheckpoint: lightning_logs/es/version_0/checkpoints is not one directory for every "
+            "process: rank 1 does not see a file rank 0 wrote there (a disk local to each node?), and with the "
+            "strategy's save_distributed_checkpoint: true each rank writes only its own shard, so no node would hold a "
+            "whole checkpoint; put the checkpoints (trainer.logger's save_dir, or RunCheckpoint's dirpath) on a "
+            "filesystem every node shares (NFS, Lustre), or save whole checkpoints on rank 0 "
+            "(save_distributed_checkpoint: false)")
+    assert err0.splitlines().count(line) == 1 and "Traceback" not in err0 + err1, (err0[-3000:], err1[-3000:])
+    assert not list(tmp_path.glob("node*/lightning_logs/es/version_0/checkpoints/*"))  # the check's file is gone
+
+    (status0, err0), (status1, err1) = _slurm_fit(  # one directory for both: the same fit runs and saves
+        tmp_path, "--config", str(ROOT / "configs" / "trainer" / "fsdp2_cpu.yaml"), "--config", str(callbacks),
+        "--trainer.enable_checkpointing", "true", "--model.init_args.population_size", "4",
+        "--data.init_args.batch_size", "2", "--trainer.limit_val_batches", "0", nodes=2)
+    assert (status0, status1) == (0, 0), (status0, status1, err0[-3000:], err1[-3000:])
+    assert (tmp_path / "lightning_logs/es/version_0/checkpoints/last.ckpt").is_dir()
+
+
 def _spawn_fit(tmp_path, *extra):
     """`es-lightning fit` of es.yaml for 1 step on 2 ``ddp_spawn`` workers (the command's process launches them)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}

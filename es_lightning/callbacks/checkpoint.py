@@ -18,7 +18,9 @@ filesystem), fsynced, then renamed over the old one with ``os.replace``, which P
 moment leaves either the previous checkpoint or the new one, both loadable. A sharded checkpoint (a directory per
 checkpoint: FSDP ``state_dict_type: sharded``, ``ModelParallelStrategy(save_distributed_checkpoint=True)``) cannot be
 renamed over a non-empty directory, so the swap is two renames; a kill between them leaves the previous checkpoint at
-``.last.ckpt.old``, which :meth:`recover` (called at setup and by ``--ckpt_path last``) puts back.
+``.last.ckpt.old``, which :meth:`recover` (called at setup and by ``--ckpt_path last``) puts back. Every rank writes its
+shard of a sharded checkpoint into that directory, so :func:`check_shared_directory` refuses at setup one that the
+ranks do not all see (disks local to each node of a multi-node fit: no node would ever hold a whole checkpoint).
 
 The checkpoint also records the global RNG states (Python, NumPy, torch CPU and CUDA), restored on resume, so a resumed
 run draws the same random numbers as an uninterrupted one even in code that uses the global generators.
@@ -29,6 +31,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +41,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from es_lightning.callbacks import sigterm
+from es_lightning.cli_errors import UserError
 
 PARTIAL_SUFFIX = ".partial"
 OLD_SUFFIX = ".old"
@@ -123,6 +127,55 @@ def set_rng_states(states: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(states["cuda"])
 
 
+def _sharded_option(strategy: Any) -> tuple[str, str] | None:
+    """The strategy's option that makes every rank write its own shard of each checkpoint, and the one that makes rank
+    0 write it whole (``None``: rank 0 writes the whole checkpoint already, or another strategy)."""
+    if getattr(strategy, "_save_distributed_checkpoint", False):
+        return "save_distributed_checkpoint: true", "save_distributed_checkpoint: false"
+    if getattr(strategy, "_state_dict_type", None) == "sharded":
+        return "state_dict_type: sharded", "state_dict_type: full"
+    return None
+
+
+def check_shared_directory(trainer: L.Trainer, dirpath: str | os.PathLike, *, wait: float = 5.0) -> None:
+    """Several processes writing sharded checkpoints (every rank its shard): refuse, on every rank at once, a ``dirpath``
+    the ranks do not all see — a node-local disk of a multi-node run, where every node would keep only its own ranks'
+    shards and no checkpoint would ever be whole. Rank 0 writes a file into ``dirpath``; each rank looks for it (for up
+    to ``wait`` seconds, for a shared filesystem's caches) and the ranks' answers are gathered."""
+    import uuid
+
+    import torch.distributed as dist
+
+    options = _sharded_option(trainer.strategy)
+    if options is None or trainer.world_size < 2 or not (dist.is_available() and dist.is_initialized()):
+        return
+    dirpath = Path(dirpath)
+    token = None
+    if trainer.is_global_zero:
+        dirpath.mkdir(parents=True, exist_ok=True)
+        token = dirpath / f".shared-{uuid.uuid4().hex}"
+        token.write_text("written by rank 0 to check that every rank sees this directory\n")
+    name = trainer.strategy.broadcast(None if token is None else token.name)  # after the write: rank 0 wrote it
+    seen, deadline = (dirpath / name).exists(), time.monotonic() + wait
+    while not seen and time.monotonic() < deadline:
+        time.sleep(0.25)
+        seen = (dirpath / name).exists()
+    found: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(found, seen)
+    if token is not None:
+        token.unlink()
+    blind = [rank for rank, ok in enumerate(found) if not ok]
+    if blind:
+        ranks = ", ".join(map(str, blind[:4])) + (", ..." if len(blind) > 4 else "")
+        raise UserError(
+            f"RunCheckpoint: {dirpath} is not one directory for every process: rank{'s' if len(blind) > 1 else ''} "
+            f"{ranks} do{'es' if len(blind) == 1 else ''} not see a file rank 0 wrote there (a disk local to each "
+            f"node?), and with the strategy's {options[0]} each rank writes only its own shard, so no node would hold a "
+            "whole checkpoint; put the checkpoints (trainer.logger's save_dir, or RunCheckpoint's dirpath) on a "
+            f"filesystem every node shares (NFS, Lustre), or save whole checkpoints on rank 0 ({options[1]})"
+        )
+
+
 class RunCheckpoint(ModelCheckpoint):
     """``last.ckpt`` every ``every_n_train_steps`` optimizer steps and when the fit ends, replaced atomically.
 
@@ -169,6 +222,8 @@ class RunCheckpoint(ModelCheckpoint):
         if trainer.is_global_zero and self.dirpath is not None:
             recover(self.dirpath)
         trainer.strategy.barrier("RunCheckpoint.setup")
+        if stage == "fit" and self.dirpath is not None:
+            check_shared_directory(trainer, self.dirpath)  # sharded checkpoints on node-local disks: never whole
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
