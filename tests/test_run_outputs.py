@@ -392,6 +392,26 @@ def test_wandb_logger_runs_offline_beside_the_csv_logger(tmp_path):
     assert runs and list(runs[0].glob("*.wandb")), sorted(str(p) for p in tmp_path.rglob("*"))[:40]
 
 
+def test_a_sigterm_in_the_step_before_a_validation_still_saves_that_step(tmp_path, monkeypatch, capsys):
+    """A SIGTERM during the training step after which a validation is due (val_check_interval 2, the signal in step
+    1 -> 2): Lightning began the validation and cut it after its first batch, and RunCheckpoint, seeing a validation
+    stopped half-way, saved nothing — the fit stopped with no checkpoint at all (K = 5). Now that validation is skipped
+    and step 2 is saved."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stopped:
+        cli_main(["fit", "--config", str(ROOT / "recipes" / "es.yaml"), "--model.init_args.population_size", "4",
+                  "--model.init_args.members_per_batch", "4", "--data.init_args.batch_size", "2",
+                  "--data.init_args.train_size", "16", "--data.init_args.val_size", "4",
+                  "--data.init_args.val_batch_size", "2", "--trainer.val_check_interval", "2",
+                  "--trainer.enable_progress_bar", "false", "--trainer.logger.init_args.save_dir", str(tmp_path),
+                  "--trainer.max_steps", "4", "--trainer.callbacks+", f"{__name__}._SigtermAtStep",
+                  "--trainer.callbacks.init_args.step", "1"])
+    assert stopped.value.code == 143
+    ckpt = tmp_path / "es" / "version_0" / "checkpoints" / "last.ckpt"
+    assert f"stopped by SIGTERM at step 2; {ckpt} holds step 2" in capsys.readouterr().err
+    assert torch.load(ckpt, weights_only=True)["global_step"] == 2
+
+
 @pytest.mark.parametrize("scontrol_status", [0, 1])
 def test_slurm_requeue_signal_on_one_process_saves_the_step_and_requeues(tmp_path, monkeypatch, capsys, scontrol_status):
     """A one-task SLURM job (Lightning's SLURMEnvironment, auto-requeue on) gets SLURM's requeue signal, SIGUSR1, at

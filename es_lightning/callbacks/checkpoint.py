@@ -234,6 +234,8 @@ class RunCheckpoint(ModelCheckpoint):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
         sigterm.agree(trainer)  # every rank, before anything here returns early
+        if trainer.received_sigterm:  # the fit stops after this batch: skip a validation due now, which Lightning
+            trainer.fit_loop.epoch_loop._skip_next_val = True  # would cut after its first batch, the step left unsaved
         k = self._every_n_train_steps
         if self._should_skip_saving_checkpoint(trainer) or trainer.global_step // k <= self._last_global_step_saved // k:
             return
@@ -247,7 +249,8 @@ class RunCheckpoint(ModelCheckpoint):
         """A SIGTERM (a scheduler's preemption or time limit, ``kill``, ``timeout``) stops the fit between two steps:
         save the step reached, so the graceful stop Lightning gives costs nothing (a SIGKILL still costs < K steps).
         Not when the signal stopped a validation run half-way (its state is not a step boundary): the previous
-        checkpoint stands, as after a kill. SLURM's requeue signal stops the fit the same way; once the step is saved,
+        checkpoint stands, as after a kill. A signal noted during a training step skips the validation due after it
+        (:meth:`on_train_batch_end`), so that step is saved. SLURM's requeue signal stops the fit the same way; once the step is saved,
         the job is requeued (:func:`~es_lightning.callbacks.sigterm.requeue`)."""
         from lightning.pytorch.utilities.exceptions import SIGTERMException
 
