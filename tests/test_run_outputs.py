@@ -212,7 +212,7 @@ def test_a_checkpoint_file_copied_to_each_node_has_one_identity(tmp_path):
 def test_a_sharded_checkpoint_copied_to_each_node_has_one_identity(tmp_path):
     """A sharded checkpoint (FSDP2 writes a directory) copied to another node's disk with a plain `cp -r` (new times)
     is the same checkpoint to the setup comparison — also while rank 0 puts a kill's moved-aside one back — and one
-    whose step or shard differs is not (the comparison of 2 processes: test_es_ddp)."""
+    whose step or shard differs is not (the comparison of 2 processes: test_distributed_command)."""
     from es_lightning.run_dirs import checkpoint_identity
 
     ckpt = tmp_path / "node0" / "last.ckpt"
