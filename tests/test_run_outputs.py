@@ -310,15 +310,26 @@ def test_max_steps_0_says_nothing_was_trained_and_last_with_no_run_starts_fresh(
     assert not list(tmp_path.rglob("*.ckpt")) and not list(tmp_path.rglob("export"))
 
 
-def test_one_thread_per_process_unless_asked(tmp_path):
-    code = ("import torch; from es_lightning.console import configure_threads; configure_threads(); "
-            "print(torch.get_num_threads())")
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "ES_LIGHTNING_NUM_THREADS")}
-    one = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    two = subprocess.run([sys.executable, "-c", code], env={**env, "ES_LIGHTNING_NUM_THREADS": "2"},
-                         capture_output=True, text=True, timeout=120)
-    assert one.stdout.strip() == "1", one.stderr
-    assert two.stdout.strip() == "2", two.stderr
+def test_one_thread_per_process_unless_asked(monkeypatch):
+    """The command's processes (and the DDP processes they launch, through OMP_NUM_THREADS) use one torch thread unless
+    ES_LIGHTNING_NUM_THREADS (or OMP_NUM_THREADS) asks for more; checked in this process, its thread count restored."""
+    from es_lightning.console import configure_threads
+
+    before = torch.get_num_threads()
+    try:
+        for name in ("OMP_NUM_THREADS", "ES_LIGHTNING_NUM_THREADS"):
+            monkeypatch.delenv(name, raising=False)
+        torch.set_num_threads(2)
+        assert configure_threads() == 1 and torch.get_num_threads() == 1
+        assert os.environ["OMP_NUM_THREADS"] == "1"  # what the launched processes inherit
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        monkeypatch.setenv("ES_LIGHTNING_NUM_THREADS", "2")
+        assert configure_threads() == 2 and torch.get_num_threads() == 2
+        monkeypatch.setenv("ES_LIGHTNING_NUM_THREADS", "two")
+        with pytest.raises(ValueError, match="ES_LIGHTNING_NUM_THREADS / OMP_NUM_THREADS must be a positive integer"):
+            configure_threads()
+    finally:
+        torch.set_num_threads(before)
 
 
 # ---------------------------------------------------------------------- local paths
@@ -371,7 +382,8 @@ def test_tensorboard_logger_writes_events_into_the_run_directory(tmp_path):
         [sys.executable, "-m", "es_lightning.cli", "fit", "--config", str(ROOT / "recipes" / "es.yaml"),
          "--config", str(ROOT / "configs" / "logger" / "tensorboard.yaml"), "--trainer.max_steps", "1",
          "--model.init_args.population_size", "2", "--model.init_args.members_per_batch", "2",
-         "--data.init_args.batch_size", "2", "--trainer.logger.init_args.save_dir", str(tmp_path)],
+         "--data.init_args.batch_size", "2", "--data.init_args.val_size", "2", "--data.init_args.val_batch_size", "2",
+         "--trainer.logger.init_args.save_dir", str(tmp_path)],  # the recipe's evaluations on 2 problems
         cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert list((tmp_path / "es" / "version_0").glob("events.out.tfevents.*"))
@@ -384,7 +396,7 @@ def test_wandb_logger_runs_offline_beside_the_csv_logger(tmp_path):
         [sys.executable, "-m", "es_lightning.cli", "fit", "--config", str(ROOT / "recipes" / "es.yaml"),
          "--config", str(ROOT / "configs" / "logger" / "wandb.yaml"), "--trainer.max_steps", "1",
          "--model.init_args.population_size", "2", "--model.init_args.members_per_batch", "2",
-         "--data.init_args.batch_size", "2"],
+         "--data.init_args.batch_size", "2", "--data.init_args.val_size", "2", "--data.init_args.val_batch_size", "2"],
         cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)  # run directory: ./lightning_logs
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "lightning_logs" / "es" / "version_0" / "metrics.csv").is_file()  # the CSV logger still decides the run directory
