@@ -22,43 +22,55 @@ SCRIPT = textwrap.dedent(
         def reward(self, completions, examples):
             return [sum(map(ord, c)) % 97 / 97 for c in completions]
 
-    model_dir, devices, out, members_per_batch = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
-    noise_rank, prompt_groups = int(sys.argv[5]), int(sys.argv[6])
+    model_dir, devices, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     torch.set_num_threads(1)
-    module = ESModule(model=model_dir, population_size=4, sigma=0.5, lr=0.05, max_new_tokens=6, temperature=1.0,
-                      reward_normalization="centered", task=LengthTask(), members_per_batch=members_per_batch,
-                      noise_rank=noise_rank, prompt_groups=prompt_groups)
-    dm = ReasoningDataModule(task="countdown", train_size=32, val_size=4, test_size=4, batch_size=4)
-    trainer = L.Trainer(max_steps=2, accelerator="cpu", devices=devices,
-                        strategy="ddp" if devices > 1 else "auto", logger=False, enable_checkpointing=False,
-                        limit_val_batches=0, enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(module, dm)
-    flat = torch.cat([p.detach().flatten() for p in module.model.parameters()])
-    with open(f"{out}.{trainer.global_rank}", "w") as f:
-        start = torch.cat([p.flatten() for p in ESModule(model=model_dir).policy.model.parameters()])
-        json.dump({"step": trainer.global_step, "weights": flat.tolist(), "moved": float((flat - start).abs().max()),
-                   "rewards": module.last_rewards.tolist(),
-                   "exit_handler": bool(distributed._EXIT_HANDLER)}, f)
+    for i, config in enumerate(sys.argv[4:]):  # fits one after another: "members_per_batch,noise_rank,prompt_groups"
+        members_per_batch, noise_rank, prompt_groups = map(int, config.split(","))
+        module = ESModule(model=model_dir, population_size=4, sigma=0.5, lr=0.05, max_new_tokens=6, temperature=1.0,
+                          reward_normalization="centered", task=LengthTask(), members_per_batch=members_per_batch,
+                          noise_rank=noise_rank, prompt_groups=prompt_groups)
+        dm = ReasoningDataModule(task="countdown", train_size=32, val_size=4, test_size=4, batch_size=4)
+        trainer = L.Trainer(max_steps=2, accelerator="cpu", devices=devices,
+                            strategy="ddp" if devices > 1 else "auto", logger=False, enable_checkpointing=False,
+                            limit_val_batches=0, enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(module, dm)
+        flat = torch.cat([p.detach().flatten() for p in module.model.parameters()])
+        with open(f"{out}.{i}.{trainer.global_rank}", "w") as f:
+            start = torch.cat([p.flatten() for p in ESModule(model=model_dir).policy.model.parameters()])
+            json.dump({"step": trainer.global_step, "weights": flat.tolist(),
+                       "moved": float((flat - start).abs().max()), "rewards": module.last_rewards.tolist(),
+                       "exit_handler": bool(distributed._EXIT_HANDLER)}, f)
     """
 )
 
 
-def _run(tmp_path, model_dir, devices, members_per_batch=1, noise_rank=0, prompt_groups=1):
+#: the 1-process references, member by member: (members_per_batch, noise_rank, prompt_groups)
+SINGLE = {"full": (1, 0, 1), "lowrank": (1, 2, 1), "groups": (1, 2, 2)}
+
+
+def _run(tmp_path, model_dir, devices, *configs):
+    """The script on ``devices`` processes, one fit per config in turn; [config][rank] -> the fit's results."""
     script = tmp_path / "es_ddp.py"
     script.write_text(SCRIPT)
     out = tmp_path / f"result{devices}"
-    proc = subprocess.run([sys.executable, str(script), model_dir, str(devices), str(out), str(members_per_batch),
-                           str(noise_rank), str(prompt_groups)],
-                          capture_output=True,
-                          text=True, timeout=240)
+    proc = subprocess.run([sys.executable, str(script), model_dir, str(devices), str(out),
+                           *(",".join(map(str, c)) for c in configs)], capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return [json.loads((tmp_path / f"result{devices}.{r}").read_text()) for r in range(devices)]
+    return [[json.loads((tmp_path / f"result{devices}.{i}.{r}").read_text()) for r in range(devices)]
+            for i in range(len(configs))]
 
 
-def test_ddp_population_parallel_matches_single_process(tmp_path, tiny_model_dir):
+@pytest.fixture(scope="module")
+def single(tmp_path_factory, tiny_model_dir):
+    """The three 1-process reference fits, in one process (one interpreter start instead of three)."""
+    runs = _run(tmp_path_factory.mktemp("single"), tiny_model_dir, 1, *SINGLE.values())
+    return {name: run for name, (run,) in zip(SINGLE, runs)}
+
+
+def test_ddp_population_parallel_matches_single_process(tmp_path, tiny_model_dir, single):
     # the 2 ranks each score their 2 members in one batched generate; the 1-process run goes member by member
-    rank0, rank1 = _run(tmp_path, tiny_model_dir, 2, members_per_batch=2)
-    (single,) = _run(tmp_path, tiny_model_dir, 1)
+    ((rank0, rank1),) = _run(tmp_path, tiny_model_dir, 2, (2, 0, 1))
+    single = single["full"]
     assert rank0["step"] == rank1["step"] == single["step"] == 2
     assert rank0["exit_handler"] and rank1["exit_handler"] and not single["exit_handler"]  # see the test below
     assert rank0["weights"] == rank1["weights"]  # identical on every rank, bitwise
@@ -68,25 +80,25 @@ def test_ddp_population_parallel_matches_single_process(tmp_path, tiny_model_dir
     assert diff < 1e-5, diff
 
 
-def test_ddp_lowrank_population_matches_single_process_bitwise(tmp_path, tiny_model_dir):
+def test_ddp_lowrank_population_matches_single_process_bitwise(tmp_path, tiny_model_dir, single):
     """noise_rank=2: each rank scores its 2 low-rank members in one batch and draws the other rank's factors for the
     update (the same pure function); the 1-process run scores the 4 members one at a time. Same rewards, and the same
     weights bit for bit: member-split sums are exact (a member's reward lives on one rank) and the update does not
     depend on where the members ran."""
-    rank0, rank1 = _run(tmp_path, tiny_model_dir, 2, members_per_batch=2, noise_rank=2)
-    (single,) = _run(tmp_path, tiny_model_dir, 1, noise_rank=2)
+    ((rank0, rank1),) = _run(tmp_path, tiny_model_dir, 2, (2, 2, 1))
+    single = single["lowrank"]
     assert rank0["step"] == rank1["step"] == single["step"] == 2
     assert len(set(single["rewards"])) > 1 and single["moved"] > 1e-4
     assert rank0["rewards"] == rank1["rewards"] == single["rewards"]
     assert rank0["weights"] == rank1["weights"] == single["weights"]
 
 
-def test_ddp_prompt_groups_match_single_process_bitwise(tmp_path, tiny_model_dir):
+def test_ddp_prompt_groups_match_single_process_bitwise(tmp_path, tiny_model_dir, single):
     """prompt_groups=2: rank 0 runs members 0 and 2 (one of each group, so its one batched generate mixes the two
     slices of the prompts), rank 1 members 1 and 3; the 1-process run goes member by member. Same rewards, the same
     within-group normalisation, the same weights bit for bit (low-rank members: the bitwise path)."""
-    rank0, rank1 = _run(tmp_path, tiny_model_dir, 2, members_per_batch=2, noise_rank=2, prompt_groups=2)
-    (single,) = _run(tmp_path, tiny_model_dir, 1, noise_rank=2, prompt_groups=2)
+    ((rank0, rank1),) = _run(tmp_path, tiny_model_dir, 2, (2, 2, 2))
+    single = single["groups"]
     assert rank0["step"] == rank1["step"] == single["step"] == 2
     assert len(set(single["rewards"])) > 1 and single["moved"] > 1e-4
     assert rank0["rewards"] == rank1["rewards"] == single["rewards"]
