@@ -456,6 +456,47 @@ def test_slurm_requeue_signal_on_one_process_saves_the_step_and_requeues(tmp_pat
     assert (tmp_path / "scontrol.log").read_text() == "requeue 77\n" and not list(tmp_path.rglob("hpc_ckpt_*"))
 
 
+class _RequeueSignalInEvaluation(L.Callback):
+    """Sends this process SLURM's requeue signal, SIGUSR1, when the first validation or test batch starts."""
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+        if batch_idx == 0:
+            import signal
+
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+    on_test_batch_start = on_validation_batch_start
+
+
+@pytest.mark.parametrize("subcommand", ["validate", "test"])
+def test_slurm_requeue_signal_during_an_evaluation_stops_it_without_saving_or_requeueing(tmp_path, monkeypatch, capsys,
+                                                                                         subcommand):
+    """A one-task SLURM job running ``validate`` / ``test`` gets SLURM's requeue signal (SIGUSR1) in its first batch:
+    Lightning's handler saved hpc_ckpt_N.ckpt of the unchanged model inside the signal handler, requeued the job (to
+    start the evaluation over and meet the same time limit) and the command ended with 0. Now the evaluation stops
+    after that batch, nothing is saved or requeued, and the command says so in one line and exits 138."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "scontrol.log"}\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    for name, value in {"SLURM_JOB_ID": "78", "SLURM_JOB_NAME": "eval", "SLURM_NTASKS": "1", "SLURM_NTASKS_PER_NODE": "1",
+                        "SLURM_NNODES": "1", "SLURM_NODEID": "0", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stopped:
+        cli_main([subcommand, "--config", str(ROOT / "recipes" / "es.yaml"), "--data.init_args.val_size", "4",
+                  "--data.init_args.test_size", "4", "--data.init_args.val_batch_size", "2",
+                  "--trainer.enable_progress_bar", "false", "--trainer.logger.init_args.save_dir", str(tmp_path),
+                  "--trainer.callbacks+", f"{__name__}._RequeueSignalInEvaluation"])
+    assert stopped.value.code == 138
+    limit = "limit_test_batches" if subcommand == "test" else "limit_val_batches"
+    assert (f"es-lightning {subcommand}: stopped by SLURM's requeue signal (SIGUSR1) during {subcommand}: the "
+            "evaluation was cut, nothing was saved and the job was not requeued; give the job more time (#SBATCH "
+            f"--time) or fewer batches (--trainer.{limit}) and submit it again") in capsys.readouterr().err.splitlines()
+    assert not (tmp_path / "scontrol.log").exists() and not list(tmp_path.rglob("*.ckpt"))
+
+
 def test_an_explicit_ckpt_path_resumes_with_the_configured_settings(tmp_path, monkeypatch):
     """`--ckpt_path <file>` runs what the command configures, as `--ckpt_path last` does: Lightning's LightningCLI
     would replace the configured model settings with the checkpoint's hyperparameters (a `--model.init_args.sigma`

@@ -241,6 +241,12 @@ class RunCheckpoint(ModelCheckpoint):
             return
         self.save_now(trainer)
 
+    def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args, **kwargs) -> None:
+        sigterm.agree_evaluation(trainer)  # validate under SLURM: every rank stops after the same batch on its signal
+
+    def on_test_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args, **kwargs) -> None:
+        sigterm.agree_evaluation(trainer)
+
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not self._should_skip_saving_checkpoint(trainer):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))

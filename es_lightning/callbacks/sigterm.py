@@ -28,8 +28,16 @@ the end of it, and :class:`~es_lightning.RunCheckpoint` saves that step on all o
 ``last.ckpt`` save). After a requeue signal, :func:`requeue` then runs ``scontrol requeue $SLURM_JOB_ID`` (``<array
 job>_<task>`` for an array job), on global rank 0 only, as Lightning does, and the ``es-lightning`` command exits with
 128 + the signal's number (138 for ``SIGUSR1``). The requeued job runs its script again: give its command ``--ckpt_path
-last`` and it resumes from that ``last.ckpt``. One process without SLURM auto-requeue, and ``validate`` / ``test``:
-Lightning's own handlers, as before.
+last`` and it resumes from that ``last.ckpt``. One process without SLURM auto-requeue: Lightning's own handlers.
+
+``validate`` / ``test`` under SLURM auto-requeue: Lightning's handler would save ``hpc_ckpt_N.ckpt`` of a model the
+evaluation does not change, in the middle of an evaluation batch (of several processes, a collective begun at another
+point on each rank: a hang). An evaluation has nothing to resume, and requeueing it would only start it over, to meet
+the same time limit again (a job requeued for ever); so the requeue signal is noted here as well, the ranks agree on it
+after each evaluation batch (:func:`agree_evaluation`, one ``all_reduce`` per batch when there are several), Lightning's
+evaluation loop stops them all after the same batch, and the command says in one line that the evaluation was cut,
+nothing was saved and the job was not requeued, and exits 138. SIGTERM during ``validate`` / ``test``: Lightning's own
+handler, as before.
 """
 
 from __future__ import annotations
@@ -62,13 +70,26 @@ def requeue_signal(trainer: L.Trainer) -> signal.Signals | None:
 
 def install(trainer: L.Trainer, stage: str) -> None:
     """At ``setup``, before Lightning registers its handlers: during a fit, make ``trainer``'s SIGTERM handler (several
-    processes) and SLURM requeue handler (auto-requeue on) only note the signal; otherwise (one process without
-    requeueing, ``validate``/``test``) leave Lightning's."""
+    processes) and SLURM requeue handler (auto-requeue on) only note the signal; during ``validate``/``test``, the
+    SLURM requeue handler only (noted, agreed by :func:`agree_evaluation`, never saved nor requeued); otherwise (one
+    process without requeueing, SIGTERM in ``validate``/``test``) leave Lightning's."""
     connector = trainer._signal_connector
     for name in (*_HANDLERS, _STATE):  # a trainer that fitted before: Lightning's handlers again
         connector.__dict__.pop(name, None)
     several = trainer.world_size > 1
     requeue_on = requeue_signal(trainer)
+    if stage in ("validate", "test") and requeue_on:  # an evaluation: stopped after an agreed batch, not requeued
+        state = {"requeue_pending": False, "evaluation_cut": False, "agreed_batch": -1, "requeue": None}
+        evaluation = "test" if stage == "test" else "validate"  # stage: Lightning's TrainerFn, a str enum
+        setattr(connector, _STATE, state)
+
+        def note_requeue_in_evaluation(signum, frame) -> None:  # replaces _slurm_sigusr_handler_fn: no save, no requeue
+            log.info(f"[rank: {trainer.global_rank}] Received SLURM requeue signal {signum} during {evaluation}; "
+                     "stopping after this batch")
+            state["requeue_pending"] = True
+
+        connector._slurm_sigusr_handler_fn = note_requeue_in_evaluation
+        return
     if stage != "fit" or not (several or requeue_on):
         return
     state: dict[str, Any] = {"pending": False, "requeue_pending": False, "agreed_batch": -1, "requeue": None}
@@ -115,6 +136,35 @@ def agree(trainer: L.Trainer) -> None:
         state["requeue"] = {"job": None, "status": None, "done": False}  # requeue() runs it once the step is saved
     if any(notes):
         trainer._signal_connector.received_sigterm = True
+
+
+def agree_evaluation(trainer: L.Trainer) -> None:
+    """All ranks, after each ``validate`` / ``test`` batch: whether any got SLURM's requeue signal; if so Lightning's
+    evaluation loop stops them all after this batch."""
+    state = getattr(trainer._signal_connector, _STATE, None)
+    if state is None or "evaluation_cut" not in state:
+        return
+    batch = (trainer.test_loop if trainer.testing else trainer.validate_loop).batch_progress.total.ready
+    if state["agreed_batch"] == batch:  # RunCheckpoint and the command both ask: one collective per batch
+        return
+    state["agreed_batch"] = batch
+    cut = state["requeue_pending"]
+    if trainer.world_size > 1:
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([int(cut)], device=trainer.strategy.root_device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        cut = bool(flag.item())
+    if cut:
+        state["evaluation_cut"] = True
+        trainer._signal_connector.received_sigterm = True
+
+
+def evaluation_cut(trainer: L.Trainer) -> bool:
+    """Whether SLURM's requeue signal stopped a ``validate`` / ``test`` (agreed by :func:`agree_evaluation`)."""
+    state = getattr(trainer._signal_connector, _STATE, None)
+    return bool(state is not None and state.get("evaluation_cut"))
 
 
 def requeue_requested(trainer: L.Trainer) -> dict[str, Any] | None:
