@@ -531,10 +531,37 @@ def test_evaluation_problems_from_files_and_mistakes_in_eval_terms(tmp_path):
     with pytest.raises(ValueError, match=r"eval.column_mapping renames \['nmbrs'\], but .* has columns"):
         heldout_problems(task, 2, source=str(tmp_path / "cols.jsonl"), column_mapping={"nmbrs": "nums"})
     (tmp_path / "bad.jsonl").write_text('{"nums": "abc", "target": 3}\n' * 2)
-    with pytest.raises(ValueError, match=r"'nums' column is 'abc'.* with --eval.column_mapping$"):
+    with pytest.raises(ValueError, match=r"'nums' column is 'abc'.* with --eval.column_mapping — fix those rows"):
         heldout_problems(task, 2, source=str(tmp_path / "bad.jsonl"))
     with pytest.raises(ValueError, match="has no procedural generator; set --eval.source"):
         heldout_problems(get_task("gsm8k"), 2)
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_evaluation_rows_the_task_refuses_are_counted_and_the_first_named(tmp_path, fmt):
+    """A file with rows the task refuses: the evaluation stopped at the first one it drew, in the task's words alone
+    (no count, no row number, no file), where a fit names how many, the first's row number and the fix. Now the
+    evaluation names them as a fit does, and says what to do instead of the fit's data.drop_invalid_rows."""
+    import datasets
+
+    task = get_task("countdown")
+    rows = [{"nums": [i, 2, 3], "target": i + 5} for i in range(10)]
+    for i in (7, 3, 8):
+        rows[i] = {"nums": None, "target": 1}
+    path = tmp_path / f"problems.{fmt}"
+    getattr(datasets.Dataset.from_list(rows), "to_json" if fmt == "jsonl" else "to_parquet")(str(path))
+    with pytest.raises(ValueError) as refused:
+        heldout_problems(task, 10, source=str(path))
+    assert str(refused.value).startswith(
+        f"3 of the 10 rows drawn from the 'train' split of --eval.source {str(path)!r} are refused by task 'countdown', "
+        "the first (row 3, counting from 0) as: Countdown record")
+    assert str(refused.value).endswith("— fix those rows in the file (or map its columns with --eval.column_mapping); "
+                                       "an evaluation has no drop_invalid_rows: it scores every row it draws")
+    assert "data." not in str(refused.value) and "\n" not in str(refused.value)
+    ok = datasets.Dataset.from_list([r for i, r in enumerate(rows) if i not in (7, 3, 8)])
+    ok.to_json(str(tmp_path / "ok.jsonl"))  # the rows drawn are those the seed drew before
+    assert heldout_problems(task, 5, seed=3, source=str(tmp_path / "ok.jsonl")) == [
+        task.preprocess(dict(r)) for r in ok.shuffle(seed=3).select(range(5))]
 
 
 def test_cli_help_bad_keys_and_list_values(capsys):

@@ -71,9 +71,37 @@ def heldout_problems(task: Task, num_problems: int, seed: int = 0, source: str =
         if len(ds) < num_problems:
             raise ValueError(f"eval.source {source!r} has {len(ds)} problems in its {name!r} split, fewer than "
                              f"eval.num_problems={num_problems}; lower --eval.num_problems (e.g. to {len(ds)})")
-        return [task.preprocess(dict(r)) for r in ds.shuffle(seed=seed).select(range(num_problems))]
+        return _preprocess_drawn(task, ds, num_problems, seed, name, source)
     except ValueError as err:  # a missing column, a malformed record, too few rows
         raise _in_eval_terms(err) from None
+
+
+#: what to do about rows the task refuses, in an evaluation (the fit's hint offers data.drop_invalid_rows instead)
+EVAL_INVALID_HINT = (" in the file (or map its columns with --eval.column_mapping); an evaluation has no "
+                     "drop_invalid_rows: it scores every row it draws")
+_ROW = "__es_lightning_row__"
+
+
+def _preprocess_drawn(task: Task, ds, num_problems: int, seed: int, split: str, source: str) -> list[dict[str, Any]]:
+    """``num_problems`` rows of ``ds`` (split ``split`` of ``source``, its columns already the task's) shuffled by
+    ``seed``, preprocessed; rows the task refuses are refused together, in one line naming how many, the first's row
+    number in the split and the task's reason, as a fit's data module names them."""
+    drawn = ds.add_column(_ROW, list(range(len(ds)))).shuffle(seed=seed).select(range(num_problems))  # the same rows
+    problems: list[dict[str, Any]] = []
+    refused: dict[int, ValueError] = {}  # row number in the split -> the task's reason
+    for r in drawn:
+        row = dict(r)
+        at = row.pop(_ROW)
+        try:
+            problems.append(task.preprocess(row))
+        except ValueError as err:
+            refused[at] = err
+    if refused:
+        first = min(refused)
+        raise ValueError(f"{len(refused)} of the {num_problems} rows drawn from the {split!r} split of --eval.source "
+                         f"{source!r} are refused by task {task.name!r}, the first (row {first}, counting from 0) as: "
+                         f"{refused[first]} — fix those rows{EVAL_INVALID_HINT}")
+    return problems
 
 
 #: the data module's options in its error hints → the evaluation options that set them
@@ -83,7 +111,7 @@ _EVAL_TERMS = (("data.column_mapping", "--eval.column_mapping"), ("data.source",
 
 def _in_eval_terms(err: Exception) -> ValueError:
     """``err`` (raised by the data module) with its hints naming ``--eval.*``, the options an evaluation is given."""
-    text = str(err).replace(DROP_INVALID_HINT, "")  # an evaluation scores every row it is given
+    text = str(err).replace(DROP_INVALID_HINT, EVAL_INVALID_HINT)  # an evaluation scores every row it is given
     for data_option, eval_option in _EVAL_TERMS:
         text = text.replace(data_option, eval_option)
     return ValueError(text)
