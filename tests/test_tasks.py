@@ -385,8 +385,10 @@ def test_math_rows_without_an_answer_are_counted_and_dropped_on_request(tmp_path
     from es_lightning.analysis.evaluate import heldout_problems
 
     datasets.DatasetDict({"train": train, "validation": test}).save_to_disk(str(tmp_path / "no-test"))
-    with pytest.raises(ValueError, match=r"^3 of the 20 rows .* — fix those rows$"):  # no option to drop there
+    with pytest.raises(ValueError, match=r"^3 of the 20 rows .* — fix those rows in the file .*an evaluation has no "
+                                         r"drop_invalid_rows: it scores every row it draws$"):  # no option to drop there
         heldout_problems(MathTask(), 2, source=str(tmp_path / "no-test"))
+
 
 def test_math_verifies_each_answer_once(monkeypatch):
     """A population repeats answers; a hostile one (a power tower) cost math-verify's whole timeout at every
