@@ -424,6 +424,21 @@ def test_a_sigterm_in_the_step_before_a_validation_still_saves_that_step(tmp_pat
     assert torch.load(ckpt, weights_only=True)["global_step"] == 2
 
 
+def _one_task_slurm_job(tmp_path, monkeypatch, job_id: str, name: str, scontrol_status: int = 0) -> None:
+    """This process as the one task of SLURM job ``job_id`` (Lightning's SLURMEnvironment, auto-requeue on), working in
+    ``tmp_path``; ``scontrol`` a script first on PATH that appends its arguments to ``scontrol.log`` and exits with
+    ``scontrol_status``."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "scontrol.log"}\nexit {scontrol_status}\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    for var, value in {"SLURM_JOB_ID": job_id, "SLURM_JOB_NAME": name, "SLURM_NTASKS": "1", "SLURM_NTASKS_PER_NODE": "1",
+                       "SLURM_NNODES": "1", "SLURM_NODEID": "0", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}.items():
+        monkeypatch.setenv(var, value)
+    monkeypatch.chdir(tmp_path)
+
+
 @pytest.mark.parametrize("scontrol_status", [0, 1])
 def test_slurm_requeue_signal_on_one_process_saves_the_step_and_requeues(tmp_path, monkeypatch, capsys, scontrol_status):
     """A one-task SLURM job (Lightning's SLURMEnvironment, auto-requeue on) gets SLURM's requeue signal, SIGUSR1, at
@@ -431,15 +446,7 @@ def test_slurm_requeue_signal_on_one_process_saves_the_step_and_requeues(tmp_pat
     centre weights perturbed by a member's noise), and the fit went on. Now the fit stops after that step, saves it to
     last.ckpt, runs ``scontrol requeue <job>`` (a script first on PATH here) and exits 138 (128 + SIGUSR1); when
     scontrol fails, the line says so and how to go on."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "scontrol.log"}\nexit {scontrol_status}\n')
-    (bin_dir / "scontrol").chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    for name, value in {"SLURM_JOB_ID": "77", "SLURM_JOB_NAME": "es", "SLURM_NTASKS": "1", "SLURM_NTASKS_PER_NODE": "1",
-                        "SLURM_NNODES": "1", "SLURM_NODEID": "0", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.chdir(tmp_path)
+    _one_task_slurm_job(tmp_path, monkeypatch, "77", "es", scontrol_status)
     with pytest.raises(SystemExit) as stopped:
         cli_main(["fit", "--config", str(ROOT / "recipes" / "es.yaml"), "--model.init_args.population_size", "4",
                   "--model.init_args.members_per_batch", "4", "--data.init_args.batch_size", "2",
@@ -475,15 +482,7 @@ def test_slurm_requeue_signal_during_an_evaluation_stops_it_without_saving_or_re
     Lightning's handler saved hpc_ckpt_N.ckpt of the unchanged model inside the signal handler, requeued the job (to
     start the evaluation over and meet the same time limit) and the command ended with 0. Now the evaluation stops
     after that batch, nothing is saved or requeued, and the command says so in one line and exits 138."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "scontrol.log"}\n')
-    (bin_dir / "scontrol").chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    for name, value in {"SLURM_JOB_ID": "78", "SLURM_JOB_NAME": "eval", "SLURM_NTASKS": "1", "SLURM_NTASKS_PER_NODE": "1",
-                        "SLURM_NNODES": "1", "SLURM_NODEID": "0", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.chdir(tmp_path)
+    _one_task_slurm_job(tmp_path, monkeypatch, "78", "eval")
     with pytest.raises(SystemExit) as stopped:
         cli_main([subcommand, "--config", str(ROOT / "recipes" / "es.yaml"), "--data.init_args.val_size", "4",
                   "--data.init_args.test_size", "4", "--data.init_args.val_batch_size", "2",
