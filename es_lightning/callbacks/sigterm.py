@@ -115,23 +115,31 @@ def install(trainer: L.Trainer, stage: str) -> None:
         connector._slurm_sigusr_handler_fn = note_requeue
 
 
+def _agreed(trainer: L.Trainer, state: dict[str, Any], batch: int, notes: list[bool]) -> list[bool] | None:
+    """Each of ``notes`` true on any rank (one ``all_reduce`` of their max when there are several), once per ``batch``:
+    ``None`` when this batch was agreed already (RunCheckpoint and the command both ask)."""
+    if state["agreed_batch"] == batch:
+        return None
+    state["agreed_batch"] = batch
+    if trainer.world_size <= 1:
+        return notes
+    import torch
+    import torch.distributed as dist
+
+    flags = torch.tensor([int(x) for x in notes], device=trainer.strategy.root_device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return [bool(x) for x in flags.tolist()]
+
+
 def agree(trainer: L.Trainer) -> None:
     """All ranks: whether any was signalled, agreed once per training batch; if so Lightning stops them after it."""
     state = getattr(trainer._signal_connector, _STATE, None)
     if state is None:
         return
-    batch = trainer.fit_loop.epoch_loop.batch_progress.total.ready
-    if state["agreed_batch"] == batch:  # RunCheckpoint and the command both ask: one collective per batch
+    notes = _agreed(trainer, state, trainer.fit_loop.epoch_loop.batch_progress.total.ready,
+                    [state["pending"], state["requeue_pending"]])
+    if notes is None:
         return
-    state["agreed_batch"] = batch
-    notes = [state["pending"], state["requeue_pending"]]
-    if trainer.world_size > 1:
-        import torch
-        import torch.distributed as dist
-
-        flags = torch.tensor([int(x) for x in notes], device=trainer.strategy.root_device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        notes = [bool(x) for x in flags.tolist()]
     if notes[1] and state["requeue"] is None:
         state["requeue"] = {"job": None, "status": None, "done": False}  # requeue() runs it once the step is saved
     if any(notes):
@@ -144,19 +152,9 @@ def agree_evaluation(trainer: L.Trainer) -> None:
     state = getattr(trainer._signal_connector, _STATE, None)
     if state is None or "evaluation_cut" not in state:
         return
-    batch = (trainer.test_loop if trainer.testing else trainer.validate_loop).batch_progress.total.ready
-    if state["agreed_batch"] == batch:  # RunCheckpoint and the command both ask: one collective per batch
-        return
-    state["agreed_batch"] = batch
-    cut = state["requeue_pending"]
-    if trainer.world_size > 1:
-        import torch
-        import torch.distributed as dist
-
-        flag = torch.tensor([int(cut)], device=trainer.strategy.root_device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        cut = bool(flag.item())
-    if cut:
+    loop = trainer.test_loop if trainer.testing else trainer.validate_loop
+    notes = _agreed(trainer, state, loop.batch_progress.total.ready, [state["requeue_pending"]])
+    if notes is not None and notes[0]:
         state["evaluation_cut"] = True
         trainer._signal_connector.received_sigterm = True
 
