@@ -60,6 +60,20 @@ def test_vllm_fragment_options_are_vllm_generator_arguments():
     assert set(model["generation_options"]) <= accepted
 
 
+@pytest.mark.parametrize("option, value, match", [
+    ("max_num_seqs", 0, r"generation_options.max_num_seqs must be a whole number >= 1, got 0"),
+    ("gpu_memory_utilization", 1.5, r"generation_options.gpu_memory_utilization .* in \(0, 1\], got 1.5"),
+    ("max_loras", -1, r"generation_options.max_loras must be a whole number >= 1, got -1"),
+])
+def test_vllm_generator_built_directly_checks_its_values(policy, option, value, match):
+    """VLLMGenerator(policy, ...) from a script checks the values a module's generation_options get checked for,
+    before vLLM is imported or an engine starts (was: only through a module; directly, vLLM's own late error)."""
+    from es_lightning.generation.vllm import VLLMGenerator
+
+    with pytest.raises(ValueError, match=match):
+        VLLMGenerator(policy, **{option: value})
+
+
 def test_vllm_rollout_logprobs_stay_fp32_under_bf16_true(policy, monkeypatch):
     """Lightning's bf16-true (the GPU trainer fragments) makes bf16 the default dtype inside a training step, where
     GRPO's rollouts are generated: vLLM's log-probs (GRPO's π_old) were written into a default-dtype tensor and rounded

@@ -7,7 +7,7 @@ from typing import Any
 
 from es_lightning.generation.base import Generator, Rollout, SamplingParams
 from es_lightning.generation.hf import HFGenerator
-from es_lightning.generation.options import refuse_owned_options
+from es_lightning.generation.options import check_vllm_values, refuse_owned_options
 
 __all__ = ["BACKENDS", "Generator", "HFGenerator", "Rollout", "SamplingParams", "check_backend", "check_generation_options",
            "make_generator"]
@@ -46,33 +46,7 @@ def check_generation_options(backend: str, options: dict[str, Any] | None) -> No
     if unknown:
         raise ValueError(f"unknown vLLM generation_options {unknown}; accepted: {own}, and the engine arguments of "
                          "vllm.LLM (vllm.engine.arg_utils.EngineArgs, e.g. max_num_batched_tokens, enable_lora)")
-    _check_vllm_values(options)
-
-
-#: vLLM engine options that are counts (``max_model_len`` may also be None: the model's)
-_COUNTS = ("max_model_len", "max_num_seqs", "tensor_parallel_size", "max_num_batched_tokens", "max_loras",
-           "max_lora_rank")
-_VLLM_DTYPES = ("auto", "bfloat16", "float16", "half", "float32", "float")
-
-
-def _check_vllm_values(options: dict[str, Any]) -> None:
-    """The values of the engine settings es-lightning sets, checked before the engine starts: vLLM reports some of
-    them under another option's name (``max_num_seqs: 0`` as ``max_num_batched_tokens``) or only after loading."""
-    for key in _COUNTS:
-        value = options.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"generation_options.{key} must be a whole number >= 1, got {value!r}")
-    fraction = options.get("gpu_memory_utilization")
-    if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, (int, float))
-                                 or not 0 < fraction <= 1):
-        raise ValueError(f"generation_options.gpu_memory_utilization is the fraction of GPU memory vLLM may take, in "
-                         f"(0, 1], got {fraction!r} (colocated with training: e.g. 0.3)")
-    gib = options.get("cpu_kv_cache_gib")
-    if gib is not None and (isinstance(gib, bool) or not isinstance(gib, (int, float)) or not gib > 0):
-        raise ValueError(f"generation_options.cpu_kv_cache_gib must be > 0 (GiB of KV cache on a CPU), got {gib!r}")
-    dtype = options.get("dtype")
-    if dtype is not None and str(dtype).removeprefix("torch.") not in _VLLM_DTYPES:
-        raise ValueError(f"generation_options.dtype must be one of {list(_VLLM_DTYPES)} (vLLM's), got {dtype!r}")
+    check_vllm_values(options)
 
 
 def make_generator(backend: str, policy: Any, **options: Any) -> Generator:

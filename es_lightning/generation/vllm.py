@@ -88,7 +88,7 @@ from torch import Tensor
 from es_lightning.generation.base import Generator, Rollout, SamplingParams, default_seed
 from es_lightning.generation.config import checkpoint_eos_token_ids, position_limit
 from es_lightning.generation.hf import _cut_at_stop
-from es_lightning.generation.options import refuse_owned_options
+from es_lightning.generation.options import check_vllm_values, refuse_owned_options
 from es_lightning.policy import Policy, encode_prompts
 
 INSTALL_HINT = (
@@ -229,6 +229,9 @@ class VLLMGenerator(Generator):
         **engine_kwargs: Any,
     ) -> None:
         refuse_owned_options(engine_kwargs)
+        check_vllm_values(dict(engine_kwargs, max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
+                               tensor_parallel_size=tensor_parallel_size, dtype=dtype, cpu_kv_cache_gib=cpu_kv_cache_gib,
+                               max_num_seqs=max_num_seqs))  # built directly too, not only through a module's options
         import_vllm()
         self.policy = policy
         device = next(policy.model.parameters()).device
