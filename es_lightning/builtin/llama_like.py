@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from es_lightning.builtin.look_alike import rewrite_json, write_look_alike
+from es_lightning.builtin.look_alike import byte_alphabet, rewrite_json, write_look_alike
 
 #: Llama 3's vocabulary (tokenizer and embedding): 128,000 BPE tokens and 256 special tokens
 LLAMA3_VOCAB_SIZE = 128_256
@@ -95,13 +95,11 @@ def build_llama_like_tokenizer(vocab_size: int = LLAMA3_VOCAB_SIZE, instruct: bo
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    from es_lightning.builtin.qwen_like import _byte_alphabet
-
     specials = special_token_ids(vocab_size)
     first_special = min(specials.values())
     if first_special < 256:
         raise ValueError(f"vocab_size must be at least {256 + _SPECIALS}, got {vocab_size}")
-    vocab = {ch: b for b, ch in enumerate(_byte_alphabet())}
+    vocab = {ch: b for b, ch in enumerate(byte_alphabet())}
     vocab.update({f"<f{i}>": i for i in range(256, first_special)})
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], ignore_merges=True))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)

@@ -1,6 +1,6 @@
 """What the look-alike fixtures (:mod:`es_lightning.builtin.qwen_like`, :mod:`es_lightning.builtin.llama_like`) share:
-the toy layer sizes, the seeded random initialisation, and writing the directory as the hub's files are written (weights
-in ``dtype``, ``config.json`` saying so as ``torch_dtype``)."""
+the byte-level token alphabet, the toy layer sizes, the seeded random initialisation, and writing the directory as the
+hub's files are written (weights in ``dtype``, ``config.json`` saying so as ``torch_dtype``)."""
 
 from __future__ import annotations
 
@@ -54,3 +54,17 @@ def write_look_alike(
 def rewrite_json(file: Path, edit: Callable[[dict], dict]) -> None:
     """Replace the JSON object in ``file`` by ``edit`` of it (indent 2, final newline, as transformers writes)."""
     file.write_text(json.dumps(edit(json.loads(file.read_text())), indent=2) + "\n")
+
+
+def byte_alphabet() -> list[str]:
+    """The byte-level BPE spelling of each byte 0..255 (GPT-2's convention, used by Qwen): printable Latin-1 bytes are
+    their own character, the others are shifted to U+0100 onwards (a space is ``Ġ``, a newline ``Ċ``)."""
+    keep = set(range(ord("!"), ord("~") + 1)) | set(range(0xA1, 0xAC + 1)) | set(range(0xAE, 0xFF + 1))
+    shift, out = 0, []
+    for b in range(256):
+        if b in keep:
+            out.append(chr(b))
+        else:
+            out.append(chr(256 + shift))
+            shift += 1
+    return out

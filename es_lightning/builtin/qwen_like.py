@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from es_lightning.builtin.look_alike import write_look_alike
+from es_lightning.builtin.look_alike import byte_alphabet, write_look_alike
 
 #: Qwen2.5's padded embedding size (config.json ``vocab_size`` of Qwen2.5-0.5B/1.5B/3B/7B-Instruct)
 QWEN_VOCAB_SIZE = 151_936
@@ -75,20 +75,6 @@ def qwen25_generation_config(vocab_size: int = QWEN_VOCAB_SIZE) -> dict:
     }
 
 
-def _byte_alphabet() -> list[str]:
-    """The byte-level BPE spelling of each byte 0..255 (GPT-2's convention, used by Qwen): printable Latin-1 bytes are
-    their own character, the others are shifted to U+0100 onwards (a space is ``Ġ``, a newline ``Ċ``)."""
-    keep = set(range(ord("!"), ord("~") + 1)) | set(range(0xA1, 0xAC + 1)) | set(range(0xAE, 0xFF + 1))
-    shift, out = 0, []
-    for b in range(256):
-        if b in keep:
-            out.append(chr(b))
-        else:
-            out.append(chr(256 + shift))
-            shift += 1
-    return out
-
-
 def build_qwen_like_tokenizer(vocab_size: int = QWEN_VOCAB_SIZE, add_bos_token: bool = False):
     """A ``Qwen2Tokenizer``: ids 0–255 are the bytes, fillers up to the specials, specials at Qwen's ids.
 
@@ -102,7 +88,7 @@ def build_qwen_like_tokenizer(vocab_size: int = QWEN_VOCAB_SIZE, add_bos_token: 
     if first_special < 256:
         raise ValueError(f"vocab_size must be at least {256 + _TAIL} (256 byte tokens + Qwen's {_TAIL} tail rows), "
                          f"got {vocab_size}")
-    vocab = {ch: b for b, ch in enumerate(_byte_alphabet())}
+    vocab = {ch: b for b, ch in enumerate(byte_alphabet())}
     vocab.update({f"<f{i}>": i for i in range(256, first_special)})
     vocab.update(specials)
     template = QWEN25_CHAT_TEMPLATE
