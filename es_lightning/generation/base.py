@@ -98,6 +98,30 @@ class Generator(ABC):
             raise ValueError("generate() needs at least one prompt")
 
 
+class PromptLengths:
+    """The longest prompt (tokens) a backend has generated from so far, and the length limits it has warned about.
+
+    Both backends warn when prompt + ``max_new_tokens`` may pass a limit (transformers: the model's position limit;
+    vLLM: the engine's ``max_model_len``) once per limit, naming the longest prompt seen so far: a MATH run's prompts
+    of many lengths get one line, not one per length."""
+
+    def __init__(self) -> None:
+        self.longest = 0
+        self._warned: set[int] = set()
+
+    def see(self, longest: int) -> int:
+        """Note a call's longest prompt; the longest so far."""
+        self.longest = max(self.longest, int(longest))
+        return self.longest
+
+    def first_warning(self, limit: int) -> bool:
+        """Whether ``limit`` has not been warned about yet (it has, from now on)."""
+        if limit in self._warned:
+            return False
+        self._warned.add(limit)
+        return True
+
+
 def default_seed() -> int:
     """A seed drawn from torch's global RNG, so ``seed_everything`` governs unseeded calls."""
     return int(torch.randint(0, 2**31 - 1, (1,)).item())

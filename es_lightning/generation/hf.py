@@ -28,7 +28,7 @@ from torch import Tensor
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.stopping_criteria import StopStringCriteria
 
-from es_lightning.generation.base import Generator, Rollout, SamplingParams, default_seed
+from es_lightning.generation.base import Generator, PromptLengths, Rollout, SamplingParams, default_seed
 from es_lightning.generation.config import (
     checkpoint_defaults_off,
     checkpoint_eos_token_ids,
@@ -162,8 +162,7 @@ class HFGenerator(Generator):
     def __init__(self, policy: Policy) -> None:
         self.policy = policy
         self._stop_criteria: dict[tuple[str, ...], StopStringCriteria] = {}
-        self._longest_prompt = 0  # the longest prompt (tokens) generated from so far
-        self._warned_limits: set[int] = set()  # the position limits already warned about
+        self._prompt_lengths = PromptLengths()  # the longest prompt so far, the position limits warned about
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -259,12 +258,10 @@ class HFGenerator(Generator):
         which a MATH recipe's prompt + 4096 new tokens passes), where the vLLM backend stops the completion there. It
         names the longest prompt seen so far and the ``max_new_tokens`` that fits it: a MATH run's prompts of many
         lengths get one line, not one per length."""
-        self._longest_prompt = max(self._longest_prompt, longest)
+        worst = self._prompt_lengths.see(longest)
         limit = position_limit(getattr(model, "config", None))
-        if limit is None or longest + max_new_tokens <= limit or limit in self._warned_limits:
+        if limit is None or longest + max_new_tokens <= limit or not self._prompt_lengths.first_warning(limit):
             return
-        self._warned_limits.add(limit)
-        worst = self._longest_prompt
         fix = (f"lower max_new_tokens to {limit - worst} or shorten the prompts" if worst < limit
                else "shorten the prompts")
         warnings.warn(f"prompts of up to {worst} tokens so far plus max_new_tokens={max_new_tokens} exceed the model's "

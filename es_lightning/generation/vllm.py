@@ -85,7 +85,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from es_lightning.generation.base import Generator, Rollout, SamplingParams, default_seed
+from es_lightning.generation.base import Generator, PromptLengths, Rollout, SamplingParams, default_seed
 from es_lightning.generation.config import checkpoint_eos_token_ids, position_limit
 from es_lightning.generation.hf import _cut_at_stop
 from es_lightning.generation.options import check_vllm_values, refuse_owned_options
@@ -278,8 +278,7 @@ class VLLMGenerator(Generator):
         #: whether the engine-side ES centre (es_set_centre) is the engine's current weights; a push ends it
         self.es_centre_current = False
         self._adapters: list[str] | None = None
-        self._longest_prompt = 0  # the longest prompt (tokens) generated from so far
-        self._warned_truncation = False  # the max_model_len warning is said once per engine
+        self._prompt_lengths = PromptLengths()  # the longest prompt so far; the max_model_len warning said once
         self.llm = self._build_engine(kwargs)
         #: the longest prompt + completion the engine takes (vLLM's, from max_model_len or the model's config)
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
@@ -526,14 +525,12 @@ class VLLMGenerator(Generator):
         ``max_new_tokens`` — with one warning per engine naming the longest prompt so far (a MATH run's prompts of
         many lengths get one line, not one per length), since the fit's rewards then come from shorter completions
         than asked for."""
-        self._longest_prompt = max(self._longest_prompt, longest)
-        worst = self._longest_prompt
+        worst = self._prompt_lengths.see(longest)
         fix = f"set generation_options.max_model_len to at least {worst + max_new_tokens} (prompt + max_new_tokens)"
         if longest >= self.max_model_len:
             raise ValueError(f"a prompt of {longest} tokens leaves no room in the vLLM engine's max_model_len="
                              f"{self.max_model_len}; {fix}, or shorten the prompts")
-        if longest + max_new_tokens > self.max_model_len and not self._warned_truncation:
-            self._warned_truncation = True
+        if longest + max_new_tokens > self.max_model_len and self._prompt_lengths.first_warning(self.max_model_len):
             warnings.warn(f"prompts of up to {worst} tokens so far plus max_new_tokens={max_new_tokens} exceed the "
                           f"vLLM engine's max_model_len={self.max_model_len}: their completions end at "
                           f"{self.max_model_len - worst} tokens or more (counted as truncated); {fix} (said once)",

@@ -10,6 +10,7 @@ import torch
 pytest.importorskip("vllm")
 
 from es_lightning.generation import SamplingParams  # noqa: E402
+from es_lightning.generation.base import PromptLengths  # noqa: E402
 
 PAIRS = {"builtin": "builtin_pair", "qwen_like": "qwen_pair"}
 BUILTIN_PROMPTS = ["12 34 56 = ", "3 5 7 =", "1 2 3 =", "90 4 2 ="]
@@ -164,7 +165,7 @@ def test_prompts_beyond_max_model_len(builtin_pair):
     that ran past it without a word (a warning now, naming the length to set; the row is counted truncated). The
     warning is said once per engine, naming the longest prompt so far: a MATH run warned once per prompt length."""
     _, gen = builtin_pair
-    gen._longest_prompt, gen._warned_truncation = 0, False  # the module's engine is shared: a fresh engine's state
+    gen._prompt_lengths = PromptLengths()  # the module's engine is shared: a fresh engine's state
     prompt = "1 2 3 = " * 12  # 96 tokens of the character tokenizer
     with pytest.warns(UserWarning, match=r"prompts of up to 9\d tokens so far plus max_new_tokens=40 exceed the vLLM "
                                          r"engine's max_model_len=128: their completions end at 3\d tokens or more "
