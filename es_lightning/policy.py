@@ -105,14 +105,23 @@ class Policy:
         """
         if not use_chat_template or getattr(self.tokenizer, "chat_template", None) is None:
             return list(prompts)
+        from jinja2.exceptions import TemplateError
+
         system = [] if system_prompt is None else [{"role": "system", "content": system_prompt}]
-        return [
-            self.tokenizer.apply_chat_template(
-                [*system, {"role": "user", "content": p}], tokenize=False, add_generation_prompt=True,
-                date_string=CHAT_TEMPLATE_DATE,
-            )
-            for p in prompts
-        ]
+        try:
+            return [
+                self.tokenizer.apply_chat_template(
+                    [*system, {"role": "user", "content": p}], tokenize=False, add_generation_prompt=True,
+                    date_string=CHAT_TEMPLATE_DATE,
+                )
+                for p in prompts
+            ]
+        except TemplateError as err:  # the template's own raise_exception (Gemma 2: "System role not supported")
+            fix = ("this template may take no system turn: remove the task's system_prompt (or write its text into "
+                   "the prompt)" if system_prompt is not None else
+                   "set the task's use_chat_template: false, or give the tokenizer a chat template that takes one user turn")
+            raise ValueError(f"the tokenizer's chat template refused the prompt ({'a system turn, then ' if system else ''}"
+                             f"one user turn): {err}; {fix}") from None
 
 
 def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: list[str]) -> dict[str, torch.Tensor]:

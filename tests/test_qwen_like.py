@@ -163,3 +163,30 @@ def test_a_task_system_prompt_replaces_the_templates_default_and_is_recorded(qwe
     assert get_task(record["class_path"], **record["init_args"]).system_prompt == "Reason step by step."
     with pytest.raises(ValueError, match="system_prompt is a turn of the chat template: set use_chat_template: true"):
         GSM8KTask(system_prompt="Reason step by step.")
+
+
+#: a chat template that, as Gemma 2's does, refuses a system turn with the template's own raise_exception
+NO_SYSTEM_TEMPLATE = (
+    "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_template_that_refuses_a_system_turn_is_one_line_naming_system_prompt(qwen_like_small_dir, tmp_path):
+    """A model whose chat template takes no system turn (Gemma 2) with a task's system_prompt: one ValueError naming
+    the template's reason and system_prompt (was jinja2's TemplateError from the first rollout, 20 frames deep)."""
+    import shutil
+
+    from es_lightning.modules.base import ReasoningModule
+
+    model = tmp_path / "no-system"
+    shutil.copytree(qwen_like_small_dir, model)
+    (model / "chat_template.jinja").write_text(NO_SYSTEM_TEMPLATE)
+    example = {"question": "What is 2 + 3?", "answer": "5"}
+    plain = ReasoningModule(model=str(model), task=GSM8KTask(use_chat_template=True)).prompts([example])[0]
+    assert plain.startswith("<|im_start|>user\n")  # the template in use: no system turn of its own
+    module = ReasoningModule(model=str(model), task=GSM8KTask(use_chat_template=True, system_prompt="Be brief."))
+    with pytest.raises(ValueError, match=r"^the tokenizer's chat template refused the prompt \(a system turn, then one "
+                                         r"user turn\): System role not supported; .*remove the task's system_prompt"):
+        module.prompts([example])
