@@ -291,7 +291,7 @@ GSM8K_FORMS = [
     ("1 1/3", "4/3"), ("5 2-liter bottles", "5"), ("1 1/2.", "1.5"),
     ("1 3/2", None), ("1 0/2", None), ("1.5 1/2", None), ("1 1/2/3", None),  # not a mixed number
     ("12,34", None), ("1,2345", None), ("1234,567", None), ("1.234,56", None), ("1.2.3", None),
-    ("1\u00bd", None), ("3 \u00be", None),
+    ("1\u00bd", "1.5"), ("3 \u00be", "3.75"),
 ]
 
 
@@ -313,8 +313,70 @@ def test_gsm8k_number_forms_table():
         assert gold["gold"] == expected, text
         assert task.reward([f"#### {text}", f"#### {expected}"], [gold] * 2) == [1.0, 1.0], text
     one = task.preprocess({"question": "q", "answer": "#### 1"})
-    assert task.reward(["#### 1 1/2", "#### 1\u00bd", "#### 1"], [one] * 3) == [0.1, 0.0, 1.0]
+    assert task.reward(["#### 1 1/2", "#### 1\u00bd", "#### 1"], [one] * 3) == [0.1, 0.1, 1.0]
     assert task.votes(["1 1/2", "1.5", "3/2"], one) == [Fraction(3, 2)] * 3
+
+
+#: (text after "####", the number it is, hand-computed; None: no number) — thousands grouped by spaces and vulgar
+#: fractions glued to a whole number
+GSM8K_SPACED_AND_VULGAR = [
+    ("1 000", "1000"), ("12 345 678", "12345678"), ("$1 234.50", "1234.5"), ("-2 000", "-2000"), ("1 000.25", "1000.25"),
+    ("1\u00a0000", "1000"), ("1\u2009000\u2009000", "1000000"), ("2 000 steps", "2000"), ("1 000 1/2", "1000.5"),
+    ("1 00", "1"), ("12 3456", "12"), ("3 4", "3"), ("1 0001", "1"),  # a space before no group of three ends the number
+    ("1234 567", None), ("1 000,5", None), ("1 100/200", None),  # a bad group, a decimal comma, 1100/200 or 1 + 100/200
+    ("1\u00bd", "1.5"), ("2\u00be", "2.75"), ("-1\u00bd", "-1.5"), ("1,000\u00bd", "1000.5"), ("1 000\u00bd", "1000.5"),
+    ("1\u2153", "4/3"), ("\u00bd", "0.5"), ("\u2154 of them", "2/3"), ("1\u00bd.", "1.5"),
+    ("1.5\u00bd", None), ("1\u00bd3", None), ("1\u00bd\u00bd", None), ("1\u00bd/2", None),
+    ("1\u20442", None), ("1\u215f2", None),  # a fraction slash: 1/2 or 12, never 1
+]
+
+
+def test_gsm8k_reads_thousands_grouped_by_spaces_and_vulgar_fractions():
+    """``1 000`` was read as 1 and ``12 345 678`` as 12 (a gold of 1000 written so became 1, a completion answering
+    1 000 was paid for a gold of 1); ``1½`` was no number (a reference answer ``#### 1½`` refused the dataset, a
+    completion writing it lost its format reward). Both are now their values, in gold answers and completions alike;
+    a space before anything but three digits still ends a number."""
+    from es_lightning.tasks.gsm8k import normalize_number
+
+    task = GSM8KTask()
+    for text, expected in GSM8K_SPACED_AND_VULGAR:
+        assert normalize_number(text) == expected, text
+        assert task.extract_answer(f"work\n#### {text}") == expected, text
+        if expected is None:
+            with pytest.raises(ValueError, match="gold"):
+                task.preprocess({"question": "q", "answer": f"#### {text}"})
+            continue
+        assert task.preprocess({"question": "q", "answer": text})["gold"] == expected, text
+        gold = task.preprocess({"question": "q", "answer": f"steps\n#### {text}"})
+        assert gold["gold"] == expected, text
+        assert task.reward([f"#### {text}", f"#### {expected}"], [gold] * 2) == [1.0, 1.0], text
+    thousand = task.preprocess({"question": "q", "answer": "In 1 000 steps.\n#### 1 000"})
+    assert task.reward(["#### 1000", "#### 1,000", "#### 1 000", "#### 1", "#### 1 00"], [thousand] * 5) == [1.0] * 3 + [0.1] * 2
+    assert task.votes(["1 000", "1,000", "1000.0"], thousand) == [Fraction(1000)] * 3
+    # a reference without "####" is read from its start: a sentence is no number, however it ends
+    with pytest.raises(ValueError, match="gold"):
+        task.preprocess({"question": "q", "answer": "between 1 and 2 000"})
+
+
+@pytest.mark.parametrize("text", ["1 " * 50_000, "1 000" * 20_000, "\u00bd" * 100_000, "1" + " 000" * 25_000,
+                                  "9" * 100_000, "1,000 " * 16_000, "1\u00bd " * 33_000, "$ -" * 33_000 + "1"])
+def test_gsm8k_adversarial_numbers_return(text):
+    """Long runs of what a number is made of (space groups, vulgar fractions, digits): extraction reads a bounded head,
+    so these return (as no number or the number at the start) without scanning the 100 kB."""
+    from es_lightning.tasks.gsm8k import normalize_number
+
+    task = GSM8KTask(max_completion_chars=200_000)
+    ex = task.preprocess({"question": "q", "answer": "#### 1"})
+    assert normalize_number(text) in (None, "1", "1000", "0.5", "1.5")
+    assert task.reward([f"#### {text}"], [ex])[0] in (0.0, 0.1, 1.0)
+    assert _gold_or_none(task, text) in (None, "1", "1000", "0.5", "1.5")
+
+
+def _gold_or_none(task, text):
+    try:
+        return task.preprocess({"question": "q", "answer": text})["gold"]
+    except ValueError:
+        return None
 
 # ------------------------------------------------------------------------------------------ MATH
 def test_math_verify_rewards():

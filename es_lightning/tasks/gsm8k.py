@@ -5,9 +5,10 @@ The answer is read strictly from the last ``#### <number>`` of the completion, a
 is graded on the revision here) — with no fallback to "the last number in the text": a fallback would pay the
 format reward (Ba et al. 2026 convention, :mod:`es_lightning.tasks.base`) to completions that ignored the instruction.
 Numbers are compared exactly as fractions after removing thousands separators, ``$`` and a leading ``+``, so ``1,234``,
-``$1234``, ``1234.0`` and ``1234.00`` are all ``1234``, ``3/4`` is ``0.75`` (never ``3``) and the mixed number ``1 1/2``
-is ``1.5`` (never ``1``); a comma that groups no thousands (``12,34``, a decimal comma) or a vulgar fraction (``1½``)
-makes no number, as the gold answer's and the completion's alike. Nothing is ``eval``-ed.
+``1 234``, ``$1234``, ``1234.0`` and ``1234.00`` are all ``1234``, ``3/4`` is ``0.75`` (never ``3``), the mixed number
+``1 1/2`` and ``1½`` are ``1.5`` (never ``1``); a comma that groups no thousands (``12,34``, a decimal comma) makes no
+number, and a space that groups no thousands ends one (``12 3456`` is 12, never 123456), as the gold answer's and the
+completion's alike. Nothing is ``eval``-ed.
 """
 
 from __future__ import annotations
@@ -24,20 +25,40 @@ __all__ = ["GSM8KTask", "normalize_number"]
 
 #: verl's GSM8K instruction (examples/data_preprocess/gsm8k.py): the answer goes after "####"
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
-#: the whole part of a number: thousands grouped by commas (1,234,567, or India's 12,34,567) or plain digits, never
-#: followed by another group of digits: ``12,34`` (a decimal comma), ``1,2345`` and ``1234,567`` are no number, not 1234
-_WHOLE = r"(?:\d{1,3}(?:,\d{3})+|\d{1,2}(?:,\d{2})+,\d{3}|\d+)(?!,?\d)"
+#: what groups thousands by spaces: a space, a no-break space, a thin space or a narrow no-break space (SI's ``1 234``)
+_SPACE = "[ \u00a0\u2009\u202f]"
+#: a group of exactly three digits after a space (``1 000``; ``1 00`` and ``12 3456`` group nothing)
+_SPACE_GROUP = _SPACE + r"\d{3}(?!\d)"
+#: the whole part of a number: thousands grouped by commas (1,234,567, or India's 12,34,567), by spaces (1 234 567,
+#: as math-verify reads them) or plain digits, never followed by another group of digits: ``12,34`` (a decimal comma),
+#: ``1,2345`` and ``1234,567`` are no number, not 1234. A space is also a word's end, so a space before anything but a
+#: group of three digits ends the number (``12 3456`` and ``3 4`` are 12 and 3, ``5 2-liter bottles`` is 5), and plain
+#: digits followed by a group (``1234 567``, or ``1 000,5`` once the grouped reading is refused) are no number, never a
+#: prefix of it
+_WHOLE = (r"(?:\d{1,3}(?:,\d{3})+|\d{1,2}(?:,\d{2})+,\d{3}|\d{1,3}(?:" + _SPACE_GROUP + r")+|\d+(?!" + _SPACE_GROUP
+          + r"))(?!,?\d)")
+#: the unicode vulgar fractions and their values: ``1½`` is 1.5, ``2 ¾`` 2.75 and ``½`` 0.5
+_VULGAR = {"\u00bc": Fraction(1, 4), "\u00bd": Fraction(1, 2), "\u00be": Fraction(3, 4), "\u2150": Fraction(1, 7),
+           "\u2151": Fraction(1, 9), "\u2152": Fraction(1, 10), "\u2153": Fraction(1, 3), "\u2154": Fraction(2, 3),
+           "\u2155": Fraction(1, 5), "\u2156": Fraction(2, 5), "\u2157": Fraction(3, 5), "\u2158": Fraction(4, 5),
+           "\u2159": Fraction(1, 6), "\u215a": Fraction(5, 6), "\u215b": Fraction(1, 8), "\u215c": Fraction(3, 8),
+           "\u215d": Fraction(5, 8), "\u215e": Fraction(7, 8)}
+_VULGAR_CLASS = "[" + "".join(_VULGAR) + "]"
 #: a number right after "####": optional sign and "$" in either order, the whole part, optional decimals
 #: ASCII digits only (``re.ASCII``), as verl's GSM8K reward reads them (``[0-9]``): ``#### ١٢٣٤`` is no answer, as in
 #: Countdown and the arithmetic tasks
 #: a fraction ``3/4`` is read whole (as 0.75), never as its numerator, also at the end of a sentence (``3/4.``, as
-#: ``18.`` is 18), and so is a mixed number ``1 1/2`` (1.5, never 1); an exponent (``1e3``) is no GSM8K number
+#: ``18.`` is 18), and so is a mixed number ``1 1/2`` or ``1½`` (1.5, never 1) and a vulgar fraction alone (``½``);
+#: an exponent (``1e3``) is no GSM8K number
 _AFTER_MARK = re.compile(
-    r"\s*(?:\$\s*)?([-+]?)\s*(?:\$\s*)?(" + _WHOLE + r"(?:\.\d+)?|\.\d+)"
-    r"(?:[ \t]+(\d+)[ \t]*/[ \t]*(\d+)(?!\d|\.\d)|\s*/\s*(\d+)(?!\d|\.\d))?", re.ASCII)
+    r"\s*(?:\$\s*)?([-+]?)\s*(?:\$\s*)?(?:(" + _WHOLE + r"(?:\.\d+)?|\.\d+)"
+    r"(?:[ \t]+(\d+)[ \t]*/[ \t]*(\d+)(?!\d|\.\d)|\s*/\s*(\d+)(?!\d|\.\d)|[ \t]*(" + _VULGAR_CLASS + r"))?"
+    r"|(" + _VULGAR_CLASS + r"))", re.ASCII)
 #: what may not follow a number: an exponent, a slash that does not make a fraction (``3/4.5``, ``10/10/2020``), more
-#: digits after a comma or a point (``1.234,56``, ``1.2.3``), or a vulgar fraction (``1½``, which is not 1)
-_NOT_AFTER = re.compile(r"[eE][-+]?\d|\s*/\s*[\d.]|[,.]\d|[ \t]*[\u00bc-\u00be\u2150-\u215e]", re.ASCII)
+#: digits after a comma or a point (``1.234,56``, ``1.2.3``), digits or another vulgar fraction after a vulgar fraction
+#: (``1½3``, ``1½½``), or a fraction written with a fraction or division slash (``1⁄2``, ``1⅟2``), which is not 1
+_NOT_AFTER = re.compile(r"[eE][-+]?\d|\s*/\s*[\d.]|[,.]\d|\d|[ \t]*[\u00bc-\u00be\u2150-\u215f\u2189\u2044\u2215]",
+                        re.ASCII)
 _MAX_NUMBER_CHARS = 40
 
 
@@ -46,16 +67,21 @@ def normalize_number(text: str) -> str | None:
 
     A fraction is its exact value: ``"3/4"`` → ``"0.75"``, ``"1/3"`` → ``"1/3"`` (reading ``3/4`` as ``3`` paid a
     completion that wrote ``3/4`` for a gold of 3, and turned a reference answer ``3/4`` into a gold of 3), and so is a
-    mixed number: ``"1 1/2"`` → ``"1.5"``. A number written with an exponent (``1e3``), with commas that group no
-    thousands (``12,34``) or with a vulgar fraction (``1½``) is not one (``None``)."""
+    mixed number: ``"1 1/2"`` → ``"1.5"``, ``"1½"`` → ``"1.5"``. Thousands grouped by spaces are one number:
+    ``"12 345 678"`` → ``"12345678"``, but a space before anything other than three digits ends it: ``"12 3456"`` →
+    ``"12"``. A number written with an exponent (``1e3``), with commas that group no thousands (``12,34``) or with a
+    fraction slash (``1⁄2``) is not one (``None``), nor is ``1 100/200`` (1100/200 or 1 + 100/200)."""
     if not isinstance(text, str):
         return None
     head = text[: 4 * _MAX_NUMBER_CHARS + 16]  # room for a mixed number's three parts, with thousands commas
     match = _AFTER_MARK.match(head)
     if match is None or match.end() > len(head) - 8 and len(text) > len(head) or _NOT_AFTER.match(head, match.end()):
         return None  # no number, one that may run on past the head (a cut denominator), or one followed by more
-    sign, digits, numerator, denominator, divisor = match.groups()
-    digits = digits.replace(",", "")
+    sign, digits, numerator, denominator, divisor, vulgar, alone = match.groups()
+    if alone is not None:  # a vulgar fraction alone: ½
+        digits, vulgar = "0", alone
+    grouped_by_spaces = re.search(_SPACE, digits) is not None
+    digits = re.sub("[," + _SPACE[1:], "", digits)
     if max(len(digits), len(numerator or ""), len(denominator or ""), len(divisor or "")) > _MAX_NUMBER_CHARS:
         return None
     value = Decimal(digits)  # an exact decimal: only digits and at most one "." reach here
@@ -64,8 +90,12 @@ def normalize_number(text: str) -> str | None:
         if "." in digits or not 0 < int(numerator) < int(denominator):
             return None
         exact = Fraction(value) + Fraction(int(numerator), int(denominator))
+    elif vulgar is not None:  # a mixed number with a vulgar fraction (1½); 1.5½ is none
+        if "." in digits:
+            return None
+        exact = Fraction(value) + _VULGAR[vulgar]
     elif divisor is not None:
-        if int(divisor) == 0:
+        if int(divisor) == 0 or grouped_by_spaces:  # 1 100/200: 1100/200 or 1 + 100/200? no number
             return None
         exact = Fraction(value) / int(divisor)
     if exact is not None:
