@@ -111,6 +111,11 @@ def _shown(value: Any) -> str:
     return "null (carved off the train split)" if value is False else "null" if value is None else str(value)
 
 
+def _rows(ds):
+    """The rows of ``ds`` as dicts, read a thousand at a time."""
+    return (dict(zip(batch, values)) for batch in ds.iter(batch_size=1000) for values in zip(*batch.values()))
+
+
 def _collate(examples: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return list(examples)
 
@@ -202,10 +207,11 @@ class ReasoningDataModule(L.LightningDataModule):
         seed: seeds generation, shuffling and carving.
         num_workers: DataLoader workers (0 is right for in-memory prompt lists).
         drop_invalid_rows: a dataset's rows the task refuses (``Task.preprocess`` raises ``ValueError``: a MATH row
-            without an answer, a GSM8K row without ``#### <number>``) are dropped, with one warning per split naming
-            how many. By default the run is refused in one line naming how many there are and the first (its row
-            number in the source split, counting from 0, and why): a silently smaller val/test set would compare
-            differently with other runs'.
+            without an answer, a GSM8K row without ``#### <number>``) are dropped before the rows are drawn (every
+            row of the splits read is read: the sizes hold), with one warning per split naming how many. By default
+            the rows drawn are the only ones read, and the run is refused if the task refuses some, in one line naming
+            how many there are and the first (its row number in the source split, counting from 0, and why): a
+            silently smaller val/test set would compare differently with other runs'.
     """
 
     def __init__(
@@ -278,12 +284,25 @@ class ReasoningDataModule(L.LightningDataModule):
         for split, name in (("val", val_split), ("test", self.test_split)):
             out[split] = dsets[name] if name is not None and name in dsets else None  # None: carved off train below
         names = {"train": self.train_split, "val": val_split, "test": self.test_split}
-        for split, ds in out.items():  # before carving and sizing: a row number is the source split's
+        for split, ds in out.items():  # a missing column first: no row count can mend it
             if ds is not None:
-                out[split] = self.valid_rows(ds, names[split])
-        mapped_train = self.map_columns(out["train"], "train")  # a missing column first: no row count can mend it
+                self.map_columns(ds, names[split])
         carving = [split for split in ("test", "val") if out[split] is None]
-        keys = self._problem_keys(mapped_train) if carving and len(mapped_train) else None
+        #: the source split each split's rows come from (a carved one: the train split), and how many rows it has
+        source_of = {split: self.train_split if out[split] is None else names[split] for split in out}
+        source_rows = {names[split]: len(ds) for split, ds in out.items() if ds is not None}
+        #: per split, the row numbers of its rows in that source split
+        at: dict[str, Any] = {split: range(len(ds)) for split, ds in out.items() if ds is not None}
+        keys = None
+        if self.drop_invalid_rows:  # before carving and sizing, so that the sizes hold: every row of the splits read
+            for split, ds in out.items():
+                if ds is not None:
+                    with_keys = split == "train" and bool(carving)  # the pass carving needs, not a second one
+                    refused, found = self._refused_rows(self.map_columns(ds, names[split]), with_keys)
+                    out[split], at[split] = self._without(ds, names[split], refused)
+                    keys = [found[i] for i in at[split]] if with_keys else keys
+        elif carving and len(out["train"]):  # carving reads every row's problem: a refused row is a problem of its own
+            keys = self._refused_rows(self.map_columns(out["train"], self.train_split), True)[1]
         self._check_carving(out, len(set(keys)) if keys is not None else None)
         self._held_out = {f"{split}_split": out[split] is not None and name  # the split read, else False: carved
                           for split, name in (("test", self.test_split), ("val", val_split))}
@@ -292,53 +311,91 @@ class ReasoningDataModule(L.LightningDataModule):
             self._held_out[f"{split}_size"] = size
             n = size if size is not None else max(1, len(set(keys)) // 10)
             if n == 0:  # data.{split}_size: 0, no held-out rows
-                out[split] = out["train"].select([])
+                out[split], at[split] = out["train"].select([]), []
                 continue
             kept, held = carve_problems(keys, n, self.seed)
             out["train"], out[split] = out["train"].select(kept), out["train"].select(held)
+            at["train"], at[split] = [at["train"][i] for i in kept], [at["train"][i] for i in held]
             keys = [keys[i] for i in kept]
-        result = {}
+        drawn = {}
         for split, ds in out.items():
-            ds = self.map_columns(ds, split)
             size = {"train": self.train_size, "val": self.val_size, "test": self.test_size}[split]
-            if size is not None and len(ds) > size:
-                ds = ds.shuffle(seed=self.seed).select(range(size))
-            result[split] = [self.task.preprocess(dict(r)) for r in ds]
+            if size is not None and len(ds) > size:  # the rows of ds.shuffle(seed=self.seed).select(range(size))
+                import numpy as np
+
+                picked = np.random.default_rng(self.seed).permutation(len(ds))[:size].tolist()
+                ds, at[split] = ds.select(picked), [at[split][i] for i in picked]
+            drawn[split] = self.map_columns(ds, split)
+        return self._preprocess_drawn(drawn, at, source_of, source_rows)
+
+    def _preprocess_drawn(self, drawn: dict[str, Any], at: dict[str, Any], source_of: dict[str, str],
+                          source_rows: dict[str, int]) -> dict[str, list[dict[str, Any]]]:
+        """The rows drawn for each split (``drawn``), preprocessed: the rows used, and only those, are read however
+        large the source. Rows the task refuses are refused together in one line naming how many of the rows drawn
+        from their source split (``source_of``; ``source_rows``: its size) there are, the first's row number there
+        (``at``) and the task's reason, and the fix."""
+        result: dict[str, list[dict[str, Any]]] = {}
+        refused: dict[str, dict[int, ValueError]] = {}  # source split -> row number there -> the task's reason
+        used: dict[str, int] = {}
+        for split, ds in drawn.items():
+            name = source_of[split]
+            used[name] = used.get(name, 0) + len(ds)
+            result[split] = []
+            for i, row in enumerate(_rows(ds)):
+                try:
+                    result[split].append(self.task.preprocess(row))
+                except ValueError as err:
+                    refused.setdefault(name, {})[at[split][i]] = err
+        for name, bad in refused.items():
+            first = min(bad)
+            of = (f"{used[name]} rows of the {name!r} split" if used[name] == source_rows[name]
+                  else f"{used[name]} rows drawn from the {source_rows[name]} rows of the {name!r} split")
+            raise ValueError(f"{len(bad)} of the {of} of data.source {self.source!r} are refused by task "
+                             f"{self.task.name!r}, the first (row {first}, counting from 0) as: {bad[first]} — fix those "
+                             f"rows{DROP_INVALID_HINT}")
         return result
 
     def valid_rows(self, ds, split: str):
         """``ds`` (a split of the source, named ``split`` there) without the rows the task refuses: with
         ``drop_invalid_rows``, dropped with one warning naming how many; otherwise refused in one line naming how many,
-        the first's row number and the task's reason, and the fix."""
-        mapped, task = self.map_columns(ds, split), self.task
-        refused: list[int] = []
-        reason = None
-        rows = (dict(zip(batch, values)) for batch in mapped.iter(batch_size=1000) for values in zip(*batch.values()))
-        for i, row in enumerate(rows):
+        the first's row number and the task's reason, and the fix. Reads every row (a fit reads only those it draws,
+        unless it drops: :meth:`_load_datasets`)."""
+        refused, _ = self._refused_rows(self.map_columns(ds, split), False)
+        return self._without(ds, split, refused)[0]
+
+    def _refused_rows(self, mapped, with_keys: bool) -> tuple[dict[int, ValueError], list[Any] | None]:
+        """One pass over ``mapped`` (a split, its columns the task's): the rows the task refuses (row number → the
+        task's reason) and, ``with_keys``, each row's problem identity (``Task.pool_key`` of the preprocessed record,
+        as procedural problems are split; a refused row's is its own, ``("refused", row)``): the rows of one problem
+        are carved to the same side, so a dataset that repeats a problem never holds it out and trains on it too."""
+        task = self.task
+        refused: dict[int, ValueError] = {}
+        keys: list[Any] | None = [] if with_keys else None
+        for i, row in enumerate(_rows(mapped)):
             try:
-                task.preprocess(row)
+                example = task.preprocess(row)
             except ValueError as err:
-                refused.append(i)
-                reason = reason or err
+                refused[i] = err
+                example = None
+            if keys is not None:
+                keys.append(("refused", i) if example is None else task.pool_key(example))
+        return refused, keys
+
+    def _without(self, ds, split: str, refused: dict[int, ValueError]) -> tuple[Any, Any]:
+        """``ds`` without its ``refused`` rows (with ``drop_invalid_rows``, and one warning naming how many) and the
+        row numbers kept; without that option the rows are refused in one line naming how many, the first and the fix."""
         if not refused:
-            return ds
+            return ds, range(len(ds))
+        first = min(refused)
         what = (f"{len(refused)} of the {len(ds)} rows of the {split!r} split of data.source {self.source!r} are "
-                f"refused by task {task.name!r}, the first (row {refused[0]}, counting from 0) as: {reason}")
+                f"refused by task {self.task.name!r}, the first (row {first}, counting from 0) as: {refused[first]}")
         if not self.drop_invalid_rows:
             raise ValueError(f"{what} — fix those rows{DROP_INVALID_HINT}")
         from lightning.pytorch.utilities import rank_zero_warn
 
         rank_zero_warn(f"data.drop_invalid_rows: dropped {what}")
-        dropped = set(refused)
-        return ds.select([i for i in range(len(ds)) if i not in dropped])
-
-    def _problem_keys(self, ds) -> list[str]:
-        """Each row's problem identity (``Task.pool_key`` of the preprocessed record, as procedural problems are
-        split): the rows of one problem are carved to the same side, so a dataset that repeats a problem never holds
-        it out and trains on it too."""
-        task = self.task
-        return [task.pool_key(task.preprocess(dict(zip(batch, values))))
-                for batch in ds.iter(batch_size=1000) for values in zip(*batch.values())]
+        kept = [i for i in range(len(ds)) if i not in refused]
+        return ds.select(kept), kept
 
     def _check_carving(self, out: dict[str, Any], problems: int | None) -> None:
         """Refuse, naming the source and its size, a train split too small for the val/test problems carved off it

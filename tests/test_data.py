@@ -248,3 +248,80 @@ def test_a_resume_names_a_val_split_that_changes_the_training_rows(tmp_path):
     with pytest.warns(UserWarning, match=r"differ in \['val_split'\].*resume with its val_split=validation\)$"):
         carving.load_state_dict(saved)
     assert len(carving.splits["train"]) == 10
+
+
+class _CountingGSM8K(GSM8KTask):
+    """GSM8K that records the question of every row it preprocesses (a custom task, as a user's ``class_path``)."""
+
+    def __init__(self, **task_kwargs):
+        super().__init__(**task_kwargs)
+        self.read = []
+
+    def preprocess(self, example):
+        self.read.append(example["question"])
+        return super().preprocess(example)
+
+
+def _gsm8k_rows(split, n, bad=()):
+    return [{"question": f"{split} {i}", "answer": "no final number" if i in bad else f"work\n#### {i}"} for i in range(n)]
+
+
+def test_only_the_rows_drawn_are_preprocessed_and_checked(tmp_path):
+    """``valid_rows`` ran the task's ``preprocess`` over every row of each split read (a Python loop per rank at setup
+    over the whole source, a second one over a carved train split for its problems, a third over the rows drawn), and
+    refused a source for a bad row no split would use. The rows drawn are now the only ones read (once), and only
+    they are checked: the rows drawn are those drawn before, a bad row drawn is named by its row number in its split
+    with the count of the rows drawn from it, and a bad row nobody draws is not read at all."""
+    splits = {"train": _gsm8k_rows("train", 3000, bad={1, 2999}), "validation": _gsm8k_rows("validation", 200),
+              "test": _gsm8k_rows("test", 300, bad={0})}
+    expected = {}  # the rows drawn, as ds.shuffle(seed).select(range(size)) drew them
+    for split, size in (("train", 16), ("validation", 4), ("test", 8)):
+        _write_jsonl(tmp_path / f"{split}.jsonl", splits[split])
+        expected[split] = [r["question"] for r in datasets.Dataset.from_list(splits[split]).shuffle(seed=3).select(range(size))]
+    assert not {"train 1", "train 2999", "test 0"} & {q for qs in expected.values() for q in qs}  # never drawn
+    task = _CountingGSM8K()
+    dm = ReasoningDataModule(task, source=str(tmp_path), train_size=16, val_size=4, test_size=8, seed=3)
+    dm.setup()
+    assert {split: [e["question"] for e in dm.splits[split]] for split in ("train", "val", "test")} == {
+        "train": expected["train"], "val": expected["validation"], "test": expected["test"]}
+    assert sorted(task.read) == sorted(q for qs in expected.values() for q in qs)  # 28 rows, each once
+
+    drawn_bad = int(expected["train"][5].split()[1])  # a row drawn for training, the task refuses
+    splits["train"][drawn_bad]["answer"] = "no final number"
+    _write_jsonl(tmp_path / "train.jsonl", splits["train"])
+    with pytest.raises(ValueError) as refused:
+        ReasoningDataModule(_CountingGSM8K(), source=str(tmp_path), train_size=16, val_size=4, test_size=8, seed=3).setup()
+    assert str(refused.value).startswith(
+        f"1 of the 16 rows drawn from the 3000 rows of the 'train' split of data.source {str(tmp_path)!r} are refused by "
+        f"task 'gsm8k', the first (row {drawn_bad}, counting from 0) as: GSM8K record without a final")
+    assert str(refused.value).endswith("— fix those rows, or set data.drop_invalid_rows: true to train and evaluate "
+                                       "without them") and "\n" not in str(refused.value)
+    with pytest.raises(ValueError, match=r"^1 of the 300 rows of the 'test' split .* the first \(row 0, counting from 0\)"):
+        ReasoningDataModule(_CountingGSM8K(), source=str(tmp_path), train_size=16, val_size=4, test_size=None).setup()
+
+
+def test_a_carved_train_split_is_read_once_and_dropping_reads_every_row_once(tmp_path):
+    """Carving val/test off a train split reads every row's problem (a problem is held out whole): that pass is now
+    also the check of the rows carving uses, so a bad row neither carved nor drawn is no refusal. With
+    ``drop_invalid_rows`` the bad rows are dropped before drawing — the rows drawn are those of the source without them,
+    and the sizes hold — which needs a pass over every row: it is one pass (check and problems together), not two."""
+    rows = _gsm8k_rows("train", 500, bad={3, 250, 499})
+    _write_jsonl(tmp_path / "train.jsonl", rows)
+    _write_jsonl(tmp_path / "clean.jsonl", [r for i, r in enumerate(rows) if i not in (3, 250, 499)])
+    settings = dict(train_size=16, val_size=4, test_size=4, seed=1)
+    task = _CountingGSM8K()
+    dm = ReasoningDataModule(task, source=str(tmp_path / "train.jsonl"), **settings)
+    dm.setup()
+    used = [e["question"] for split in ("train", "val", "test") for e in dm.splits[split]]
+    assert len(used) == 24 and not {"train 3", "train 250", "train 499"} & set(used)
+    assert len(task.read) == 500 + 24  # every row once for its problem, then the rows drawn
+
+    dropping = _CountingGSM8K()
+    dm = ReasoningDataModule(dropping, source=str(tmp_path / "train.jsonl"), drop_invalid_rows=True, **settings)
+    with pytest.warns(UserWarning, match=r"^data.drop_invalid_rows: dropped 3 of the 500 rows of the 'train' split .*"
+                                         r"the first \(row 3, counting from 0\)"):
+        dm.setup()
+    assert len(dropping.read) == 500 + 24  # was 500 (check) + 497 (problems) + 24
+    clean = ReasoningDataModule("gsm8k", source=str(tmp_path / "clean.jsonl"), **settings)
+    clean.setup()
+    assert dm.splits == clean.splits and len(dm.splits["train"]) == 16
