@@ -9,8 +9,8 @@ make the command a user runs (``class CommandCLI(CommandMixin, ESLightningCLI)``
   (:func:`~es_lightning.run_dirs.resolve_last`), and — each process of a multi-process run resolves it alone —
   stops them all in one line at setup when they would start from different checkpoints (node-local disks);
 - stops every process of a multi-process fit after the same step on a SIGTERM, and every process of a SLURM fit on
-  SLURM's requeue signal, which it then saves and requeues (:mod:`es_lightning.callbacks.sigterm`); a SLURM
-  ``validate`` / ``test`` on that signal stops after the same batch, saying nothing was saved nor requeued;
+  SLURM's requeue signal, which it then saves and requeues (:mod:`es_lightning.callbacks.sigterm`); a
+  ``validate`` / ``test`` on either stops every process after the same batch, saying nothing was saved (nor requeued);
 - shows a step bar on a terminal and progress lines in a log (:mod:`es_lightning.console`);
 - after a fit, says where everything went — or that nothing was trained; after a failure, removes the run directory
   it had just created if nothing but its startup files landed there;
@@ -20,6 +20,7 @@ make the command a user runs (``class CommandCLI(CommandMixin, ESLightningCLI)``
 
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 
@@ -58,7 +59,7 @@ class _FitRecord(L.Callback):
         sigterm.agree(trainer)
 
     def on_validation_batch_end(self, trainer, pl_module, *args, **kwargs) -> None:
-        sigterm.agree_evaluation(trainer)  # validate / test under SLURM: all stop after the same batch on its signal
+        sigterm.agree_evaluation(trainer)  # validate / test: all stop after the same batch on SIGTERM or SLURM requeue
 
     def on_test_batch_end(self, trainer, pl_module, *args, **kwargs) -> None:
         sigterm.agree_evaluation(trainer)
@@ -112,14 +113,16 @@ def stopped_summary(trainer: L.Trainer, subcommand: str) -> None:
     path = getattr(checkpoint, "last_model_path", "") if checkpoint is not None else ""
     requeued = sigterm.requeue_requested(trainer)
     cut = sigterm.evaluation_cut(trainer)
-    by = "SIGTERM" if requeued is None and not cut else f"SLURM's requeue signal ({sigterm.requeue_signal(trainer).name})"
-    if cut:  # an evaluation has nothing to resume, and a requeued one would meet the same time limit again
+    by_requeue = requeued is not None or cut not in (None, signal.SIGTERM)
+    by = f"SLURM's requeue signal ({sigterm.requeue_signal(trainer).name})" if by_requeue else "SIGTERM"
+    if subcommand != "fit" and by_requeue:  # an evaluation has nothing to resume; requeued, it would meet the same limit
         limit = "limit_test_batches" if subcommand == "test" else "limit_val_batches"
         line = (f"stopped by {by} during {subcommand}: the evaluation was cut, nothing was saved and the job was not "
                 f"requeued; give the job more time (#SBATCH --time) or fewer batches (--trainer.{limit}) and submit "
                 "it again")
-    elif subcommand != "fit":
-        line = f"stopped by {by} during {subcommand}"
+    elif subcommand != "fit":  # SIGTERM: agreed by the ranks (several processes), or Lightning's handler (one)
+        line = (f"stopped by {by} during {subcommand}: the evaluation was cut and nothing was saved; run the command "
+                "again to evaluate from the start")
     elif path:
         saved = getattr(checkpoint, "_last_global_step_saved", None)
         line = (f"stopped by {by} at step {trainer.global_step}; {path} holds step {saved}: resume with the same "
@@ -138,9 +141,10 @@ def stopped_summary(trainer: L.Trainer, subcommand: str) -> None:
 def stopped_status(trainer: L.Trainer) -> int:
     """The command's exit status after a stop by signal: 128 + the signal's number, as a shell reports a process that
     signal ended (143 for SIGTERM, 138 for SLURM's default requeue signal SIGUSR1)."""
-    if sigterm.requeue_requested(trainer) is not None or sigterm.evaluation_cut(trainer):
+    if sigterm.requeue_requested(trainer) is not None:
         return 128 + int(sigterm.requeue_signal(trainer))
-    return SIGTERM_STATUS
+    cut = sigterm.evaluation_cut(trainer)
+    return SIGTERM_STATUS if cut is None else 128 + int(cut)
 
 
 class CommandMixin:

@@ -111,3 +111,27 @@ class SignalRankAtStep(L.Callback):
         import sys
 
         print(f"rank {trainer.global_rank} stopped at step {trainer.global_step}", file=sys.stderr, flush=True)
+
+
+class SignalRankInEvaluation(L.Callback):
+    """Rank ``rank`` alone gets signal ``signum`` (a name) when ``validate`` / ``test`` batch ``batch`` starts; every
+    rank says the evaluation batches it finished on stderr (``rank R stopped after N evaluation batches``)."""
+
+    def __init__(self, signum: str = "SIGTERM", rank: int = 0, batch: int = 1) -> None:
+        self.signum, self.rank, self.batch = signum, rank, batch
+
+    def on_validation_batch_start(self, trainer, module, batch, batch_idx, dataloader_idx=0):
+        if trainer.global_rank == self.rank and batch_idx == self.batch:
+            import os
+            import signal
+
+            os.kill(os.getpid(), getattr(signal, self.signum))
+
+    on_test_batch_start = on_validation_batch_start
+
+    def on_exception(self, trainer, module, exception):
+        import sys
+
+        loop = trainer.test_loop if trainer.testing else trainer.validate_loop
+        print(f"rank {trainer.global_rank} stopped after {loop.batch_progress.total.completed} evaluation batches",
+              file=sys.stderr, flush=True)

@@ -87,12 +87,13 @@ def test_a_distributed_process_ends_past_the_interpreter_teardown(tmp_path):
     assert files == {"thread": "done", "atexit": "False"}
 
 
-def _distributed_fit(tmp_path, *extra):
-    """`es-lightning fit` of es.yaml for 1 step on 2 DDP processes, every process armed with the teardown bomb."""
+def _distributed_fit(tmp_path, *extra, subcommand="fit"):
+    """`es-lightning fit` (or ``subcommand``) of es.yaml for 1 step on 2 DDP processes, every process armed with the
+    teardown bomb."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": os.pathsep.join([teardown_bomb(tmp_path / "bomb"), str(ROOT), str(ROOT / "tests")])}
     return subprocess.run(
-        [sys.executable, "-m", "es_lightning.cli", "fit", "--config", str(ROOT / "recipes" / "es.yaml"),
+        [sys.executable, "-m", "es_lightning.cli", subcommand, "--config", str(ROOT / "recipes" / "es.yaml"),
          "--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "ddp",
          "--trainer.max_steps", "1", "--trainer.logger", "false", "--trainer.enable_checkpointing", "false", *extra],
         cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
@@ -151,6 +152,25 @@ def test_a_sigterm_stops_every_rank_after_the_same_step_and_saves_it(tmp_path):
             "--ckpt_path last")
     assert proc.stderr.splitlines().count(line) == 1, proc.stderr[-3000:]
     assert torch.load(ckpt, weights_only=True)["global_step"] == 2
+
+
+def test_a_sigterm_during_a_distributed_evaluation_stops_every_rank_after_the_same_batch(tmp_path):
+    """A SIGTERM reaching rank 0 as its second validation batch starts (rank 1 is told later, by Lightning's launcher):
+    Lightning's handler broadcast from inside the signal handler, wherever each rank was, and each rank stopped after
+    the batch its own signal arrived in. Now the ranks agree after each batch, both stop after the same one, nothing is
+    saved, and the command says so in one line and exits 143 (128 + SIGTERM), as a fit stopped by SIGTERM does."""
+    proc = _distributed_fit(tmp_path, "--trainer.callbacks+=es_helpers.SignalRankInEvaluation",
+                            "--data.init_args.val_size", "16", "--data.init_args.val_batch_size", "2",
+                            "--trainer.callbacks+=es_lightning.RunCheckpoint",
+                            "--trainer.callbacks.init_args.dirpath", str(tmp_path / "ckpt"), subcommand="validate")
+    assert proc.returncode == 143, (proc.returncode, proc.stderr[-3000:])
+    stops = sorted(line for line in proc.stderr.splitlines() if " evaluation batches" in line)
+    assert stops == ["rank 0 stopped after 2 evaluation batches", "rank 1 stopped after 2 evaluation batches"], \
+        proc.stderr[-3000:]
+    line = ("es-lightning validate: stopped by SIGTERM during validate: the evaluation was cut and nothing was saved; "
+            "run the command again to evaluate from the start")
+    assert proc.stderr.splitlines().count(line) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert not list(tmp_path.rglob("*.ckpt"))
 
 
 NODE_LOCAL = textwrap.dedent(
@@ -218,8 +238,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _slurm_fit(tmp_path, *extra, nodes=1, cwds=None):
-    """`es-lightning fit` of es.yaml as ``srun`` starts it in a SLURM job of 2 tasks (on ``nodes`` nodes): two
+def _slurm_fit(tmp_path, *extra, nodes=1, cwds=None, subcommand="fit"):
+    """`es-lightning fit` (or ``subcommand``) of es.yaml as ``srun`` starts it in a SLURM job of 2 tasks (on ``nodes`` nodes): two
     processes started here, each with SLURM's variables for its rank (Lightning's ``SLURMEnvironment``, auto-requeue
     on), ``scontrol`` a script first on ``PATH`` that appends its arguments to ``scontrol.log``; rank ``r`` runs in
     ``cwds[r]`` (default ``tmp_path``). Returns ``(status, stderr)`` of each rank."""
@@ -238,7 +258,7 @@ def _slurm_fit(tmp_path, *extra, nodes=1, cwds=None):
         local = rank % (2 // nodes)
         ranked = {**env, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(local), "SLURM_NODEID": str(rank // (2 // nodes))}
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "es_lightning.cli", "fit", "--config", str(ROOT / "recipes" / "es.yaml"),
+            [sys.executable, "-m", "es_lightning.cli", subcommand, "--config", str(ROOT / "recipes" / "es.yaml"),
              "--trainer.accelerator", "cpu", "--trainer.max_steps", "1", "--trainer.logger", "false",
              "--trainer.enable_checkpointing", "false", *extra, "--trainer.devices", str(2 // nodes),
              "--trainer.num_nodes", str(nodes)], cwd=(cwds or [tmp_path, tmp_path])[rank], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -282,6 +302,23 @@ def test_slurm_requeue_signal_stops_every_rank_after_the_same_step_saves_it_and_
     assert len(restored) == 1 and restored[0].endswith(ckpt), err0[-3000:]
     assert torch.load(tmp_path / ckpt.replace("version_0", "version_1"), weights_only=True)["global_step"] == 4
     assert "stopped at step" not in err0 + err1 and (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"
+
+
+def test_a_sigterm_reaching_one_rank_of_a_slurm_evaluation_stops_every_rank_after_the_same_batch(tmp_path):
+    """A SIGTERM reaching rank 1 alone of a 2-task SLURM ``validate`` (as its second batch starts; rank 0 is told
+    nothing): Lightning's handler broadcast from inside the signal handler, a collective rank 0 never joined, and rank 1
+    alone stopped — the job hung in the evaluation's closing collectives. Now the ranks agree after each batch, both
+    stop after the same one, nothing is saved nor requeued, and the command exits 143 with its one line."""
+    (status0, err0), (status1, err1) = _slurm_fit(
+        tmp_path, "--trainer.callbacks+=es_helpers.SignalRankInEvaluation", "--trainer.callbacks.init_args.rank", "1",
+        "--data.init_args.val_size", "16", "--data.init_args.val_batch_size", "2", subcommand="validate")
+    assert (status0, status1) == (143, 143), (status0, status1, err0[-3000:], err1[-3000:])
+    assert "rank 0 stopped after 2 evaluation batches" in err0 and "rank 1 stopped after 2 evaluation batches" in err1, \
+        (err0[-3000:], err1[-3000:])
+    line = ("es-lightning validate: stopped by SIGTERM during validate: the evaluation was cut and nothing was saved; "
+            "run the command again to evaluate from the start")
+    assert err0.splitlines().count(line) == 1 and "stopped by" not in err1, (err0[-3000:], err1[-3000:])
+    assert not (tmp_path / "scontrol.log").exists() and not list(tmp_path.rglob("*.ckpt"))
 
 
 def test_sharded_checkpoints_on_disks_local_to_each_node_are_refused_at_setup(tmp_path):

@@ -496,6 +496,23 @@ def test_slurm_requeue_signal_during_an_evaluation_stops_it_without_saving_or_re
     assert not (tmp_path / "scontrol.log").exists() and not list(tmp_path.rglob("*.ckpt"))
 
 
+def test_a_sigterm_during_an_evaluation_on_one_process_says_it_was_cut(tmp_path, monkeypatch, capsys):
+    """One process, no SLURM: Lightning's own SIGTERM handler stops ``test`` after the batch in progress (no
+    collective to agree on); the command says in one line that the evaluation was cut and nothing was saved — the line
+    of several processes, which agree on the batch — and exits 143. It said only "stopped by SIGTERM during test"."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stopped:
+        cli_main(["test", "--config", str(ROOT / "recipes" / "es.yaml"), "--data.init_args.test_size", "6",
+                  "--data.init_args.val_batch_size", "2", "--trainer.enable_progress_bar", "false",
+                  "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.callbacks+",
+                  "es_helpers.SignalRankInEvaluation"])
+    assert stopped.value.code == 143
+    err = capsys.readouterr().err
+    assert ("es-lightning test: stopped by SIGTERM during test: the evaluation was cut and nothing was saved; run the "
+            "command again to evaluate from the start") in err.splitlines(), err[-3000:]
+    assert "rank 0 stopped after 2 evaluation batches" in err and not list(tmp_path.rglob("*.ckpt"))
+
+
 def test_an_explicit_ckpt_path_resumes_with_the_configured_settings(tmp_path, monkeypatch):
     """`--ckpt_path <file>` runs what the command configures, as `--ckpt_path last` does: Lightning's LightningCLI
     would replace the configured model settings with the checkpoint's hyperparameters (a `--model.init_args.sigma`

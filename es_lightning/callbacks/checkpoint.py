@@ -242,7 +242,7 @@ class RunCheckpoint(ModelCheckpoint):
         self.save_now(trainer)
 
     def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args, **kwargs) -> None:
-        sigterm.agree_evaluation(trainer)  # validate under SLURM: every rank stops after the same batch on its signal
+        sigterm.agree_evaluation(trainer)  # validate / test: every rank stops after the same batch on SIGTERM or requeue
 
     def on_test_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args, **kwargs) -> None:
         sigterm.agree_evaluation(trainer)

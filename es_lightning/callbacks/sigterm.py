@@ -16,9 +16,9 @@ step's centre weights still perturbed by a member's noise) — written to ``hpc_
 
 :func:`install` (called at ``setup`` by :class:`~es_lightning.RunCheckpoint` and by the ``es-lightning`` command) takes
 over both of Lightning's handlers on the trainer's own signal connector — the methods Lightning composes into its
-handlers when it registers them after ``setup`` — so that they only note the signal: SIGTERM when the fit has more than
-one process (and it is passed on to processes Lightning launched, as Lightning's handler does), the requeue signal
-whenever SLURM auto-requeue is on (one process too). Done from the project's callbacks rather than a cluster-environment
+handlers when it registers them after ``setup`` — so that they only note the signal: SIGTERM when the fit, validate or
+test has more than one process (and it is passed on to processes Lightning launched, as Lightning's handler does), the
+requeue signal whenever SLURM auto-requeue is on (one process too). Done from the project's callbacks rather than a cluster-environment
 plugin of its own: the environment stays Lightning's (ranks, addresses; ``SLURMEnvironment(auto_requeue=False)`` still
 turns requeueing off), a recipe or job script needs no plugin in its configuration, and the callbacks already hold the
 hooks where the signal is taken over (``setup``) and agreed (``on_train_batch_end``). :func:`agree` (at
@@ -36,8 +36,12 @@ point on each rank: a hang). An evaluation has nothing to resume, and requeueing
 the same time limit again (a job requeued for ever); so the requeue signal is noted here as well, the ranks agree on it
 after each evaluation batch (:func:`agree_evaluation`, one ``all_reduce`` per batch when there are several), Lightning's
 evaluation loop stops them all after the same batch, and the command says in one line that the evaluation was cut,
-nothing was saved and the job was not requeued, and exits 138. SIGTERM during ``validate`` / ``test``: Lightning's own
-handler, as before.
+nothing was saved and the job was not requeued, and exits 138. SIGTERM during a ``validate`` / ``test`` of several
+processes: Lightning's handler would broadcast inside the signal handler as in a fit; it is noted instead and agreed in
+the same ``all_reduce`` after each batch, every rank stops after the same one, and the command says in one line that the
+evaluation was cut and nothing was saved, and exits 143 (the requeue signal wins when both arrive in one batch, as in a
+fit). SIGTERM on one process: Lightning's own handler, in an evaluation too (no collective there; it stops the
+evaluation after the batch, and the command says the same line).
 """
 
 from __future__ import annotations
@@ -69,35 +73,27 @@ def requeue_signal(trainer: L.Trainer) -> signal.Signals | None:
 
 
 def install(trainer: L.Trainer, stage: str) -> None:
-    """At ``setup``, before Lightning registers its handlers: during a fit, make ``trainer``'s SIGTERM handler (several
-    processes) and SLURM requeue handler (auto-requeue on) only note the signal; during ``validate``/``test``, the
-    SLURM requeue handler only (noted, agreed by :func:`agree_evaluation`, never saved nor requeued); otherwise (one
-    process without requeueing, SIGTERM in ``validate``/``test``) leave Lightning's."""
+    """At ``setup``, before Lightning registers its handlers: make ``trainer``'s SIGTERM handler (several processes)
+    and SLURM requeue handler (auto-requeue on) only note the signal — during a fit, agreed by :func:`agree`;
+    during ``validate``/``test``, agreed by :func:`agree_evaluation`, never saved nor requeued; otherwise (one process
+    without requeueing) leave Lightning's."""
     connector = trainer._signal_connector
     for name in (*_HANDLERS, _STATE):  # a trainer that fitted before: Lightning's handlers again
         connector.__dict__.pop(name, None)
     several = trainer.world_size > 1
     requeue_on = requeue_signal(trainer)
-    if stage in ("validate", "test") and requeue_on:  # an evaluation: stopped after an agreed batch, not requeued
-        state = {"requeue_pending": False, "evaluation_cut": False, "agreed_batch": -1, "requeue": None}
-        evaluation = "test" if stage == "test" else "validate"  # stage: Lightning's TrainerFn, a str enum
-        setattr(connector, _STATE, state)
-
-        def note_requeue_in_evaluation(signum, frame) -> None:  # replaces _slurm_sigusr_handler_fn: no save, no requeue
-            log.info(f"[rank: {trainer.global_rank}] Received SLURM requeue signal {signum} during {evaluation}; "
-                     "stopping after this batch")
-            state["requeue_pending"] = True
-
-        connector._slurm_sigusr_handler_fn = note_requeue_in_evaluation
-        return
-    if stage != "fit" or not (several or requeue_on):
+    evaluating = stage in ("validate", "test")  # stage: Lightning's TrainerFn, a str enum
+    if not (stage == "fit" or evaluating) or not (several or requeue_on):
         return
     state: dict[str, Any] = {"pending": False, "requeue_pending": False, "agreed_batch": -1, "requeue": None}
+    if evaluating:  # an evaluation: stopped after an agreed batch, never saved nor requeued
+        state["evaluation_cut"] = None  # the signal that cut it
     setattr(connector, _STATE, state)
+    until = f"stopping after this {'test' if stage == 'test' else 'validate'} batch" if evaluating else "stopping after this step"
 
     if several:
         def note_sigterm(signum, frame) -> None:  # replaces _SignalConnector._sigterm_notifier_fn: no collective here
-            log.info(f"[rank: {trainer.global_rank}] Received SIGTERM: {signum}; stopping after this step")
+            log.info(f"[rank: {trainer.global_rank}] Received SIGTERM: {signum}; {until}")
             if not state["pending"]:
                 launcher = trainer.strategy.launcher
                 if launcher is not None:  # the processes Lightning started itself get it too, as Lightning's handler does
@@ -108,8 +104,8 @@ def install(trainer: L.Trainer, stage: str) -> None:
 
     if requeue_on:
         def note_requeue(signum, frame) -> None:  # replaces _SignalConnector._slurm_sigusr_handler_fn: no save here
-            log.info(f"[rank: {trainer.global_rank}] Received SLURM requeue signal {signum}; saving and requeueing "
-                     "after this step")
+            log.info(f"[rank: {trainer.global_rank}] Received SLURM requeue signal {signum}; "
+                     f"{until if evaluating else 'saving and requeueing after this step'}")
             state["requeue_pending"] = True
 
         connector._slurm_sigusr_handler_fn = note_requeue
@@ -147,22 +143,23 @@ def agree(trainer: L.Trainer) -> None:
 
 
 def agree_evaluation(trainer: L.Trainer) -> None:
-    """All ranks, after each ``validate`` / ``test`` batch: whether any got SLURM's requeue signal; if so Lightning's
-    evaluation loop stops them all after this batch."""
+    """All ranks, after each ``validate`` / ``test`` batch: whether any got SLURM's requeue signal or (several
+    processes) SIGTERM; if so Lightning's evaluation loop stops them all after this batch."""
     state = getattr(trainer._signal_connector, _STATE, None)
     if state is None or "evaluation_cut" not in state:
         return
     loop = trainer.test_loop if trainer.testing else trainer.validate_loop
-    notes = _agreed(trainer, state, loop.batch_progress.total.ready, [state["requeue_pending"]])
-    if notes is not None and notes[0]:
-        state["evaluation_cut"] = True
+    notes = _agreed(trainer, state, loop.batch_progress.total.ready, [state["pending"], state["requeue_pending"]])
+    if notes is not None and any(notes):
+        state["evaluation_cut"] = requeue_signal(trainer) if notes[1] else signal.SIGTERM  # the requeue signal first, as in a fit
         trainer._signal_connector.received_sigterm = True
 
 
-def evaluation_cut(trainer: L.Trainer) -> bool:
-    """Whether SLURM's requeue signal stopped a ``validate`` / ``test`` (agreed by :func:`agree_evaluation`)."""
+def evaluation_cut(trainer: L.Trainer) -> signal.Signals | None:
+    """The signal that stopped a ``validate`` / ``test`` (agreed by :func:`agree_evaluation`): SLURM's requeue signal
+    or SIGTERM; ``None`` when none did (or Lightning's own handler did: one process, SIGTERM)."""
     state = getattr(trainer._signal_connector, _STATE, None)
-    return bool(state is not None and state.get("evaluation_cut"))
+    return None if state is None else state.get("evaluation_cut")
 
 
 def requeue_requested(trainer: L.Trainer) -> dict[str, Any] | None:
