@@ -138,12 +138,16 @@ def run_analysis(args: list[str]):
         target = target.get(args[1])
     if callable(target):
         args = join_list_values(args, _list_options(target))
+    from es_lightning.analysis.runs import AnalysisStopped
     from es_lightning.cli_errors import ConfigError, OneLineAnalysisParser, describe_parse_error
 
     name = " ".join(a for a in args[:2] if not a.startswith("-"))
     run = partial(CLI, commands, args=args, as_positional=False, prog="es-lightning", parser_class=OneLineAnalysisParser)
     try:
         return run()
+    except AnalysisStopped as stop:  # a SIGTERM or SLURM's requeue signal in one of its fits: which run, what is kept
+        print(f"es-lightning {name}: {stop.line}", file=sys.stderr, flush=True)
+        raise SystemExit(stop.code) from None
     except ConfigError as err:  # a misspelt option, a value of the wrong type: one line, not the usage block
         line = describe_parse_error(str(err), args, options=_command_options(run, args), command=f"es-lightning {name}")
         print(f"es-lightning {name}: error: {line}", file=sys.stderr)

@@ -513,6 +513,53 @@ def test_a_sigterm_during_an_evaluation_on_one_process_says_it_was_cut(tmp_path,
     assert "rank 0 stopped after 2 evaluation batches" in err and not list(tmp_path.rglob("*.ckpt"))
 
 
+#: `es-lightning analyze compare` at its smallest: GRPO then ES, 3 updates each, 3 problems
+_COMPARE = ["analyze", "compare", "--seeds", "[0]", "--steps", "3", "--methods", "[GRPO, ES]", "--recipes_dir",
+            str(ROOT / "recipes"), "--eval.num_problems", "3", "--eval.num_samples", "16", "--eval.max_new_tokens", "8",
+            "--overrides", "[--data.init_args.batch_size, '2', --model.init_args.max_new_tokens, '8']"]
+
+
+def test_slurm_requeue_signal_in_an_analysis_fit_stops_it_without_saving_or_requeueing(tmp_path, monkeypatch, capsys):
+    """`analyze compare` in a one-task SLURM job gets SLURM's requeue signal (SIGUSR1) at step 1 of its second fit (ES,
+    seed 0): Lightning's handler saved hpc_ckpt_1.ckpt in the middle of that ES step (which the fit of the rerun would
+    have resumed from, under SLURM), requeued the job — whose rerun starts the analysis over, to meet the same time limit
+    — and the analysis went on. Now that fit stops after the step, nothing is saved nor requeued, and the command says
+    in one line which run was cut and what is kept, and exits 138."""
+    _one_task_slurm_job(tmp_path, monkeypatch, "79", "compare")
+    signal_es = '{"ES": [--trainer.callbacks+, es_helpers.SignalRankAtStep, --trainer.callbacks.init_args.rank, "0"]}'
+    with pytest.raises(SystemExit) as stopped:
+        cli_main([*_COMPARE, "--out_dir", str(tmp_path / "out"), "--method_overrides", signal_es])
+    assert stopped.value.code == 138
+    out, err = capsys.readouterr()
+    assert "seed 0 GRPO: pass@1" in out and "seed 0 ES:" not in out, out[-3000:]
+    assert (f"es-lightning analyze compare: stopped by SLURM's requeue signal (SIGUSR1) at step 2 of the fit of ES, "
+            f"seed 0; GRPO, seed 0 finished before it (printed above); nothing was written to {tmp_path / 'out'} "
+            "(compare.json and compare.md come once every run is done), so the same command starts over; the job was "
+            "not requeued (it would start over and meet the same time limit): give it more time (#SBATCH --time) or "
+            "fewer runs and submit it again") in err.splitlines(), err[-3000:]
+    assert not (tmp_path / "scontrol.log").exists() and not list(tmp_path.rglob("*.ckpt"))
+    assert not list((tmp_path / "out").rglob("*.json"))
+
+
+def test_a_sigterm_in_an_analysis_fit_stops_it_with_one_line_and_status_143(tmp_path, monkeypatch, capsys):
+    """A SIGTERM at step 1 of `analyze sweep`'s first fit (N=4; one process, no SLURM): Lightning's handler stopped
+    that fit after the step and the analysis ended with status 0, saying nothing (a job script saw success). Now the
+    command says in one line which run was cut and that nothing was written, and exits 143, as `es-lightning fit`."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stopped:
+        cli_main(["analyze", "sweep", "--recipe", str(ROOT / "recipes" / "es.yaml"), "--populations", "[4, 8]",
+                  "--steps", "3", "--batch_size", "2", "--eval.num_problems", "3", "--eval.num_samples", "4",
+                  "--out_dir", str(tmp_path / "out"), "--overrides",
+                  "[--trainer.callbacks+, es_helpers.SignalRankAtStep, --trainer.callbacks.init_args.rank, '0', "
+                  "--trainer.callbacks.init_args.signum, SIGTERM]"])
+    assert stopped.value.code == 143
+    err = capsys.readouterr().err
+    assert (f"es-lightning analyze sweep: stopped by SIGTERM at step 2 of the fit of N=4; no run finished before it; "
+            f"nothing was written to {tmp_path / 'out'} (sweep.json comes once every run is done), so the same command "
+            "starts over") in err.splitlines(), err[-3000:]
+    assert not list((tmp_path / "out").rglob("sweep.*"))
+
+
 def test_an_explicit_ckpt_path_resumes_with_the_configured_settings(tmp_path, monkeypatch):
     """`--ckpt_path <file>` runs what the command configures, as `--ckpt_path last` does: Lightning's LightningCLI
     would replace the configured model settings with the checkpoint's hyperparameters (a `--model.init_args.sigma`

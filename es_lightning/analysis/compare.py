@@ -128,13 +128,15 @@ class CompareReport:
 TIME_BUDGET_MAX_STEPS = 10**7
 
 
-def _fit(config: Path, seed: int, steps: int, root: Path, overrides: Sequence[str] = (), seconds: float | None = None):
+def _fit(config: Path, seed: int, steps: int, root: Path, overrides: Sequence[str] = (), seconds: float | None = None,
+         run: str = "", finished: Sequence[str] = (), kept: str = "nothing was written"):
     """One recipe fit with every seed set to ``seed``: ``steps`` updates, or — ``seconds`` given — until its training
     wall-clock reaches ``seconds`` (checked after each update). Returns the trained module, its task, its updates and
-    its training seconds (Lightning's ``Timer``: from the first update's start to the last one's end)."""
+    its training seconds (Lightning's ``Timer``: from the first update's start to the last one's end). ``run``,
+    ``finished``, ``kept``: what :func:`~es_lightning.analysis.runs.fit_run` says when a signal stops the fit."""
     from lightning.pytorch.callbacks import Timer
 
-    from es_lightning.analysis.runs import recipe_cli
+    from es_lightning.analysis.runs import fit_run, recipe_cli
     from es_lightning.callbacks import SequentialStrategy
 
     seeds = ["--seed_everything", str(seed), "--model.init_args.seed", str(seed), "--data.init_args.seed", str(seed)]
@@ -146,7 +148,7 @@ def _fit(config: Path, seed: int, steps: int, root: Path, overrides: Sequence[st
             cb.switch_step = steps // 2  # the 50/50 split of this comparison's budget
     timer = Timer(duration=None if seconds is None else timedelta(seconds=seconds), interval="step", verbose=False)
     trainer.callbacks.append(timer)
-    trainer.fit(cli.model, datamodule=cli.datamodule)
+    fit_run(trainer, cli.model, cli.datamodule, run or f"{config.name}, seed {seed}", finished, kept)
     if seconds is None and trainer.global_step != steps:
         raise RuntimeError(f"{config.name} (seed {seed}) stopped after {trainer.global_step} of {steps} updates")
     if seconds is not None and not trainer.global_step:
@@ -212,6 +214,8 @@ def compare_methods(
     def evaluate(policy) -> dict[str, float]:
         return evaluate_policy(policy, task, problems, settings)
 
+    finished: list[str] = []  # "method, seed s" of every fit done: a signal's line names them
+    kept = f"nothing was written to {out} (compare.json and compare.md come once every run is done)"
     for seed in seeds:
         results[int(seed)] = {}
         pace = None  # budget "time": the first method's training seconds on this seed
@@ -219,7 +223,8 @@ def compare_methods(
             start = time.perf_counter()
             module, fit_task, updates, train_s = _fit(recipe, int(seed), steps, out / f"seed{seed}" / recipe.stem,
                                                       [*overrides, *method_overrides.get(method, ())],
-                                                      seconds=pace)
+                                                      seconds=pace, run=f"{method}, seed {seed}", finished=finished,
+                                                      kept=kept)
             fit_s = time.perf_counter() - start
             if budget == "time" and pace is None:
                 pace = train_s
@@ -234,6 +239,7 @@ def compare_methods(
                                           "fit_s": round(fit_s, 1)}
             print(f"seed {seed} {method}: " + _summary(results[int(seed)][method])
                   + f" ({time.perf_counter() - start:.0f}s)", flush=True)
+            finished.append(f"{method}, seed {seed}")
             del module
             gc.collect()
     run_settings = dict(seeds=list(seeds), steps=steps, budget=budget, overrides=list(overrides),

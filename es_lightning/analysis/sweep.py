@@ -80,7 +80,7 @@ def population_sweep(
 ) -> SweepReport:
     """Fit the ES recipe once per population size and evaluate every result the same way (see the module docstring)."""
     from es_lightning.analysis.evaluate import evaluate_policy, heldout_problems, tasks_as_trained
-    from es_lightning.analysis.runs import recipe_cli
+    from es_lightning.analysis.runs import fit_run, recipe_cli
 
     if not Path(recipe).is_file():
         raise FileNotFoundError(
@@ -123,8 +123,12 @@ def population_sweep(
         if not rows:
             rows.append({"population_size": 0, "steps": 0, "reward": float("nan"), "seconds_per_update": float("nan"),
                          "rewards": [], **evaluate()})
+        done = [f"N={r['population_size']}" for r in rows[1:]]
+        kept = (f"the models of {', '.join(done)} are in {out / 'models'}, nothing else was written (sweep.json comes "
+                "once every run is done)" if save_models and done else
+                f"nothing was written to {out} (sweep.json comes once every run is done)")
         start = time.perf_counter()
-        trainer.fit(module, datamodule=cli.datamodule)
+        fit_run(trainer, module, cli.datamodule, f"N={n}", done, kept)
         seconds = time.perf_counter() - start
         if trainer.global_step != steps:
             raise RuntimeError(f"N={n}: the fit stopped after {trainer.global_step} of {steps} updates")

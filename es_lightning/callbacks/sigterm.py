@@ -14,7 +14,8 @@ begun at a different point on each rank (deadlock or a gloo abort), on one proce
 step's centre weights still perturbed by a member's noise) — written to ``hpc_ckpt_N.ckpt`` outside the run's
 ``last.ckpt``, and the fit then goes on until SLURM kills it.
 
-:func:`install` (called at ``setup`` by :class:`~es_lightning.RunCheckpoint` and by the ``es-lightning`` command) takes
+:func:`install` (called at ``setup`` by :class:`~es_lightning.RunCheckpoint`, by the ``es-lightning`` command and by
+the fits of ``es-lightning analyze compare`` / ``sweep``, :mod:`es_lightning.analysis.runs`) takes
 over both of Lightning's handlers on the trainer's own signal connector — the methods Lightning composes into its
 handlers when it registers them after ``setup`` — so that they only note the signal: SIGTERM when the fit, validate or
 test has more than one process (and it is passed on to processes Lightning launched, as Lightning's handler does), the
@@ -28,7 +29,9 @@ the end of it, and :class:`~es_lightning.RunCheckpoint` saves that step on all o
 ``last.ckpt`` save). After a requeue signal, :func:`requeue` then runs ``scontrol requeue $SLURM_JOB_ID`` (``<array
 job>_<task>`` for an array job), on global rank 0 only, as Lightning does, and the ``es-lightning`` command exits with
 128 + the signal's number (138 for ``SIGUSR1``). The requeued job runs its script again: give its command ``--ckpt_path
-last`` and it resumes from that ``last.ckpt``. One process without SLURM auto-requeue: Lightning's own handlers.
+last`` and it resumes from that ``last.ckpt``. An analysis's fit stops the same way but saves nothing and never
+requeues (it has nothing to resume from: :mod:`es_lightning.analysis.runs`). One process without SLURM auto-requeue:
+Lightning's own handlers.
 
 ``validate`` / ``test`` under SLURM auto-requeue: Lightning's handler would save ``hpc_ckpt_N.ckpt`` of a model the
 evaluation does not change, in the middle of an evaluation batch (of several processes, a collective begun at another
@@ -104,8 +107,7 @@ def install(trainer: L.Trainer, stage: str) -> None:
 
     if requeue_on:
         def note_requeue(signum, frame) -> None:  # replaces _SignalConnector._slurm_sigusr_handler_fn: no save here
-            log.info(f"[rank: {trainer.global_rank}] Received SLURM requeue signal {signum}; "
-                     f"{until if evaluating else 'saving and requeueing after this step'}")
+            log.info(f"[rank: {trainer.global_rank}] Received SLURM requeue signal {signum}; {until}")
             state["requeue_pending"] = True
 
         connector._slurm_sigusr_handler_fn = note_requeue
