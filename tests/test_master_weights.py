@@ -336,6 +336,41 @@ def test_drift_in_chunks_cut_inside_the_qwen_like_embedding(qwen_like_dir, monke
     assert float(trainer.logged_metrics["train/drift"]) == pytest.approx(by_hand, rel=1e-6)  # logged as fp32
 
 
+def test_drift_and_ablation_read_a_checkpoint_base_from_its_masters(qwen_like_small_dir, tmp_path):
+    """`analyze drift` / `ablation` of one checkpoint of a bf16 run against an earlier one (a GRPO → ES stage, two steps
+    of a run): θ₀ is the earlier checkpoint's fp32 masters, as θ is the later one's. Its rounded weights are off the
+    masters by the whole update at lr 1e-6, so a checkpoint measured against itself drifted by ~2e-5 with s_0 = 0.0004."""
+    from es_lightning.analysis.ablation import ablation_command
+    from es_lightning.analysis.drift import drift_command
+    from es_lightning.analysis.settings import EvalSettings
+
+    module = _grpo(qwen_like_small_dir, max_new_tokens=2)
+    record = _Record()
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    _fit(module, 2, root=tmp_path, callbacks=[ckpt, record])
+    first, second = str(tmp_path / "step=1.ckpt"), str(tmp_path / "step=2.ckpt")
+    m1, m2 = record.masters_before[1][1], _masters(module)  # the masters each checkpoint holds
+    assert m1.keys() == m2.keys() == {n for n, _ in module.model.named_parameters()}
+
+    same = drift_command(first, base=first, taus=[0.0], out_dir=str(tmp_path / "same"), plot=False)
+    assert same.relative_drift == 0.0 and same.sparsity(0.0) == 1.0
+
+    tau = 1e-7
+    stage = drift_command(second, base=first, taus=[0.0, tau], out_dir=str(tmp_path / "stage"), plot=False)
+    num = sum(float((m2[n].double() - m1[n].double()).square().sum()) for n in m1)
+    den = sum(float(m1[n].double().square().sum()) for n in m1)
+    numel = sum(t.numel() for t in m1.values())
+    below = sum(int(((m2[n].double() - m1[n].double()).abs() <= tau).sum()) for n in m1)
+    assert stage.relative_drift == pytest.approx((num / den) ** 0.5, rel=1e-9)
+    assert stage.sparsity(tau) == below / numel
+
+    tiny = EvalSettings(num_problems=1, num_samples=1, max_new_tokens=1, temperature=0.0)
+    rows = ablation_command(second, base=first, taus=[tau], eval=tiny, out_dir=str(tmp_path / "ablation"), plot=False,
+                            progress=False).rows
+    assert [r["label"] for r in rows] == ["base", "tuned", f"tau={tau:g}"]
+    assert rows[2]["sparsity"] == below / numel
+
+
 # ---------------------------------------------------------------------------------------------------- resume, switch
 @pytest.mark.parametrize("kind", ["es", "grpo"])
 def test_resume_restores_fp32_masters_bitwise(kind, tiny_model_dir, tmp_path):

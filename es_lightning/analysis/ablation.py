@@ -248,7 +248,10 @@ def ablation_command(
                                 settings.column_mapping)
     tuned_model = load_model(tuned, dtype=dtype)
     base = base or _base_of(tuned_model, "ablation")
-    base_weights = snapshot(load_model(base, dtype=dtype or tuned_model.hyperparameters.get("dtype")).policy.model)
+    base_model = load_model(base, dtype=dtype or tuned_model.hyperparameters.get("dtype"))
+    # a .ckpt base's masters, as drift reads them; τ = ∞ still gives its weights: each is its master rounded once
+    base_weights = {**snapshot(base_model.policy.model), **base_model.masters}
+    del base_model
     policy = tuned_model.policy
     tuned_model.say_masters()
     warn_about_base(tuned, base, tuned_model.base, parameter_drift(base_weights, tuned_model.weights(), [0.0]).relative_drift)

@@ -12,12 +12,13 @@ For a base θ₀ and a tuned θ, with Δθ = θ − θ₀:
 Ba et al. §4 report that ES spreads its update with the largest relative changes in norms and attention, while GRPO's
 concentrates in the embeddings and LM head; the ``largest`` ranking of :class:`DriftReport` is that comparison.
 
-Parameters are taken from ``named_parameters()`` (shared tensors once: a model with tied input/output embeddings has
-no separate LM head — its head is the embedding, counted under ``embeddings``). For a ``.ckpt`` of a bf16/fp16 run θ is
-read from the fp32 masters its optimizer kept (``master_dtype``; es_lightning/precision.py), as ``train/drift`` reads
-them during the fit: the weights are the masters rounded, so their Δθ would count only the updates that crossed a
-rounding boundary (s_0 near 1 after an ES step of ~1e-5 relative) and quantise the rest. Sums are in float64, chunk by chunk,
-so a billion-parameter model needs no model-sized float64 buffer.
+Parameters are taken from ``named_parameters()`` (shared tensors once: a model with tied input/output embeddings has no
+separate LM head — its head is the embedding, counted under ``embeddings``). For a ``.ckpt`` of a bf16/fp16 run θ (and
+θ₀, when the base is a ``.ckpt`` too) is read from the fp32 masters its optimizer kept (``master_dtype``;
+es_lightning/precision.py), as ``train/drift`` reads them during the fit: the weights are the masters rounded, so their
+Δθ would count only the updates that crossed a rounding boundary (s_0 near 1 after an ES step of ~1e-5 relative) and
+quantise the rest. Sums are in float64, chunk by chunk, so a billion-parameter model needs no model-sized float64
+buffer.
 """
 
 from __future__ import annotations
@@ -260,12 +261,15 @@ def drift_command(
     trained_from = tuned_model.base
     base = base or _base_of(tuned_model, "drift")
     base_model = load_model(base, dtype=dtype or tuned_model.hyperparameters.get("dtype"))
-    report = parameter_drift(base_model.policy.model, tuned_model.weights(), taus)
+    # θ₀ too is read from a .ckpt base's masters (a GRPO → ES stage, two checkpoints of one run): its rounded weights
+    # are off its masters by up to half an ulp, as large as the update measured
+    report = parameter_drift(base_model.weights(), tuned_model.weights(), taus)
     report.tied_embeddings = _has_tied_head(tuned_model.policy.model)
     report.sources = {"base": base, "tuned": tuned}
     report.masters = len(tuned_model.masters)
     print(f"drift of {tuned} from {base} ({time.perf_counter() - start:.0f}s)")
     tuned_model.say_masters()
+    base_model.say_masters()
     warn_about_base(tuned, base, trained_from, report.relative_drift)
     print(report.table())
     if report.tied_embeddings:
