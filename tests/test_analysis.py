@@ -267,6 +267,37 @@ def test_eval_prompts_and_loads_every_model_as_the_checkpoint_was_trained(qwen_l
     assert plain.results["base"]["countdown"]["entropy"] != report.results["base"]["countdown"]["entropy"]
 
 
+def test_forgetting_of_a_runs_export_evaluates_both_models_as_trained(qwen_like_small_dir, tmp_path, capsys):
+    """`analyze forgetting` of a bf16 run's export/ (the Qwen-like fixture, r1 prompt in the chat template): both models
+    in bf16 with the template, as the run's config.yaml records. The tuned model, loaded before the base, was
+    evaluated in float32 beside a bf16 base ("every model in bfloat16" said otherwise)."""
+    import yaml
+
+    from es_lightning import HFExport
+
+    task = CountdownTask(prompt_format="r1", use_chat_template=True)
+    module = ESModule(model=qwen_like_small_dir, dtype="bfloat16", task=task, population_size=2, sigma=5e-3, lr=3e-3,
+                      max_new_tokens=2)
+    run = tmp_path / "run"
+    trainer = L.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0, callbacks=[HFExport(run / "export")])
+    trainer.fit(module, datamodule=ReasoningDataModule(task, train_size=4, val_size=2, test_size=2, batch_size=2))
+    (run / "config.yaml").write_text(yaml.safe_dump({  # what `es-lightning fit` saves beside export/
+        "model": {"class_path": "es_lightning.ESModule", "init_args": {"model": qwen_like_small_dir, "dtype": "bfloat16"}},
+        "data": {"class_path": "es_lightning.ReasoningDataModule", "init_args": {"task": {
+            "class_path": "es_lightning.CountdownTask", "init_args": {"prompt_format": "r1", "use_chat_template": True}}}}}))
+
+    settings = EvalSettings(num_problems=2, num_samples=2, max_new_tokens=3, temperature=1.0)
+    report = forgetting_command(tuned=str(run / "export"), base=qwen_like_small_dir, tasks=["addition"], eval=settings,
+                                out_dir=str(tmp_path / "forgetting"), plot=False, progress=False)
+    addition = get_task("addition", use_chat_template=True)
+    problems = heldout_problems(addition, 2, 0)
+    for label, path in (("tuned", str(run / "export")), ("base", qwen_like_small_dir)):
+        by_hand = evaluate_policy(load_policy(path, dtype="bfloat16"), addition, problems, settings)
+        assert report.evaluation.results[label]["addition"] == by_hand, label
+    assert "both models in bfloat16" in capsys.readouterr().out
+
+
 def test_tasks_as_trained_settings_given_recorded_and_chosen():
     from es_lightning.analysis.checkpoints import TrainedWith
     from es_lightning.analysis.evaluate import tasks_as_trained

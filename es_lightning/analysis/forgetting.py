@@ -122,16 +122,22 @@ def forgetting_command(
         progress: show a progress bar.
     """
     check_out_dir(out_dir)  # before any model loads or fit runs
-    from es_lightning.analysis.checkpoints import load_model
+    from es_lightning.analysis.checkpoints import load_model, trained_with
     from es_lightning.analysis.drift import _base_of, warn_about_base
     from es_lightning.analysis.plots import plot_forgetting
 
     start = time.perf_counter()
+    # both models in the dtype the tuned one was trained in (a run's export/ records it in its config.yaml): loaded
+    # here, the tuned model is evaluated as it is, so it must not be float32 while the base is loaded in bf16
+    recorded = None if dtype else trained_with(tuned).dtype
+    if recorded:
+        dtype = recorded
+        print(f"both models in {dtype}, as {tuned} was trained (--dtype to choose)")
     tuned_model = load_model(tuned, dtype=dtype)
     base = base or _base_of(tuned_model, "forgetting")
     warn_about_base(tuned, base, tuned_model.base)
-    report = forgetting(base, tuned_model, tasks=tasks, training_task=training_task, settings=eval,
-                        dtype=dtype or tuned_model.hyperparameters.get("dtype"), progress=progress)
+    report = forgetting(base, tuned_model, tasks=tasks, training_task=training_task, settings=eval, dtype=dtype,
+                        progress=progress)
     report.evaluation.sources = {"base": base, "tuned": tuned}
     print(f"forgetting of {tuned} (base {base}): {eval.num_problems} held-out problems/task, n={eval.num_samples}, "
           f"T={eval.temperature} ({time.perf_counter() - start:.0f}s)")
