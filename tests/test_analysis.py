@@ -298,6 +298,33 @@ def test_forgetting_of_a_runs_export_evaluates_both_models_as_trained(qwen_like_
     assert "both models in bfloat16" in capsys.readouterr().out
 
 
+def test_forgetting_prompts_the_suite_in_the_system_turn_of_training(qwen_like_small_dir, tmp_path, capsys):
+    """A checkpoint trained under a system_prompt (the Qwen-like fixture's chat template, bf16): `analyze forgetting`
+    prompts the off-task probes in that system turn too. They took the template alone, so Qwen's default "You are
+    Qwen, created by Alibaba Cloud" — a turn the model never trained under — stood before every probe."""
+    system = "Please reason step by step."
+    task = CountdownTask(prompt_format="r1", use_chat_template=True, system_prompt=system)
+    module = ESModule(model=qwen_like_small_dir, dtype="bfloat16", task=task, population_size=2, sigma=5e-3, lr=3e-3,
+                      max_new_tokens=2)
+    trainer = L.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0, callbacks=[])
+    trainer.fit(module, datamodule=ReasoningDataModule(task, train_size=4, val_size=2, test_size=2, batch_size=2))
+    ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    trainer.save_checkpoint(ckpt)
+
+    settings = EvalSettings(num_problems=2, num_samples=2, max_new_tokens=3, temperature=1.0)
+    report = forgetting_command(tuned=str(ckpt), tasks=["addition"], eval=settings, out_dir=str(tmp_path / "forgetting"),
+                                plot=False, progress=False)
+    addition = get_task("addition", use_chat_template=True, system_prompt=system)
+    base = load_policy(qwen_like_small_dir, dtype="bfloat16")
+    assert base.render_prompts(["1+2="], True, system)[0].startswith(f"<|im_start|>system\n{system}<|im_end|>")
+    by_hand = evaluate_policy(base, addition, heldout_problems(addition, 2, 0), settings)
+    assert report.evaluation.results["base"]["addition"] == by_hand
+    assert report.evaluation.results["base"]["countdown"] == evaluate_policy(base, task, heldout_problems(task, 2, 0),
+                                                                             settings)
+    assert f"addition (use_chat_template=True, system_prompt={system!r})" in capsys.readouterr().out
+
+
 def test_tasks_as_trained_settings_given_recorded_and_chosen():
     from es_lightning.analysis.checkpoints import TrainedWith
     from es_lightning.analysis.evaluate import tasks_as_trained
@@ -315,6 +342,10 @@ def test_tasks_as_trained_settings_given_recorded_and_chosen():
     assert [t.use_chat_template for t in plain] == [False, False] and plain[0].prompt_format == "r1"
     assert [t.use_chat_template for t in tasks_as_trained(["addition"], True, [])] == [True]
     assert vars(tasks_as_trained(["countdown"], None, [("builtin", TrainedWith())])[0]) == vars(CountdownTask())
+    system = TrainedWith(task=task_record(CountdownTask(use_chat_template=True, system_prompt="Think.")))
+    for chat_template, expected in ((None, (True, "Think.")), (True, (True, "Think.")), (False, (False, None))):
+        (other,) = tasks_as_trained(["addition"], chat_template, [("es.ckpt", system)])  # the system turn of training
+        assert (other.use_chat_template, other.system_prompt) == expected, chat_template
     with pytest.raises(ValueError, match="needs class_path"):
         tasks_as_trained([{"name": "countdown"}], None, [])
 

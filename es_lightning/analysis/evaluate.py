@@ -270,7 +270,8 @@ def tasks_as_trained(tasks: Sequence[str | dict[str, Any] | Task], chat_template
                      trained: Sequence[tuple[str, TrainedWith]]) -> list[Task]:
     """The task objects an evaluation prompts with: a task named by a string is built as the first model that
     records its training task (:func:`~es_lightning.analysis.checkpoints.trained_with`) was trained with it — its
-    prompt format, its chat template — and any other task takes that model's ``use_chat_template``; ``chat_template``
+    prompt format, its chat template — and any other task takes that model's ``use_chat_template`` and
+    ``system_prompt`` (the system turn the model was trained under, not the template's default); ``chat_template``
     (``--eval.chat_template``), when set, decides the template for every task. Task objects, and tasks given with their
     settings (``{class_path, init_args}``), are taken as given, except for an explicit ``chat_template``. Prints what
     it took from a checkpoint."""
@@ -295,9 +296,11 @@ def tasks_as_trained(tasks: Sequence[str | dict[str, Any] | Task], chat_template
                 changed = {k: v for k, v in vars(task).items() if k in default and default[k] != v}
                 if changed:
                     said.append(f"{task.name} ({', '.join(f'{k}={v!r}' for k, v in changed.items())})")
-            elif record is not None and record.use_chat_template and chat_template is None:
-                task.use_chat_template = True
-                said.append(f"{task.name} (use_chat_template=True)")
+            elif record is not None and record.use_chat_template and chat_template is not False:
+                task.use_chat_template = True  # and the system turn it was trained under, not the template's default
+                task.system_prompt = getattr(record, "system_prompt", None)
+                said.append(f"{task.name} (use_chat_template=True"
+                            + (f", system_prompt={task.system_prompt!r})" if task.system_prompt is not None else ")"))
         if chat_template is not None:
             task.use_chat_template = bool(chat_template)
         out.append(task)
