@@ -371,6 +371,29 @@ def test_drift_and_ablation_read_a_checkpoint_base_from_its_masters(qwen_like_sm
     assert rows[2]["sparsity"] == below / numel
 
 
+def test_drift_of_a_bf16_export_says_it_cannot_see_sub_ulp_updates(qwen_like_small_dir, tmp_path, capsys):
+    """An HF export of a bf16 run holds the rounded weights only: `analyze drift` of it against its base misses what
+    the fp32 masters kept (here nearly the whole GRPO step at lr 1e-6) and says so in one line, naming the .ckpt to
+    measure instead; the run's .ckpt and a bf16 base directory say nothing."""
+    from es_lightning import HFExport
+    from es_lightning.analysis.drift import drift_command
+
+    module = _grpo(qwen_like_small_dir, max_new_tokens=2)
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, filename="last")
+    _fit(module, 1, root=tmp_path, callbacks=[ckpt, HFExport(tmp_path / "export")])
+    capsys.readouterr()
+
+    exported = drift_command(str(tmp_path / "export"), base=qwen_like_small_dir, taus=[0.0], out_dir=str(tmp_path / "e"),
+                             plot=False)
+    err = capsys.readouterr().err
+    assert "stores bfloat16 weights, without the fp32 masters" in err and "measure the run's .ckpt" in err
+    assert len([line for line in err.splitlines() if line.startswith("warning")]) == 1
+    measured = drift_command(str(tmp_path / "last.ckpt"), base=qwen_like_small_dir, taus=[0.0],
+                             out_dir=str(tmp_path / "c"), plot=False)
+    assert "warning" not in capsys.readouterr().err
+    assert exported.sparsity(0.0) > 0.9 > 0.1 > measured.sparsity(0.0)  # the export shows almost none of the update
+
+
 # ---------------------------------------------------------------------------------------------------- resume, switch
 @pytest.mark.parametrize("kind", ["es", "grpo"])
 def test_resume_restores_fp32_masters_bitwise(kind, tiny_model_dir, tmp_path):

@@ -39,22 +39,29 @@ class LoadedModel:
     masters: dict[str, torch.Tensor] = field(default_factory=dict)
     #: masters in the ``.ckpt`` that could not be tied to a weight (written before checkpoints named them)
     unmatched_masters: int = 0
+    #: the dtype a model directory's ``config.json`` says its weights are stored in (``None`` for a ``.ckpt``)
+    stored_dtype: str | None = None
 
     def weights(self) -> dict[str, torch.Tensor]:
         """``{name: value}`` of every parameter (tied ones once) as the optimizer last left it: its fp32 master where
         the checkpoint keeps one, else the weight itself (not a copy). What drift and ablation measure the update on."""
         return {name: self.masters.get(name, p.detach()) for name, p in self.policy.model.named_parameters()}
 
-    def say_masters(self) -> None:
+    def say_masters(self, tuned: bool = True) -> None:
         """Print :meth:`masters_note` (a warning to stderr), when there is one: before an analysis of the update."""
         import sys
 
-        note = self.masters_note()
+        note = self.masters_note(tuned)
         if note:
             print(note, file=sys.stderr if note.startswith("warning") else sys.stdout)
 
-    def masters_note(self) -> str | None:
-        """One line on which values an analysis of this model's update reads, when the weights have masters."""
+    def masters_note(self, tuned: bool = True) -> str | None:
+        """One line on which values an analysis of this model's update reads, when the weights have masters — or, for
+        the ``tuned`` side, when a bf16/fp16 model directory has none to read."""
+        if tuned and self.stored_dtype in HALF_DTYPES:
+            return (f"warning: {self.spec!r} stores {self.stored_dtype} weights, without the fp32 masters the optimizer "
+                    "updated: a change below half a rounding step of a weight (most of an ES or GRPO step at the "
+                    "papers' sizes) does not show in its drift or sparsity; measure the run's .ckpt instead")
         if self.masters:
             return (f"(read {len(self.masters)} parameters from the fp32 masters the optimizer updated, as train/drift "
                     "does: their bf16/fp16 weights are the masters rounded)")
@@ -68,6 +75,24 @@ class LoadedModel:
     def label(self) -> str:
         """A short name for tables and legends: the file or directory name, or the hub/builtin id."""
         return checkpoint_label(self.spec)
+
+
+#: dtypes whose weights round away updates an fp32 master keeps
+HALF_DTYPES = ("bfloat16", "float16")
+
+
+def stored_dtype(spec: str) -> str | None:
+    """The weights' dtype a local model directory's ``config.json`` names (``dtype``, or ``torch_dtype`` as
+    transformers 4 writes it); ``None`` for hub ids and directories that name none."""
+    import json
+
+    try:
+        path = Path(resolve_model_path(spec))
+        config = json.loads((path / "config.json").read_text()) if path.is_dir() else {}
+    except (OSError, ValueError):
+        return None
+    dtype = config.get("dtype") or config.get("torch_dtype") if isinstance(config, dict) else None
+    return dtype if isinstance(dtype, str) else None
 
 
 def checkpoint_label(spec: str) -> str:
@@ -224,7 +249,8 @@ def load_model(spec: str, dtype: str | torch.dtype | None = None, trust_remote_c
         trust_remote_code: allow custom modelling code (also taken from a ``.ckpt``'s hyperparameters).
     """
     if not is_lightning_checkpoint(spec):
-        return LoadedModel(policy=load_policy(spec, dtype=dtype or "float32", trust_remote_code=trust_remote_code), spec=spec)
+        return LoadedModel(policy=load_policy(spec, dtype=dtype or "float32", trust_remote_code=trust_remote_code), spec=spec,
+                           stored_dtype=stored_dtype(spec))
     checkpoint = read_checkpoint(spec)
     hparams = dict(checkpoint["hyper_parameters"])
     base = str(hparams["model"])

@@ -269,7 +269,7 @@ def drift_command(
     report.masters = len(tuned_model.masters)
     print(f"drift of {tuned} from {base} ({time.perf_counter() - start:.0f}s)")
     tuned_model.say_masters()
-    base_model.say_masters()
+    base_model.say_masters(tuned=False)
     warn_about_base(tuned, base, trained_from, report.relative_drift)
     print(report.table())
     if report.tied_embeddings:
