@@ -165,6 +165,38 @@ def test_hf_export_replaces_atomically_and_keeps_the_model_card(tmp_path):
                        reloaded.model.embed_tokens.weight)
 
 
+def test_hf_export_refuses_a_directory_it_would_wipe(tmp_path):
+    """An export replaces its whole directory: pointed at a folder of other files (a home directory, a data folder, a
+    downloaded hub model with its .cache/), it deleted them all. A fit is refused at setup, before any step, and an
+    export() outside a fit before writing — in one line naming what is there and the fix; the files stay."""
+    mine = tmp_path / "mywork"
+    (mine / "data").mkdir(parents=True)
+    (mine / "notes.txt").write_text("keep me")
+    (mine / "data" / "train.jsonl").write_text("{}\n")
+    before = sorted(p.relative_to(mine) for p in mine.rglob("*"))
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                        callbacks=[HFExport(mine)])
+    dm = PretrainDataModule(tasks={"countdown": 1.0}, num_examples=32, val_size=0, batch_size=8)
+    module = tiny_module()
+    with pytest.raises(ValueError, match=r"is not a Hugging Face export: it holds data/, notes\.txt, .* choose a new or "
+                                         r"empty directory as dirpath") as err:
+        trainer.fit(module, dm)
+    assert "\n" not in str(err.value) and trainer.global_step == 0
+    with pytest.raises(ValueError, match="is not a Hugging Face export"):
+        HFExport(mine).export(module)
+    file = tmp_path / "model.bin"
+    file.write_text("x")
+    with pytest.raises(ValueError, match="is a file, and an export is a directory"):
+        HFExport(file).export(module)
+    assert sorted(p.relative_to(mine) for p in mine.rglob("*")) == before and (mine / "notes.txt").read_text() == "keep me"
+    assert file.read_text() == "x"
+    (tmp_path / "empty").mkdir()
+    HFExport(tmp_path / "empty").export(module)  # an empty directory, or a previous export, is written
+    HFExport(tmp_path / "empty").export(module)
+    assert (tmp_path / "empty" / "config.json").is_file()
+
+
 def test_pretrain_recipe_parses():
     from es_lightning.cli import ESLightningCLI
 

@@ -38,7 +38,8 @@ class HFExport(L.Callback):
 
     Args:
         dirpath: the directory to (re)write; default ``<log_dir>/export``, inside the run's own directory (e.g.
-            ``lightning_logs/grpo_es/version_3/export``), so each run keeps its model.
+            ``lightning_logs/grpo_es/version_3/export``), so each run keeps its model. A directory holding anything
+            but a previous export (which the export would delete) is refused at setup.
         every_n_train_steps: also export every this many optimizer steps (``None``: only at the end of fit).
         keep_files: files of a previous export to carry over into the new one (a hand-written model card, say).
     """
@@ -62,6 +63,8 @@ class HFExport(L.Callback):
             self.dirpath = Path(trainer.log_dir or trainer.default_root_dir) / "export"
         if trainer.is_global_zero:  # an export a kill interrupted in this directory (a resume writes here again)
             recover_exports(self.dirpath.parent, self.dirpath.name)
+        if stage == "fit":  # every rank (the same shared path): refused before any training
+            check_export_target(self.dirpath)
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx) -> None:
         self._cadence.batch_started(trainer)
@@ -99,6 +102,7 @@ class HFExport(L.Callback):
         if self.dirpath is None:  # export() called outside a fit
             raise ValueError("HFExport.export() outside a fit needs dirpath=...")
         target = self.dirpath.resolve()
+        check_export_target(target)
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
         try:
@@ -119,6 +123,25 @@ class HFExport(L.Callback):
             raise
         rank_zero_info(f"HFExport: wrote {target}")
         return target
+
+
+def check_export_target(target: str | os.PathLike) -> None:
+    """Refuse a ``dirpath`` whose contents an export would delete — an export replaces the whole directory: a file, or
+    a directory that holds anything but a previous export (files beside a ``config.json``, no folders)."""
+    target = Path(target)
+    if not target.exists():
+        return
+    if not target.is_dir():
+        raise ValueError(f"HFExport: dirpath {str(target)!r} is a file, and an export is a directory; choose a new or "
+                         "empty directory as dirpath")
+    entries = sorted(target.iterdir())
+    if entries and (any(p.is_dir() for p in entries) or not (target / "config.json").is_file()):
+        shown = [p.name + ("/" if p.is_dir() else "") for p in entries]
+        raise ValueError(
+            f"HFExport: dirpath {str(target)!r} is not a Hugging Face export: it holds {', '.join(shown[:3])}"
+            f"{', …' if len(shown) > 3 else ''}, which an export (it replaces the whole directory) would delete; choose "
+            "a new or empty directory as dirpath, or a previous export's"
+        )
 
 
 def _full_state_dict(pl_module: L.LightningModule, model) -> dict | None:
