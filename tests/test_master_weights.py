@@ -336,7 +336,7 @@ def test_drift_in_chunks_cut_inside_the_qwen_like_embedding(qwen_like_dir, monke
     assert float(trainer.logged_metrics["train/drift"]) == pytest.approx(by_hand, rel=1e-6)  # logged as fp32
 
 
-def test_drift_and_ablation_read_a_checkpoint_base_from_its_masters(qwen_like_small_dir, tmp_path):
+def test_drift_and_ablation_read_a_checkpoint_base_from_its_masters(qwen_like_small_dir, tmp_path, capsys):
     """`analyze drift` / `ablation` of one checkpoint of a bf16 run against an earlier one (a GRPO → ES stage, two steps
     of a run): θ₀ is the earlier checkpoint's fp32 masters, as θ is the later one's. Its rounded weights are off the
     masters by the whole update at lr 1e-6, so a checkpoint measured against itself drifted by ~2e-5 with s_0 = 0.0004."""
@@ -352,8 +352,11 @@ def test_drift_and_ablation_read_a_checkpoint_base_from_its_masters(qwen_like_sm
     m1, m2 = record.masters_before[1][1], _masters(module)  # the masters each checkpoint holds
     assert m1.keys() == m2.keys() == {n for n, _ in module.model.named_parameters()}
 
+    capsys.readouterr()
     same = drift_command(first, base=first, taus=[0.0], out_dir=str(tmp_path / "same"), plot=False)
     assert same.relative_drift == 0.0 and same.sparsity(0.0) == 1.0
+    out = capsys.readouterr().out  # no kind is named the one that moved most when none moved
+    assert "no weight moved: Δθ = 0 everywhere" in out and "largest relative drift" not in out
 
     tau = 1e-7
     stage = drift_command(second, base=first, taus=[0.0, tau], out_dir=str(tmp_path / "stage"), plot=False)

@@ -274,7 +274,9 @@ def drift_command(
     print(report.table())
     if report.tied_embeddings:
         print("(input and output embeddings are tied: the LM head is counted under embeddings)")
-    print(f"largest relative drift: {', '.join(report.largest[:2])}\n")
+    moved = [k for k in report.largest if report.per_kind[k]["update_norm"] > 0]  # not kinds that did not move at all
+    print(f"largest relative drift: {', '.join(moved[:2])}\n" if moved else
+          f"no weight moved: Δθ = 0 everywhere (is {tuned!r} the trained model, and was any update applied?)\n")
     print(report.sparsity_table())
     out = Path(out_dir)
     written = [write_json(out / "drift.json", report.to_json())]
