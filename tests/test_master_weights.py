@@ -397,6 +397,38 @@ def test_drift_of_a_bf16_export_says_it_cannot_see_sub_ulp_updates(qwen_like_sma
     assert exported.sparsity(0.0) > 0.9 > 0.1 > measured.sparsity(0.0)  # the export shows almost none of the update
 
 
+class _Constant(CountdownTask):
+    """Every completion scores alike: z-scores are 0 and the ES update is exactly zero."""
+
+    def reward(self, completions, examples):
+        return [0.5] * len(completions)
+
+
+def test_drift_of_a_bf16_true_run_of_an_fp32_model_starts_from_the_cast_weights(tiny_model_dir, tmp_path, capsys):
+    """``precision: bf16-true`` with the model's default ``dtype: float32`` (configs/trainer/gpu.yaml on the built-in
+    recipes): Lightning casts the fp32 base to bf16 and the masters start from there. An update of exactly zero is a
+    drift of 0 in `analyze drift` of the .ckpt and of its HF export, and an ablation resets nothing that did not move;
+    the base was read in float32, and the cast counted as an update (D_rel 1.6e-3, s_0 1e-5)."""
+    from es_lightning import HFExport
+    from es_lightning.analysis.ablation import ablation_command
+    from es_lightning.analysis.drift import drift_command
+    from es_lightning.analysis.settings import EvalSettings
+
+    module = ESModule(model=tiny_model_dir, task=_Constant(), population_size=2, sigma=0.05, lr=ES_LR, max_new_tokens=2)
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, filename="last")
+    trainer = _fit(module, 1, root=tmp_path, callbacks=[ckpt, HFExport(tmp_path / "export")], precision="bf16-true")
+    assert module.hparams.dtype == "float32" and next(module.model.parameters()).dtype == torch.bfloat16
+    assert float(trainer.logged_metrics["train/update_norm"]) == 0.0 == float(trainer.logged_metrics["train/drift"])
+
+    for tuned in (str(tmp_path / "last.ckpt"), str(tmp_path / "export")):
+        report = drift_command(tuned, base=tiny_model_dir, taus=[0.0], out_dir=str(tmp_path / "drift"), plot=False)
+        assert report.relative_drift == 0.0 and report.sparsity(0.0) == 1.0, tuned
+    tiny = EvalSettings(num_problems=1, num_samples=1, max_new_tokens=1, temperature=0.0)
+    rows = ablation_command(str(tmp_path / "last.ckpt"), taus=[1e-9], eval=tiny, out_dir=str(tmp_path / "ablation"),
+                            plot=False, progress=False).rows
+    assert [r["sparsity"] for r in rows] == [1.0, 1.0, 1.0]  # s_τ of the rows: no weight moved, at any τ
+
+
 # ---------------------------------------------------------------------------------------------------- resume, switch
 @pytest.mark.parametrize("kind", ["es", "grpo"])
 def test_resume_restores_fp32_masters_bitwise(kind, tiny_model_dir, tmp_path):

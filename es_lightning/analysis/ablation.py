@@ -231,7 +231,7 @@ def ablation_command(
     check_out_dir(out_dir)  # before any model loads or fit runs
     from tqdm.auto import tqdm
 
-    from es_lightning.analysis.checkpoints import load_model, recorded_task, trained_with
+    from es_lightning.analysis.checkpoints import load_model, recorded_task, start_dtype, trained_with
     from es_lightning.analysis.evaluate import evaluate_policy, heldout_problems, tasks_as_trained
     from es_lightning.analysis.plots import plot_ablation
 
@@ -248,7 +248,7 @@ def ablation_command(
                                 settings.column_mapping)
     tuned_model = load_model(tuned, dtype=dtype)
     base = base or _base_of(tuned_model, "ablation")
-    base_model = load_model(base, dtype=dtype or tuned_model.hyperparameters.get("dtype"))
+    base_model = load_model(base, dtype=start_dtype(tuned_model, dtype))
     # a .ckpt base's masters, as drift reads them; τ = ∞ still gives its weights: each is its master rounded once
     base_weights = {**snapshot(base_model.policy.model), **base_model.masters}
     del base_model

@@ -39,7 +39,8 @@ class LoadedModel:
     masters: dict[str, torch.Tensor] = field(default_factory=dict)
     #: masters in the ``.ckpt`` that could not be tied to a weight (written before checkpoints named them)
     unmatched_masters: int = 0
-    #: the dtype a model directory's ``config.json`` says its weights are stored in (``None`` for a ``.ckpt``)
+    #: the dtype the weights are stored in: a model directory's ``config.json`` says, a ``.ckpt``'s tensors are (a
+    #: ``bf16-true`` run of a ``dtype: float32`` model stores bf16); ``None`` when unknown (a hub id)
     stored_dtype: str | None = None
 
     def weights(self) -> dict[str, torch.Tensor]:
@@ -58,7 +59,7 @@ class LoadedModel:
     def masters_note(self, tuned: bool = True) -> str | None:
         """One line on which values an analysis of this model's update reads, when the weights have masters — or, for
         the ``tuned`` side, when a bf16/fp16 model directory has none to read."""
-        if tuned and self.stored_dtype in HALF_DTYPES:
+        if tuned and self.base is None and self.stored_dtype in HALF_DTYPES:  # a directory (a .ckpt has a base)
             return (f"warning: {self.spec!r} stores {self.stored_dtype} weights, without the fp32 masters the optimizer "
                     "updated: a change below half a rounding step of a weight (most of an ES or GRPO step at the "
                     "papers' sizes) does not show in its drift or sparsity; measure the run's .ckpt instead")
@@ -274,8 +275,18 @@ def load_model(spec: str, dtype: str | torch.dtype | None = None, trust_remote_c
     masters, unmatched = checkpoint_masters(checkpoint, STATE_PREFIX)
     params = dict(policy.model.named_parameters())
     masters = {n: m for n, m in masters.items() if n in params and m.shape == params[n].shape}
+    stored = {v.dtype for k, v in state.items() if k in params and v.is_floating_point()}
     return LoadedModel(policy=policy, spec=spec, base=base, hyperparameters=hparams, global_step=checkpoint.get("global_step"),
-                       masters=masters, unmatched_masters=unmatched)
+                       masters=masters, unmatched_masters=unmatched,
+                       stored_dtype=str(stored.pop()).removeprefix("torch.") if len(stored) == 1 else None)
+
+
+def start_dtype(tuned: LoadedModel, dtype: str | None = None) -> str | None:
+    """The dtype to load a tuned model's base in, for an analysis of the update (drift, ablation): ``dtype`` when
+    given, else the dtype the tuned weights are stored in — the run started from the base cast to it (Lightning's
+    ``bf16-true`` casts a ``dtype: float32`` model, and the fp32 masters start from those bf16 weights), so a base
+    read in float32 would count the cast as an update — else the checkpoint's ``dtype``."""
+    return dtype or tuned.stored_dtype or tuned.hyperparameters.get("dtype")
 
 
 def load_weights(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str = "checkpoint") -> None:

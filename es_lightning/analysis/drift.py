@@ -252,7 +252,7 @@ def drift_command(
         plot: write drift.png.
     """
     check_out_dir(out_dir)  # before any model loads or fit runs
-    from es_lightning.analysis.checkpoints import load_model
+    from es_lightning.analysis.checkpoints import load_model, start_dtype
     from es_lightning.analysis.plots import plot_drift
 
     start = time.perf_counter()
@@ -260,7 +260,7 @@ def drift_command(
     tuned_model = load_model(tuned, dtype=dtype)
     trained_from = tuned_model.base
     base = base or _base_of(tuned_model, "drift")
-    base_model = load_model(base, dtype=dtype or tuned_model.hyperparameters.get("dtype"))
+    base_model = load_model(base, dtype=start_dtype(tuned_model, dtype))
     # θ₀ too is read from a .ckpt base's masters (a GRPO → ES stage, two checkpoints of one run): its rounded weights
     # are off its masters by up to half an ulp, as large as the update measured
     report = parameter_drift(base_model.weights(), tuned_model.weights(), taus)
