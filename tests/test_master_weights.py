@@ -22,7 +22,7 @@ from es_lightning import ESModule, GRPOModule, ParameterDrift, ReasoningDataModu
 from es_lightning.es.noise import param_noise
 from es_lightning.es.update import ESOptimizer
 from es_lightning.precision import MasterAdamW
-from es_lightning.tasks import CountdownTask
+from es_lightning.tasks import CountdownTask, get_task
 
 N = 4
 ES_LR = 2.5e-4 * math.sqrt(N / 32)  # the per-element step of α = 2.5e-4 over N = 32 members
@@ -427,6 +427,34 @@ def test_drift_of_a_bf16_true_run_of_an_fp32_model_starts_from_the_cast_weights(
     rows = ablation_command(str(tmp_path / "last.ckpt"), taus=[1e-9], eval=tiny, out_dir=str(tmp_path / "ablation"),
                             plot=False, progress=False).rows
     assert [r["sparsity"] for r in rows] == [1.0, 1.0, 1.0]  # s_τ of the rows: no weight moved, at any τ
+
+
+def test_eval_of_a_bf16_true_run_of_an_fp32_model_loads_every_model_in_bf16(tiny_model_dir, tmp_path, capsys):
+    """The same run (bf16-true, ``dtype: float32``): its .ckpt and its export (beside the run's config.yaml) record
+    bfloat16, the dtype the weights were trained in, so `eval` loads the base beside them in bf16 — it took the
+    ``dtype`` hyperparameter, float32, and compared an fp32 base with the bf16-trained weights."""
+    import yaml
+
+    from es_lightning import HFExport
+    from es_lightning.analysis import evaluate_models, evaluate_policy, heldout_problems
+    from es_lightning.analysis.checkpoints import trained_with
+    from es_lightning.analysis.settings import EvalSettings
+    from es_lightning.policy import load_policy
+
+    module = ESModule(model=tiny_model_dir, task=_Constant(), population_size=2, sigma=0.05, lr=ES_LR, max_new_tokens=2)
+    run = tmp_path / "run"
+    ckpt = ModelCheckpoint(dirpath=run / "checkpoints", every_n_train_steps=1, filename="last")
+    _fit(module, 1, root=tmp_path, callbacks=[ckpt, HFExport(run / "export")], precision="bf16-true")
+    (run / "config.yaml").write_text(yaml.safe_dump({"model": {"init_args": {"model": tiny_model_dir, "dtype": "float32"}},
+                                                     "trainer": {"precision": "bf16-true"}}))
+    for spec in (run / "checkpoints" / "last.ckpt", run / "export"):
+        assert trained_with(str(spec)).dtype == "bfloat16", spec
+        settings = EvalSettings(num_problems=2, num_samples=2, max_new_tokens=3, temperature=1.0)
+        report = evaluate_models([tiny_model_dir, str(spec)], labels=["base", "tuned"], settings=settings, progress=False)
+        assert "every model in bfloat16" in capsys.readouterr().out
+        problems = heldout_problems(get_task("countdown"), 2, 0)
+        by_hand = evaluate_policy(load_policy(tiny_model_dir, dtype="bfloat16"), "countdown", problems, settings)
+        assert report.results["base"]["countdown"] == by_hand, spec
 
 
 # ---------------------------------------------------------------------------------------------------- resume, switch

@@ -166,16 +166,18 @@ def read_checkpoint(path: str) -> dict[str, Any]:
 @dataclass
 class TrainedWith:
     """How a model was trained, as far as its checkpoint or run directory says: the task record (``class_path`` and
-    ``init_args``, :func:`es_lightning.tasks.base.task_record`) and the weights' ``dtype``."""
+    ``init_args``, :func:`es_lightning.tasks.base.task_record`) and the ``dtype`` its weights were held in (the
+    checkpoint's tensors or the export's ``config.json``; else the ``dtype`` hyperparameter)."""
 
     task: dict[str, Any] | None = None
     dtype: str | None = None
 
 
 def trained_with(spec: str) -> TrainedWith:
-    """What ``spec`` records of its training, without loading its weights: a ``.ckpt``'s task record and ``dtype``
-    hyperparameter (else its run's ``config.yaml``, ``<run>/checkpoints/x.ckpt``), a run's ``export`` directory's run
-    ``config.yaml``; nothing for hub ids, built-ins and other directories."""
+    """What ``spec`` records of its training, without loading its weights: a ``.ckpt``'s task record and the dtype of
+    its weights (else its ``dtype`` hyperparameter, else its run's ``config.yaml``, ``<run>/checkpoints/x.ckpt``), a run's
+    ``export`` directory's run ``config.yaml`` and ``config.json`` dtype; nothing for hub ids, built-ins and other
+    directories."""
     path = Path(os.path.expanduser(spec))
     found = TrainedWith()
     if path.is_file():
@@ -185,7 +187,7 @@ def trained_with(spec: str) -> TrainedWith:
             return found
         if isinstance(checkpoint, dict):
             found.task = checkpoint.get(TASK_KEY)
-            found.dtype = (checkpoint.get("hyper_parameters") or {}).get("dtype")
+            found.dtype = _held_dtype(checkpoint) or (checkpoint.get("hyper_parameters") or {}).get("dtype")
         run_config = path.resolve().parent.parent / "config.yaml"
     elif path.is_dir() and (path / "config.json").is_file():
         run_config = path.resolve().parent / "config.yaml"
@@ -193,8 +195,21 @@ def trained_with(spec: str) -> TrainedWith:
         return found
     if found.task is None or found.dtype is None:
         task, dtype = _from_run_config(run_config)
+        if path.is_dir() and (task or dtype):  # a run's export: written in the dtype the run's weights were held in
+            dtype = stored_dtype(spec) or dtype
         found.task, found.dtype = found.task or task, found.dtype or dtype
     return found
+
+
+def _held_dtype(checkpoint: dict[str, Any]) -> str | None:
+    """The dtype a ``.ckpt``'s policy weights were held in (``bfloat16`` for a ``bf16-true`` run of a ``dtype:
+    float32`` model, whose ``dtype`` hyperparameter says float32), when they all share one."""
+    state = checkpoint.get("state_dict")
+    if not isinstance(state, dict):
+        return None
+    dtypes = {v.dtype for k, v in state.items() if k.startswith(STATE_PREFIX) and isinstance(v, torch.Tensor)
+              and v.is_floating_point()}
+    return str(dtypes.pop()).removeprefix("torch.") if len(dtypes) == 1 else None
 
 
 def recorded_task(trained: TrainedWith, default: str = "countdown") -> str:
