@@ -187,6 +187,10 @@ def test_drift_errors_and_tau_validation():
         parameter_drift(a, {"w": torch.zeros(4)})
     with pytest.raises(ValueError, match="tau must be >= 0"):
         parameter_drift(a, a, taus=[-1e-3])
+    report = parameter_drift(a, {"w": torch.tensor([0.0, 1e-6, 1.0])}, taus=[0.0, 1e-6])
+    assert report.sparsity(1e-6) == 2 / 3 and report.sparsity(0) == 1 / 3
+    with pytest.raises(ValueError, match=r"not for τ = 1e-05; add it to the grid \(taus=\[..., 1e-05\], --taus\)"):
+        report.sparsity(1e-5)  # a KeyError '1e-05'
 
 
 def test_drift_command_on_a_checkpoint_writes_json_and_png(es_checkpoint, tmp_path, capsys):

@@ -169,7 +169,11 @@ class DriftReport:
 
     def sparsity(self, tau: float) -> float:
         """s_τ over all parameters (τ must be on the grid)."""
-        return self.overall["sparsity"][str(float(tau))]
+        key = str(float(tau))
+        if key not in self.overall["sparsity"]:
+            raise ValueError(f"s_τ was computed for τ in {self.taus}, not for τ = {float(tau):g}; add it to the grid "
+                           f"(taus=[..., {float(tau):g}], --taus)")
+        return self.overall["sparsity"][key]
 
     @property
     def largest(self) -> list[str]:
