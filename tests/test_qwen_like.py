@@ -190,3 +190,24 @@ def test_a_template_that_refuses_a_system_turn_is_one_line_naming_system_prompt(
     with pytest.raises(ValueError, match=r"^the tokenizer's chat template refused the prompt \(a system turn, then one "
                                          r"user turn\): System role not supported; .*remove the task's system_prompt"):
         module.prompts([example])
+
+
+def test_hf_export_refuses_the_directory_the_model_was_loaded_from(qwen_like_small_dir, tmp_path):
+    """dirpath = the model's own directory (a save_pretrained directory looks like a previous export): the export
+    would have replaced the base model with the tuned weights. Refused in one line; the directory is untouched."""
+    import shutil
+
+    from es_lightning.callbacks import HFExport
+    from es_lightning.modules.base import ReasoningModule
+
+    model = tmp_path / "base-model"
+    shutil.copytree(qwen_like_small_dir, model)
+    before = {p.name: p.read_bytes() for p in model.iterdir()}
+    module = ReasoningModule(model=str(model), task=GSM8KTask(use_chat_template=True))
+    module.configure_model()  # what a fit does first (the weights load lazily)
+    with pytest.raises(ValueError, match=r"is the directory the model was loaded from .* the base model would be lost; "
+                                         r"choose another directory as dirpath"):
+        HFExport(model).export(module)
+    assert {p.name: p.read_bytes() for p in model.iterdir()} == before
+    HFExport(tmp_path / "elsewhere").export(module)
+    assert (tmp_path / "elsewhere" / "config.json").is_file()

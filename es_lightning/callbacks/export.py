@@ -64,7 +64,7 @@ class HFExport(L.Callback):
         if trainer.is_global_zero:  # an export a kill interrupted in this directory (a resume writes here again)
             recover_exports(self.dirpath.parent, self.dirpath.name)
         if stage == "fit":  # every rank (the same shared path): refused before any training
-            check_export_target(self.dirpath)
+            check_export_target(self.dirpath, getattr(pl_module, "model_name", None))
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx) -> None:
         self._cadence.batch_started(trainer)
@@ -102,7 +102,7 @@ class HFExport(L.Callback):
         if self.dirpath is None:  # export() called outside a fit
             raise ValueError("HFExport.export() outside a fit needs dirpath=...")
         target = self.dirpath.resolve()
-        check_export_target(target)
+        check_export_target(target, getattr(pl_module, "model_name", None))
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
         try:
@@ -125,12 +125,19 @@ class HFExport(L.Callback):
         return target
 
 
-def check_export_target(target: str | os.PathLike) -> None:
-    """Refuse a ``dirpath`` whose contents an export would delete — an export replaces the whole directory: a file, or
-    a directory that holds anything but a previous export (files beside a ``config.json``, no folders)."""
+def check_export_target(target: str | os.PathLike, source: str | None = None) -> None:
+    """Refuse a ``dirpath`` whose contents an export would delete — an export replaces the whole directory: a file, a
+    directory that holds anything but a previous export (files beside a ``config.json``, no folders), or the model
+    directory the policy was loaded from (``source``, the module's ``model``: it looks like an export, and would be
+    replaced by the tuned weights)."""
     target = Path(target)
     if not target.exists():
         return
+    if source is not None and Path(os.path.expanduser(str(source))).is_dir() \
+            and Path(os.path.expanduser(str(source))).resolve() == target.resolve():
+        raise ValueError(f"HFExport: dirpath {str(target)!r} is the directory the model was loaded from (model "
+                         f"{source!r}): an export replaces the whole directory, so the base model would be lost; "
+                         "choose another directory as dirpath (the default is the run's own export/)")
     if not target.is_dir():
         raise ValueError(f"HFExport: dirpath {str(target)!r} is a file, and an export is a directory; choose a new or "
                          "empty directory as dirpath")
