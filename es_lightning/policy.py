@@ -211,6 +211,20 @@ def save_tokenizer(tokenizer: PreTrainedTokenizerBase, path: str | os.PathLike) 
             config.write_text(json.dumps(values, indent=2, ensure_ascii=False) + "\n")
 
 
+def save_model(model, path: str | os.PathLike, state_dict: dict | None = None) -> None:
+    """``model.save_pretrained(path, state_dict=...)`` readable with its dtype by transformers 4 and 5: transformers 5
+    writes the weights' dtype to ``config.json`` as ``dtype`` alone, which transformers 4 and older vLLM do not read
+    (they read ``torch_dtype``, and load a bf16 model in fp32 without it); ``torch_dtype`` is added with the same
+    value, as the hub's files carry it (transformers 5 reads either, silently)."""
+    model.save_pretrained(path, state_dict=state_dict)
+    config = Path(path) / "config.json"
+    if config.is_file():
+        values = json.loads(config.read_text())
+        if values.get("dtype") is not None and "torch_dtype" not in values:
+            values["torch_dtype"] = values["dtype"]
+            config.write_text(json.dumps(values, indent=2, sort_keys=True) + "\n")
+
+
 def load_policy(
     name_or_path: str,
     dtype: str | torch.dtype | None = "float32",

@@ -513,3 +513,22 @@ def test_switch_hands_the_master_over(order, model_dir):
             intended *= ES_LR / N
             applied = (final[name].double() - handed[name].double()).flatten()
             assert _cos(applied, intended) >= 0.9999, name
+
+
+def test_hf_export_of_a_bf16_run_names_its_dtype_for_transformers_4_and_5(qwen_like_small_dir, tmp_path):
+    """transformers 5 writes the weights' dtype as ``dtype`` alone; transformers 4 and older vLLM read ``torch_dtype``
+    only and loaded a bf16 export in fp32. The export carries both, and transformers 5 still loads it in bf16."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from es_lightning import HFExport
+    from es_lightning.policy import load_policy
+
+    _fit(_es(qwen_like_small_dir, max_new_tokens=2), 1, root=tmp_path, callbacks=[HFExport(tmp_path / "export")])
+    config = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert config["dtype"] == config["torch_dtype"] == "bfloat16"
+    assert next(load_policy(str(tmp_path / "export"), dtype=None).model.parameters()).dtype == torch.bfloat16
+    for dtype in ("auto", None):  # transformers 5's default reads the file's dtype too
+        kwargs = {"dtype": dtype} if dtype else {}
+        assert AutoModelForCausalLM.from_pretrained(tmp_path / "export", **kwargs).dtype == torch.bfloat16

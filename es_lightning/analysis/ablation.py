@@ -37,7 +37,7 @@ from es_lightning.analysis.drift import (
 )
 from es_lightning.analysis.output import Signed, check_out_dir, format_table, write_json
 from es_lightning.analysis.settings import PAPER_EVAL, EvalSettings
-from es_lightning.policy import save_tokenizer
+from es_lightning.policy import save_model, save_tokenizer
 
 Weights = Mapping[str, torch.Tensor]
 
@@ -189,7 +189,7 @@ def sparsity_ablation(
                          "sparsity": sparsity, **evaluate()})
             if save_dir is not None and setting.label not in ("base", "tuned"):
                 target = Path(save_dir) / setting.label.replace(" ", "").replace("%", "pct")
-                tuned_model.save_pretrained(target)
+                save_model(tuned_model, target)
                 if tokenizer is not None:
                     save_tokenizer(tokenizer, target)
                 rows[-1]["path"] = str(target)

@@ -18,7 +18,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 
 from es_lightning.callbacks.cadence import StepCadence
 from es_lightning.es.sharding import is_dtensor, is_sharded
-from es_lightning.policy import save_tokenizer
+from es_lightning.policy import save_model, save_tokenizer
 
 
 class HFExport(L.Callback):
@@ -106,7 +106,7 @@ class HFExport(L.Callback):
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
         try:
-            model.save_pretrained(tmp, state_dict=state_dict)  # model.safetensors (the only format transformers 5 writes)
+            save_model(model, tmp, state_dict)  # model.safetensors (the only format transformers 5 writes), both dtype keys
             if tokenizer is not None:
                 save_tokenizer(tokenizer, tmp)  # without a pad token borrowed from the EOS
             for name in self.keep_files:
