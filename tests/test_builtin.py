@@ -165,6 +165,21 @@ def test_hf_export_replaces_atomically_and_keeps_the_model_card(tmp_path):
                        reloaded.model.embed_tokens.weight)
 
 
+def test_hf_export_keep_files_takes_one_name_as_a_string(tmp_path):
+    """``keep_files="NOTES.md"`` is that one file; it was iterated character by character (files "N", "O", …) and the
+    notes were lost at the next export."""
+    target = tmp_path / "export"
+    for seed in (1, 2):
+        trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                            callbacks=[HFExport(target, keep_files="NOTES.md")])
+        trainer.fit(tiny_module(seed=seed), PretrainDataModule(tasks={"countdown": 1.0}, num_examples=16, val_size=0,
+                                                                batch_size=8))
+        if seed == 1:
+            (target / "NOTES.md").write_text("notes")
+    assert (target / "NOTES.md").read_text() == "notes"
+
+
 def test_hf_export_refuses_a_directory_it_would_wipe(tmp_path):
     """An export replaces its whole directory: pointed at a folder of other files (a home directory, a data folder, a
     downloaded hub model with its .cache/), it deleted them all. A fit is refused at setup, before any step, and an

@@ -41,20 +41,21 @@ class HFExport(L.Callback):
             ``lightning_logs/grpo_es/version_3/export``), so each run keeps its model. A directory holding anything
             but a previous export (which the export would delete) is refused at setup.
         every_n_train_steps: also export every this many optimizer steps (``None``: only at the end of fit).
-        keep_files: files of a previous export to carry over into the new one (a hand-written model card, say).
+        keep_files: files of a previous export to carry over into the new one (a hand-written model card, say); a
+            single name may be given as a string.
     """
 
     def __init__(
         self,
         dirpath: str | os.PathLike | None = None,
         every_n_train_steps: int | None = None,
-        keep_files: Sequence[str] = ("README.md",),
+        keep_files: str | Sequence[str] = ("README.md",),
     ) -> None:
         if every_n_train_steps is not None and every_n_train_steps < 1:
             raise ValueError(f"every_n_train_steps must be a positive integer or None, got {every_n_train_steps}")
         self.dirpath = Path(dirpath) if dirpath is not None else None
         self.every_n_train_steps = every_n_train_steps
-        self.keep_files = tuple(keep_files)
+        self.keep_files = (keep_files,) if isinstance(keep_files, (str, os.PathLike)) else tuple(keep_files)
         self._last_exported_step: int | None = None
         self._cadence = StepCadence()
 
