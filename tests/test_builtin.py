@@ -180,6 +180,34 @@ def test_hf_export_keep_files_takes_one_name_as_a_string(tmp_path):
     assert (target / "NOTES.md").read_text() == "notes"
 
 
+def test_recover_exports_puts_back_the_newest_complete_previous_export(tmp_path):
+    """Several ``.export.old-*`` (random suffixes: their names say nothing of their order) and no ``export``: the newest
+    complete one comes back — a half-deleted newer one, or an older whole one, sorted first and was restored. None
+    complete: refused in one line naming them and the fix, nothing touched."""
+    from es_lightning.callbacks.export import recover_exports
+
+    target = tmp_path / "export"
+    modules = {}
+    for suffix, seed in (("aaaa", 1), ("zzzz", 2), ("0000", 3)):  # written in this order: 0000 is the newest
+        modules[suffix] = tiny_module(seed=seed)
+        HFExport(target).export(modules[suffix])
+        target.rename(tmp_path / f".export.old-{suffix}")
+    (tmp_path / ".export.old-0000" / "model.safetensors").unlink()  # its removal was cut short
+    recover_exports(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
+    restored = AutoModelForCausalLM.from_pretrained(target)
+    assert torch.equal(restored.model.embed_tokens.weight, modules["zzzz"].model.model.embed_tokens.weight)
+
+    target.rename(tmp_path / ".export.old-b")
+    (tmp_path / ".export.old-b" / "model.safetensors").unlink()
+    (tmp_path / ".export.old-a").mkdir()
+    with pytest.raises(ValueError, match=r"export' is missing and the previous exports a kill left beside it "
+                                         r"\(\.export\.old-a, \.export\.old-b\) are all incomplete; move the one") as err:
+        recover_exports(tmp_path)
+    assert "\n" not in str(err.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".export.old-a", ".export.old-b"]
+
+
 def test_hf_export_refuses_a_directory_it_would_wipe(tmp_path):
     """An export replaces its whole directory: pointed at a folder of other files (a home directory, a data folder, a
     downloaded hub model with its .cache/), it deleted them all. A fit is refused at setup, before any step, and an

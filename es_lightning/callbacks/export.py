@@ -7,6 +7,7 @@ built-in pretraining, ES and GRPO alike.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -189,21 +190,51 @@ def recover_exports(directory: str | os.PathLike, name: str = "export") -> None:
     aside by :func:`_swap_in`) is put back when ``name`` is missing and removed otherwise; an unfinished
     ``.<name>.tmp-*`` (a half-written export, gigabytes at 1.5B) is removed. Called by :class:`HFExport` at setup and,
     for every run of a recipe, when ``--ckpt_path last`` looks for the newest one (a resume writes into a new run
-    directory)."""
+    directory).
+
+    The ``.old-*`` suffixes are random (``mkdtemp``) and say nothing of their order. Several of them (an older one whose
+    removal failed — an NFS ``.nfs*`` file keeps a directory — and the one a later kill left) are told apart by the
+    exports themselves: the newest complete one (``config.json`` and every weights file, newest ``config.json``, which
+    ``save_pretrained`` writes anew each time) is put back; when none is complete, they are refused in one line."""
     directory = Path(directory)
     if not directory.is_dir():
         return
     target = directory / name
-    for old in sorted(directory.glob(f".{name}.old-*")):
-        if not old.is_dir():
-            continue
-        if not target.exists():
-            os.replace(old, target)
-        else:
-            shutil.rmtree(old, ignore_errors=True)
+    olds = sorted(old for old in directory.glob(f".{name}.old-*") if old.is_dir())
+    if olds and not target.exists():
+        keep = olds[0] if len(olds) == 1 else _newest_complete_export(olds, target)
+        os.replace(keep, target)
+        olds.remove(keep)
+    for old in olds:
+        shutil.rmtree(old, ignore_errors=True)
     for tmp in directory.glob(f".{name}.tmp-*"):
         if tmp.is_dir():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _newest_complete_export(olds: list[Path], target: Path) -> Path:
+    """Of several previous exports moved aside, the complete one whose ``config.json`` was written last."""
+    complete = [old for old in olds if _is_complete_export(old)]
+    if not complete:
+        raise ValueError(
+            f"HFExport: {str(target)!r} is missing and the previous exports a kill left beside it "
+            f"({', '.join(old.name for old in olds)}) are all incomplete; move the one to keep to {str(target)!r} "
+            "(or delete them to export anew)"
+        )
+    return max(complete, key=lambda old: (old / "config.json").stat().st_mtime_ns)
+
+
+def _is_complete_export(path: Path) -> bool:
+    """``config.json`` and every weights file ``save_pretrained`` wrote (those its ``*.index.json`` lists, sharded)."""
+    if not (path / "config.json").is_file():
+        return False
+    for index in path.glob("*.index.json"):
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, AttributeError):
+            return False
+        return all((path / shard).is_file() for shard in shards)
+    return any((path / weights).is_file() for weights in ("model.safetensors", "pytorch_model.bin"))
 
 
 def _swap_in(new: Path, target: Path) -> None:
