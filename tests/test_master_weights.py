@@ -532,3 +532,35 @@ def test_hf_export_of_a_bf16_run_names_its_dtype_for_transformers_4_and_5(qwen_l
     for dtype in ("auto", None):  # transformers 5's default reads the file's dtype too
         kwargs = {"dtype": dtype} if dtype else {}
         assert AutoModelForCausalLM.from_pretrained(tmp_path / "export", **kwargs).dtype == torch.bfloat16
+
+
+def test_float32_eval_of_a_bf16_checkpoint_evaluates_its_fp32_masters(qwen_like_small_dir, tmp_path, capsys):
+    """`es-lightning eval --dtype float32` (and `analyze`) of a bf16 run's .ckpt evaluates the fp32 masters it holds —
+    the values the optimizer updated, which a resume under 32-true takes as its weights — not the bf16 weights rounded
+    from them (a GRPO step at lr 1e-6 sits almost wholly below half a bf16 ulp); in bf16 it is the weights."""
+    from es_lightning.analysis import evaluate_models, evaluate_policy, heldout_problems
+    from es_lightning.analysis.checkpoints import load_model
+    from es_lightning.analysis.settings import EvalSettings
+    from es_lightning.policy import load_policy
+
+    module = _grpo(qwen_like_small_dir, max_new_tokens=2)
+    _fit(module, 1, root=tmp_path, callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, filename="last")])
+    spec = str(tmp_path / "last.ckpt")
+    bf16 = load_model(spec, dtype="bfloat16")
+    masters = bf16.masters
+    assert masters and "fp32 masters" not in capsys.readouterr().out
+    fp32 = load_model(spec, dtype="float32")
+    params = dict(fp32.policy.model.named_parameters())
+    assert all(torch.equal(params[n], m) for n, m in masters.items())
+    assert "weights are the fp32 masters the optimizer updated" in capsys.readouterr().out
+    rounded = dict(bf16.policy.model.named_parameters())
+    assert any(not torch.equal(params[n], rounded[n].float()) for n in masters)
+
+    settings = EvalSettings(num_problems=2, num_samples=2, max_new_tokens=3, temperature=1.0)
+    report = evaluate_models([spec], labels=["tuned"], settings=settings, dtype="float32", progress=False)
+    by_hand = load_policy(qwen_like_small_dir, dtype="float32")
+    with torch.no_grad():
+        for name, p in by_hand.model.named_parameters():
+            p.copy_(masters.get(name, rounded[name]))
+    problems = heldout_problems(get_task("countdown"), 2, 0)
+    assert report.results["tuned"]["countdown"] == evaluate_policy(by_hand, "countdown", problems, settings)

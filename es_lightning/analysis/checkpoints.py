@@ -261,7 +261,8 @@ def load_model(spec: str, dtype: str | torch.dtype | None = None, trust_remote_c
     Args:
         spec: ``path/to/last.ckpt``, an exported HF directory, a hub id, or ``builtin:<name>``.
         dtype: parameter dtype; ``None`` takes the checkpoint's ``dtype`` hyperparameter for a ``.ckpt`` and float32
-            otherwise.
+            otherwise. A ``.ckpt``'s bf16/fp16 weights with fp32 masters loaded in float32 (or float64) are the masters
+            (the values its optimizer updated, which a ``32-true`` resume takes), not the weights rounded from them.
         trust_remote_code: allow custom modelling code (also taken from a ``.ckpt``'s hyperparameters).
     """
     if not is_lightning_checkpoint(spec):
@@ -291,9 +292,22 @@ def load_model(spec: str, dtype: str | torch.dtype | None = None, trust_remote_c
     params = dict(policy.model.named_parameters())
     masters = {n: m for n, m in masters.items() if n in params and m.shape == params[n].shape}
     stored = {v.dtype for k, v in state.items() if k in params and v.is_floating_point()}
+    lifted = [n for n, m in masters.items() if n in state
+              and _bits(params[n].dtype) >= _bits(m.dtype) > _bits(state[n].dtype)]
+    if lifted:  # asked for at least the masters' precision: the values the optimizer updated, as a 32-true resume takes
+        with torch.no_grad():
+            for name in lifted:
+                params[name].copy_(masters[name])
+        print(f"({spec}: {len(lifted)} {str(params[lifted[0]].dtype).removeprefix('torch.')} weights are the fp32 "
+              "masters the optimizer updated, as a 32-true resume takes them, not the bf16/fp16 weights rounded from "
+              "them)")
     return LoadedModel(policy=policy, spec=spec, base=base, hyperparameters=hparams, global_step=checkpoint.get("global_step"),
                        masters=masters, unmatched_masters=unmatched,
                        stored_dtype=str(stored.pop()).removeprefix("torch.") if len(stored) == 1 else None)
+
+
+def _bits(dtype: torch.dtype) -> int:
+    return torch.finfo(dtype).bits if dtype.is_floating_point else 0
 
 
 def start_dtype(tuned: LoadedModel, dtype: str | None = None) -> str | None:
