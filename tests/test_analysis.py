@@ -696,6 +696,18 @@ def test_forgetting_of_unchanged_and_of_broken_models(tmp_path, capsys):
         forgetting_command(tuned=str(same), base=BUILTIN, tasks=["countdown", "sort"], out_dir=str(tmp_path), **kwargs)
 
 
+def test_forgetting_refuses_a_suite_with_the_training_task_before_loading_a_model(es_checkpoint, tmp_path, capsys):
+    """The suite holds the task the checkpoint records: refused from the names alone. It loaded the tuned model first
+    and printed "both models in float32, as … was trained" before the refusal."""
+    with pytest.raises(ValueError, match=r"the held-out suite \['countdown', 'sort'\] contains the training task "
+                                         r"'countdown'; forgetting is measured on other tasks") as err:
+        forgetting_command(tuned=es_checkpoint[0], tasks=["countdown", "sort"], out_dir=str(tmp_path / "f"),
+                           progress=False, plot=False)
+    assert "\n" not in str(err.value)
+    captured = capsys.readouterr()
+    assert captured.out == "" and "Loading weights" not in captured.err
+
+
 # --------------------------------------------------------------------------- population sweep
 def test_population_sweep_matches_es_lightning_fit(tmp_path, capsys):
     recipe = str(ROOT / "recipes" / "es.yaml")

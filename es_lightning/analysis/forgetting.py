@@ -74,11 +74,25 @@ def forgetting(
     progress: bool = True,
 ) -> ForgettingReport:
     """Evaluate ``base`` and ``tuned`` (specs or :class:`LoadedModel`) on ``training_task`` + the held-out ``tasks``."""
+    from es_lightning.analysis.checkpoints import LoadedModel
+
+    suite, training_task, trained = _suite(tasks, training_task, tuned.spec if isinstance(tuned, LoadedModel) else str(tuned))
+    all_tasks = ([training_task] if trained else []) + suite  # as given: a class path keeps a custom task
+    # --eval.source gives the training task's problems (a file, the hub); the suite's probes stay procedural
+    procedural = {name: "procedural" for name in suite} if trained and settings.source != "procedural" else None
+    report = evaluate_models([base, tuned], tasks=all_tasks, labels=["base", "tuned"], settings=settings, dtype=dtype,
+                             progress=progress, task_sources=procedural)
+    return ForgettingReport(evaluation=report, training_task=trained)
+
+
+def _suite(tasks: Sequence[str], training_task: str | None, tuned: str) -> tuple[list[str], str | None, str | None]:
+    """``(suite names, training task as given or recorded, its name)``, refused when the suite is empty or holds the
+    training task: read from the names and the tuned model's record alone, before any model is loaded."""
     suite = [get_task(t).name for t in tasks]
     if training_task == RECORDED:
-        from es_lightning.analysis.checkpoints import LoadedModel, recorded_task, trained_with
+        from es_lightning.analysis.checkpoints import recorded_task, trained_with
 
-        training_task = recorded_task(trained_with(tuned.spec if isinstance(tuned, LoadedModel) else str(tuned)))
+        training_task = recorded_task(trained_with(tuned))
     trained = get_task(training_task).name if training_task else None
     if trained in suite:
         raise ValueError(
@@ -87,12 +101,7 @@ def forgetting(
         )
     if not suite:
         raise ValueError("the held-out suite is empty; name tasks other than the training task, e.g. --tasks addition sort")
-    all_tasks = ([training_task] if trained else []) + suite  # as given: a class path keeps a custom task
-    # --eval.source gives the training task's problems (a file, the hub); the suite's probes stay procedural
-    procedural = {name: "procedural" for name in suite} if trained and settings.source != "procedural" else None
-    report = evaluate_models([base, tuned], tasks=all_tasks, labels=["base", "tuned"], settings=settings, dtype=dtype,
-                             progress=progress, task_sources=procedural)
-    return ForgettingReport(evaluation=report, training_task=trained)
+    return suite, training_task, trained
 
 
 def forgetting_command(
@@ -127,6 +136,7 @@ def forgetting_command(
     from es_lightning.analysis.plots import plot_forgetting
 
     start = time.perf_counter()
+    training_task = _suite(tasks, training_task, tuned)[1]  # a suite holding the training task: refused before loading
     # both models in the dtype the tuned one was trained in (a run's export/ records it in its config.yaml): loaded
     # here, the tuned model is evaluated as it is, so it must not be float32 while the base is loaded in bf16
     recorded = None if dtype else trained_with(tuned).dtype
