@@ -193,6 +193,15 @@ class CommandMixin:
         return trainer
 
     def _run_subcommand(self, subcommand: str) -> None:
+        leftover = run_dirs.slurm_leftover(self.trainer) if self.config[subcommand].get("ckpt_path") is None else None
+        if leftover is not None:  # Lightning would load it without a word
+            does, use = {"fit": ("resumes the fit from", "resume from it")}.get(subcommand, (f"{subcommand}s", f"{subcommand} it"))
+            raise cli_errors.UserError(
+                f"{leftover}: a SLURM checkpoint es-lightning did not write (an older version's or another tool's), which "
+                f"Lightning {does} silently under SLURM when no --ckpt_path is given; pass --ckpt_path {leftover} to "
+                f"{use}, or move it out of {leftover.parent}"
+                + (" (--ckpt_path last resumes the recipe's newest run)" if subcommand == "fit" else "")
+            )
         log_dir = self.trainer.log_dir
         existed = log_dir is not None and Path(log_dir).exists()
         try:

@@ -253,6 +253,26 @@ def check_ckpt_path(config: Any, fitting: bool = True) -> None:
                         "wrote, e.g. lightning_logs/es/version_0/checkpoints/last.ckpt")
 
 
+def slurm_leftover(trainer: Any) -> Path | None:
+    """The ``hpc_ckpt_N.ckpt`` Lightning resumes a fit (or evaluates, in ``validate`` / ``test``) from when it runs
+    under SLURM without a ``ckpt_path``: the highest N in ``trainer.default_root_dir`` (its ``_hpc_resume_path``).
+    es-lightning never writes one (its requeue handling saves ``last.ckpt``, :mod:`es_lightning.callbacks.sigterm`), so
+    one is a leftover of an older version (saved inside the signal handler, in the middle of an ES step) or of another
+    tool; ``None`` when there is none or the process is not a SLURM task."""
+    import re
+
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    root = Path(str(trainer.default_root_dir))
+    if not SLURMEnvironment.detect() or not root.is_dir():
+        return None
+    names = sorted(p.name for p in root.iterdir() if "hpc_ckpt_" in p.name)  # Lightning's match: the name contains it
+    numbers = [re.sub("[^0-9]", "", name.split("hpc_ckpt_")[-1]) for name in names]
+    if "" in numbers:  # Lightning fails on it (int('')): named as it is
+        return root / names[numbers.index("")]
+    return root / f"hpc_ckpt_{max(map(int, numbers))}.ckpt" if numbers else None
+
+
 def _check_sharded_precision(config: Any, target: Path, path: str) -> None:
     """Refuse a sharded checkpoint resumed under a precision that changes whether the optimizers hold masters
     (``32-true`` ↔ ``bf16-true``): torch.distributed.checkpoint loads exactly the keys the new optimizers have, so a

@@ -731,3 +731,38 @@ def test_a_resume_with_other_held_out_settings_names_them(tmp_path, monkeypatch)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*data settings")
         CommandCLI(args=[*small, "--data.init_args.val_size", "4", "--trainer.max_steps", "4", "--ckpt_path", "last"])
+
+
+def test_slurm_leftover_hpc_checkpoint_is_refused_not_resumed_silently(tmp_path, monkeypatch, capsys):
+    """Under SLURM without --ckpt_path, Lightning resumes a fit (and evaluates in validate / test) from any
+    hpc_ckpt_N.ckpt in default_root_dir. es-lightning never writes one, so it is a leftover (an older version saved it
+    mid-step on a requeue signal): `es-lightning fit` / `validate` and an analysis's fits refuse it in one line naming
+    the file and the fix. It was resumed from without a word. --ckpt_path <it> resumes from it explicitly."""
+    from es_lightning.analysis.runs import fit_run, recipe_cli
+
+    _one_task_slurm_job(tmp_path, monkeypatch, "79", "es")
+    args = ["--config", str(ROOT / "recipes" / "es.yaml"), "--model.init_args.population_size", "2",
+            "--model.init_args.members_per_batch", "2", "--data.init_args.batch_size", "2",
+            "--trainer.limit_val_batches", "0", "--trainer.enable_progress_bar", "false",
+            "--trainer.logger.init_args.save_dir", str(tmp_path)]
+    cli_main(["fit", *args, "--trainer.max_steps", "1"])
+    leftover = tmp_path / "hpc_ckpt_3.ckpt"
+    shutil.copy(tmp_path / "es" / "version_0" / "checkpoints" / "last.ckpt", leftover)
+    capsys.readouterr()
+    for subcommand in ("fit", "validate"):
+        with pytest.raises(SystemExit) as stopped:
+            cli_main([subcommand, *args, "--trainer.max_steps", "2"])
+        assert stopped.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert err.startswith(f"es-lightning: error: {leftover}: a SLURM checkpoint es-lightning did not write") and (
+            f"pass --ckpt_path {leftover} to {'resume from' if subcommand == 'fit' else 'validate'} it, or move it out of "
+            f"{tmp_path}") in err, err
+    assert not (tmp_path / "es" / "version_1").exists()
+    cli = recipe_cli(ROOT / "recipes" / "es.yaml", 1, tmp_path, ["--model.init_args.population_size", "2",
+                                                                  "--data.init_args.batch_size", "2"])
+    with pytest.raises(ValueError, match=r"hpc_ckpt_3\.ckpt is a SLURM checkpoint .* that Lightning would resume the "
+                                         r"fit of N=2 from under SLURM; an analysis starts every fit anew: delete it"):
+        fit_run(cli.trainer, cli.model, cli.datamodule, "N=2", [], "nothing")
+    cli_main(["fit", *args, "--trainer.max_steps", "2", "--ckpt_path", str(leftover)])  # explicitly: resumed
+    assert torch.load(tmp_path / "es" / "version_1" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 2
+    assert str(leftover) in (tmp_path / "es" / "version_1" / "config.yaml").read_text()

@@ -57,6 +57,13 @@ def fit_run(trainer: L.Trainer, module, datamodule, run: str, finished: Sequence
     signal stopped the fit (or arrived in its last step: the analysis stops before the next run)."""
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+    from es_lightning.run_dirs import slurm_leftover
+
+    leftover = slurm_leftover(trainer)
+    if leftover is not None:  # Lightning would resume the run from it, without a word, under SLURM
+        raise ValueError(f"{leftover} is a SLURM checkpoint (an older es-lightning's, or another tool's) that Lightning "
+                         f"would resume the fit of {run} from under SLURM; an analysis starts every fit anew: delete it "
+                         "or move it away (or choose another --out_dir)")
     try:
         trainer.fit(module, datamodule=datamodule)
     except SIGTERMException:
