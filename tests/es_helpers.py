@@ -108,9 +108,17 @@ class SignalRankAtStep(L.Callback):
             os.kill(os.getpid(), getattr(signal, self.signum))
 
     def on_exception(self, trainer, module, exception):
-        import sys
+        say_line(f"rank {trainer.global_rank} stopped at step {trainer.global_step}")
 
-        print(f"rank {trainer.global_rank} stopped at step {trainer.global_step}", file=sys.stderr, flush=True)
+
+def say_line(text: str) -> None:
+    """``text`` and its newline on stderr in one ``write(2)``: the ranks of a launch share the stream, and ``print``'s
+    two writes (the text, then the newline) of two ranks interleave into one line ("...batchesrank 0 ...")."""
+    import os
+    import sys
+
+    sys.stderr.flush()
+    os.write(2, f"{text}\n".encode())
 
 
 class SignalRankInEvaluation(L.Callback):
@@ -130,8 +138,5 @@ class SignalRankInEvaluation(L.Callback):
     on_test_batch_start = on_validation_batch_start
 
     def on_exception(self, trainer, module, exception):
-        import sys
-
         loop = trainer.test_loop if trainer.testing else trainer.validate_loop
-        print(f"rank {trainer.global_rank} stopped after {loop.batch_progress.total.completed} evaluation batches",
-              file=sys.stderr, flush=True)
+        say_line(f"rank {trainer.global_rank} stopped after {loop.batch_progress.total.completed} evaluation batches")

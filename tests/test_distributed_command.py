@@ -6,6 +6,7 @@ population-parallel numerics under DDP: test_es_ddp.py.)"""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -164,7 +165,7 @@ def test_a_sigterm_during_a_distributed_evaluation_stops_every_rank_after_the_sa
                             "--trainer.callbacks+=es_lightning.RunCheckpoint",
                             "--trainer.callbacks.init_args.dirpath", str(tmp_path / "ckpt"), subcommand="validate")
     assert proc.returncode == 143, (proc.returncode, proc.stderr[-3000:])
-    stops = sorted(line for line in proc.stderr.splitlines() if " evaluation batches" in line)
+    stops = sorted(re.findall(r"rank \d stopped after \d+ evaluation batches", proc.stderr))
     assert stops == ["rank 0 stopped after 2 evaluation batches", "rank 1 stopped after 2 evaluation batches"], \
         proc.stderr[-3000:]
     line = ("es-lightning validate: stopped by SIGTERM during validate: the evaluation was cut and nothing was saved; "
