@@ -3,6 +3,8 @@ and exports a directory that loads back bit for bit."""
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 import lightning as L
@@ -15,7 +17,7 @@ from es_lightning.builtin.pretrain import IGNORE_INDEX, PretrainDataModule, SFTM
 from es_lightning.callbacks.export import HFExport
 from es_lightning.data import in_heldout_pool, procedural_split
 from es_lightning.generation import HFGenerator, SamplingParams
-from es_lightning.policy import load_policy
+from es_lightning.policy import load_policy, save_model
 from es_lightning.tasks import CountdownTask
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -206,6 +208,81 @@ def test_recover_exports_puts_back_the_newest_complete_previous_export(tmp_path)
         recover_exports(tmp_path)
     assert "\n" not in str(err.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == [".export.old-a", ".export.old-b"]
+
+
+class Killed(BaseException):
+    """The process died here."""
+
+
+def export_killed(monkeypatch, target: Path, module: SFTModule, at: str) -> None:
+    """``HFExport(target).export(module)`` killed at ``at`` — "tokenizer" (while it is written), "weights" (halfway
+    through model.safetensors), "chmod" (before the export is made readable), "swap" (between the swap's two renames):
+    the directory a kill there leaves, nothing after it run (the export's clean-up neither)."""
+    from es_lightning.callbacks import export
+
+    def kill(*args, **kwargs):
+        for mod, name in ((os, "replace"), (os, "chmod"), (shutil, "rmtree")):
+            patch.setattr(mod, name, kill)
+        raise Killed
+
+    def cut_weights(model, path, state_dict=None):
+        save_model(model, path, state_dict)
+        weights = Path(path) / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+        kill()
+
+    replace = os.replace
+    with monkeypatch.context() as patch:
+        if at == "tokenizer":
+            patch.setattr(export, "save_tokenizer", kill)
+        elif at == "weights":
+            patch.setattr(export, "save_model", cut_weights)
+        elif at == "chmod":
+            patch.setattr(os, "chmod", kill)
+        else:  # the second rename: the new export (the tmp) to the target
+            patch.setattr(os, "replace", lambda src, dst: kill() if ".tmp-" in Path(src).name else replace(src, dst))
+        with pytest.raises(Killed):
+            HFExport(target).export(module)
+
+
+def test_recover_exports_puts_in_place_a_finished_export_a_kill_left(tmp_path, monkeypatch):
+    """A kill between the swap's two renames (the previous export moved to ``.export.old-*``, the new one finished in
+    ``.export.tmp-*``) got the older export put back and the finished newer one deleted: the newer one is put in place.
+    A first export killed after it was written (before its rename) is put in place, readable; one killed while the
+    tokenizer or the weights were written is removed, as is an unfinished one beside a previous export."""
+    from es_lightning.callbacks.export import recover_exports
+
+    def embeddings():
+        return AutoModelForCausalLM.from_pretrained(target).model.embed_tokens.weight
+
+    target = tmp_path / "export"
+    first, second, third = tiny_module(seed=1), tiny_module(seed=2), tiny_module(seed=3)
+    for at in ("tokenizer", "weights"):
+        export_killed(monkeypatch, target, first, at)
+        assert [p.name.startswith(".export.tmp-") for p in tmp_path.iterdir()] == [True]
+        recover_exports(tmp_path)
+        assert list(tmp_path.iterdir()) == []
+    export_killed(monkeypatch, target, first, "chmod")
+    recover_exports(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
+    assert target.stat().st_mode & 0o777 == 0o755 and {p.stat().st_mode & 0o777 for p in target.iterdir()} == {0o644}
+    assert torch.equal(embeddings(), first.model.model.embed_tokens.weight)
+    assert load_policy(str(target)).tokenizer("c:3 5").input_ids == first.tokenizer("c:3 5").input_ids
+
+    (target / "README.md").write_text("card")
+    export_killed(monkeypatch, target, second, "weights")  # unfinished beside the previous export: removed
+    export_killed(monkeypatch, target, third, "swap")
+    left = sorted(p.name.split("-")[0] for p in tmp_path.iterdir())
+    assert left == [".export.old", ".export.tmp", ".export.tmp"]  # the first moved aside, the second and third
+    recover_exports(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
+    assert torch.equal(embeddings(), third.model.model.embed_tokens.weight)
+    assert (target / "README.md").read_text() == "card"
+
+    export_killed(monkeypatch, target, second, "weights")  # the previous export there: it stays
+    recover_exports(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
+    assert torch.equal(embeddings(), third.model.model.embed_tokens.weight)
 
 
 def test_hf_export_refuses_a_directory_it_would_wipe(tmp_path):

@@ -28,7 +28,8 @@ class HFExport(L.Callback):
 
     Atomic: the files are written into a temporary directory beside ``dirpath`` and swapped in by renames, so a crash
     or a full disk mid-write leaves the previous export intact. (POSIX cannot ``rename`` over a non-empty directory, so
-    the swap is two renames; a crash exactly between them leaves the previous export at ``.<name>.old-*`` beside it.)
+    the swap is two renames; a kill exactly between them leaves the previous export at ``.<name>.old-*`` and the new
+    one, finished, at ``.<name>.tmp-*``: :func:`recover_exports` at the next setup puts the new one in place.)
 
     Sharded models (FSDP2 ``ModelParallelStrategy``, FSDP1 ``FSDPStrategy``): every rank joins one gather of the full
     weights (``torch.distributed.checkpoint.state_dict.get_model_state_dict`` with ``full_state_dict`` and
@@ -108,17 +109,15 @@ class HFExport(L.Callback):
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
         try:
-            save_model(model, tmp, state_dict)  # model.safetensors (the only format transformers 5 writes), both dtype keys
-            if tokenizer is not None:
-                save_tokenizer(tokenizer, tmp)  # without a pad token borrowed from the EOS
+            # the weights last: a tmp whose weights are whole holds everything else too (recover_exports relies on it)
             for name in self.keep_files:
                 old = target / name
-                if old.is_file() and not (tmp / name).exists():
-                    shutil.copy2(old, tmp / name)
-            os.chmod(tmp, 0o755)  # mkdtemp makes it 0700, safetensors files 0600: make the export readable
-            for path in tmp.iterdir():
-                if path.is_file():
-                    os.chmod(path, 0o644)
+                if old.is_file():
+                    shutil.copy2(old, tmp / name)  # what save_pretrained writes below overwrites a kept file of its name
+            if tokenizer is not None:
+                save_tokenizer(tokenizer, tmp)  # without a pad token borrowed from the EOS
+            save_model(model, tmp, state_dict)  # model.safetensors (the only format transformers 5 writes), both dtype keys
+            _make_readable(tmp)
             _swap_in(tmp, target)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -186,55 +185,92 @@ def _tied_copies(model) -> set[str]:
 
 
 def recover_exports(directory: str | os.PathLike, name: str = "export") -> None:
-    """Undo what a kill during an export to ``directory/name`` left: a ``.<name>.old-*`` (the previous export, moved
-    aside by :func:`_swap_in`) is put back when ``name`` is missing and removed otherwise; an unfinished
-    ``.<name>.tmp-*`` (a half-written export, gigabytes at 1.5B) is removed. Called by :class:`HFExport` at setup and,
-    for every run of a recipe, when ``--ckpt_path last`` looks for the newest one (a resume writes into a new run
-    directory).
+    """Undo what a kill during an export to ``directory/name`` left. ``name`` present: it is kept, and a
+    ``.<name>.tmp-*`` (the export being written, gigabytes at 1.5B) and ``.<name>.old-*`` (a previous export moved aside
+    by :func:`_swap_in`) are removed. ``name`` missing: the newest complete export among them is put in its place and
+    the others removed — a finished ``.tmp-*`` when the kill came between the swap's two renames (or before a first
+    export's one), else the previous export. Called by :class:`HFExport` at setup and, for every run of a recipe, when
+    ``--ckpt_path last`` looks for the newest one (a resume writes into a new run directory).
 
-    The ``.old-*`` suffixes are random (``mkdtemp``) and say nothing of their order. Several of them (an older one whose
-    removal failed — an NFS ``.nfs*`` file keeps a directory — and the one a later kill left) are told apart by the
-    exports themselves: the newest complete one (``config.json`` and every weights file, newest ``config.json``, which
-    ``save_pretrained`` writes anew each time) is put back; when none is complete, they are refused in one line."""
+    Complete: ``config.json`` and every weights file whole (those a sharded export's ``*.index.json`` lists; a
+    safetensors file as long as its header says). An export writes its weights last, so a ``.tmp-*`` whose weights are
+    whole holds the tokenizer and the kept files too. The ``.old-*`` suffixes are random (``mkdtemp``) and say nothing
+    of their order; several exports (an older one whose removal failed — an NFS ``.nfs*`` file keeps a directory — and
+    the one a later kill left) are told apart by the newest ``config.json``, which ``save_pretrained`` writes anew each
+    time (a ``.tmp-*`` is newer than an ``.old-*`` of the same time). When previous exports are there and none of them
+    (nor a ``.tmp-*``) is complete, they are refused in one line."""
     directory = Path(directory)
     if not directory.is_dir():
         return
     target = directory / name
     olds = sorted(old for old in directory.glob(f".{name}.old-*") if old.is_dir())
-    if olds and not target.exists():
-        keep = olds[0] if len(olds) == 1 else _newest_complete_export(olds, target)
-        os.replace(keep, target)
-        olds.remove(keep)
-    for old in olds:
-        shutil.rmtree(old, ignore_errors=True)
-    for tmp in directory.glob(f".{name}.tmp-*"):
-        if tmp.is_dir():
-            shutil.rmtree(tmp, ignore_errors=True)
+    tmps = sorted(tmp for tmp in directory.glob(f".{name}.tmp-*") if tmp.is_dir())
+    if not target.exists():
+        finished = [tmp for tmp in tmps if _is_complete_export(tmp)]
+        if finished or olds:
+            keep = olds[0] if len(olds) == 1 and not finished else _newest_complete_export(olds + finished, target)
+            if keep in finished:
+                _make_readable(keep)  # the kill may have come before the export was made readable
+            os.replace(keep, target)
+            (tmps if keep in tmps else olds).remove(keep)
+    for leftover in olds + tmps:
+        shutil.rmtree(leftover, ignore_errors=True)
 
 
-def _newest_complete_export(olds: list[Path], target: Path) -> Path:
-    """Of several previous exports moved aside, the complete one whose ``config.json`` was written last."""
-    complete = [old for old in olds if _is_complete_export(old)]
+def _newest_complete_export(candidates: list[Path], target: Path) -> Path:
+    """Of the exports a kill left beside ``target``, the complete one whose ``config.json`` was written last (a
+    ``.tmp-*`` before an ``.old-*`` of the same time: it was written after it)."""
+    complete = [path for path in candidates if _is_complete_export(path)]
     if not complete:
         raise ValueError(
             f"HFExport: {str(target)!r} is missing and the previous exports a kill left beside it "
-            f"({', '.join(old.name for old in olds)}) are all incomplete; move the one to keep to {str(target)!r} "
-            "(or delete them to export anew)"
+            f"({', '.join(path.name for path in candidates)}) are all incomplete; move the one to keep to "
+            f"{str(target)!r} (or delete them to export anew)"
         )
-    return max(complete, key=lambda old: (old / "config.json").stat().st_mtime_ns)
+    return max(complete, key=lambda path: ((path / "config.json").stat().st_mtime_ns, ".tmp-" in path.name))
 
 
 def _is_complete_export(path: Path) -> bool:
-    """``config.json`` and every weights file ``save_pretrained`` wrote (those its ``*.index.json`` lists, sharded)."""
-    if not (path / "config.json").is_file():
+    """``config.json`` and every weights file ``save_pretrained`` wrote (those its ``*.index.json`` lists, sharded),
+    each whole (a safetensors file cut short by a kill is not)."""
+    try:
+        json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
         return False
     for index in path.glob("*.index.json"):
         try:
             shards = set(json.loads(index.read_text())["weight_map"].values())
-        except (OSError, ValueError, KeyError, AttributeError):
+        except (OSError, ValueError, KeyError, AttributeError, TypeError):
             return False
-        return all((path / shard).is_file() for shard in shards)
-    return any((path / weights).is_file() for weights in ("model.safetensors", "pytorch_model.bin"))
+        return bool(shards) and all(_is_whole_weights(path / shard) for shard in shards)
+    return any(_is_whole_weights(path / weights) for weights in ("model.safetensors", "pytorch_model.bin"))
+
+
+def _is_whole_weights(file: Path) -> bool:
+    """``file`` is there and, a safetensors file, as long as its header says (8 bytes of header length, the JSON
+    header, then the tensors' bytes up to the largest end offset): a write cut short leaves it shorter."""
+    if not file.is_file():
+        return False
+    if file.suffix != ".safetensors":
+        return True
+    try:
+        with file.open("rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            if header_len > file.stat().st_size:
+                return False
+            header = json.loads(f.read(header_len))
+        ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"]
+    except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError):
+        return False
+    return file.stat().st_size == 8 + header_len + max(ends, default=0)
+
+
+def _make_readable(path: Path) -> None:
+    """``mkdtemp`` makes a directory 0700, safetensors files are 0600: make an export readable by others."""
+    os.chmod(path, 0o755)
+    for file in path.iterdir():
+        if file.is_file():
+            os.chmod(file, 0o644)
 
 
 def _swap_in(new: Path, target: Path) -> None:
