@@ -358,6 +358,39 @@ def test_gsm8k_reads_thousands_grouped_by_spaces_and_vulgar_fractions():
         task.preprocess({"question": "q", "answer": "between 1 and 2 000"})
 
 
+#: (text after "####", the number it is, hand-computed; None: no number) — superscripts, subscripts and digits of
+#: another script after a number
+GSM8K_POWERS = [
+    ("1\u00b2", None), ("10\u00b3", None), ("2\u207f", None), ("10\u207b\u00b9", None), ("1.5\u00b2", None),
+    ("3/4\u00b2", None), ("1 000\u00b2", None), ("1,000\u00b3", None), ("1\u00bd\u00b2", None),  # powers, not 1, 10, 2 …
+    ("1\u00b9/\u2082", None), ("1 \u00b9/\u2082", None), ("12\u2083", None),  # a fraction 1¹/₂ is not 1
+    ("1\u0662\u0663", None), ("12\uff11", None), ("1.\u0662", None),  # digits of another script, not 1 or 12
+    ("5 m\u00b2", "5"), ("25 m\u00b2 of wall", "25"), ("1\u00bd", "1.5"), ("3/4.", "0.75"),  # a unit's power stays
+]
+
+
+def test_gsm8k_reads_no_number_from_a_power_or_a_superscript_fraction():
+    """``10³`` was read as 10, ``1²`` as 1 and the fraction ``1¹/₂`` as 1: a completion answering a power was paid as
+    correct for its base, and a reference answer written so became a wrong gold. A power is no GSM8K answer form (as
+    ``1e3`` is not): no number, in gold answers (refused) and completions (no format reward) alike."""
+    from es_lightning.tasks.gsm8k import normalize_number
+
+    task = GSM8KTask()
+    for text, expected in GSM8K_POWERS:
+        assert normalize_number(text) == expected, text
+        assert task.extract_answer(f"work\n#### {text}") == expected, text
+        if expected is None:
+            for answer in (text, f"steps\n#### {text}"):
+                with pytest.raises(ValueError, match="gold"):
+                    task.preprocess({"question": "q", "answer": answer})
+        else:
+            assert task.preprocess({"question": "q", "answer": f"steps\n#### {text}"})["gold"] == expected, text
+    ten, thousand = (task.preprocess({"question": "q", "answer": f"#### {n}"}) for n in ("10", "1000"))
+    assert task.reward(["#### 10\u00b3", "#### 10", "#### 1000"], [ten] * 3) == [0.0, 1.0, 0.1]
+    assert task.reward(["#### 10\u00b3", "#### 1000"], [thousand] * 2) == [0.0, 1.0]
+    assert task.votes(["10\u00b3", "10"], ten) == ["10\u00b3", Fraction(10)]
+
+
 @pytest.mark.parametrize("text", ["1 " * 50_000, "1 000" * 20_000, "\u00bd" * 100_000, "1" + " 000" * 25_000,
                                   "9" * 100_000, "1,000 " * 16_000, "1\u00bd " * 33_000, "$ -" * 33_000 + "1"])
 def test_gsm8k_adversarial_numbers_return(text):

@@ -7,8 +7,9 @@ format reward (Ba et al. 2026 convention, :mod:`es_lightning.tasks.base`) to com
 Numbers are compared exactly as fractions after removing thousands separators, ``$`` and a leading ``+``, so ``1,234``,
 ``1 234``, ``$1234``, ``1234.0`` and ``1234.00`` are all ``1234``, ``3/4`` is ``0.75`` (never ``3``), the mixed number
 ``1 1/2`` and ``1½`` are ``1.5`` (never ``1``); a comma that groups no thousands (``12,34``, a decimal comma) makes no
-number, and a space that groups no thousands ends one (``12 3456`` is 12, never 123456), as the gold answer's and the
-completion's alike. Nothing is ``eval``-ed.
+number, and a space that groups no thousands ends one (``12 3456`` is 12, never 123456); a power (``10³``, ``1e3``)
+is no GSM8K answer form and makes no number (never 10), as a superscript fraction ``1¹/₂`` does (never 1), the gold
+answer's and the completion's alike. Nothing is ``eval``-ed.
 """
 
 from __future__ import annotations
@@ -55,10 +56,12 @@ _AFTER_MARK = re.compile(
     r"(?:[ \t]+(\d+)[ \t]*/[ \t]*(\d+)(?!\d|\.\d)|\s*/\s*(\d+)(?!\d|\.\d)|[ \t]*(" + _VULGAR_CLASS + r"))?"
     r"|(" + _VULGAR_CLASS + r"))", re.ASCII)
 #: what may not follow a number: an exponent, a slash that does not make a fraction (``3/4.5``, ``10/10/2020``), more
-#: digits after a comma or a point (``1.234,56``, ``1.2.3``), digits or another vulgar fraction after a vulgar fraction
-#: (``1½3``, ``1½½``), or a fraction written with a fraction or division slash (``1⁄2``, ``1⅟2``), which is not 1
-_NOT_AFTER = re.compile(r"[eE][-+]?\d|\s*/\s*[\d.]|[,.]\d|\d|[ \t]*[\u00bc-\u00be\u2150-\u215f\u2189\u2044\u2215]",
-                        re.ASCII)
+#: digits after a comma or a point (``1.234,56``, ``1.2.3``), digits — of any script: ``1٢٣`` and ``12１`` are not 1
+#: and 12 — or another vulgar fraction after a vulgar fraction (``1½3``, ``1½½``), a fraction written with a fraction
+#: or division slash (``1⁄2``, ``1⅟2``), which is not 1, or a superscript or subscript (a power ``10³`` or ``2ⁿ``, a
+#: fraction ``1¹/₂``: not 10, 2 or 1; ``5 m²`` is 5)
+_NOT_AFTER = re.compile(r"[eE][-+]?\d|\s*/\s*[\d.]|[,.]?(?u:\d)"
+                        r"|[ \t]*[\u00bc-\u00be\u2150-\u215f\u2189\u2044\u2215\u00b2\u00b3\u00b9\u2070-\u209c]", re.ASCII)
 _MAX_NUMBER_CHARS = 40
 
 
@@ -69,8 +72,9 @@ def normalize_number(text: str) -> str | None:
     completion that wrote ``3/4`` for a gold of 3, and turned a reference answer ``3/4`` into a gold of 3), and so is a
     mixed number: ``"1 1/2"`` → ``"1.5"``, ``"1½"`` → ``"1.5"``. Thousands grouped by spaces are one number:
     ``"12 345 678"`` → ``"12345678"``, but a space before anything other than three digits ends it: ``"12 3456"`` →
-    ``"12"``. A number written with an exponent (``1e3``), with commas that group no thousands (``12,34``) or with a
-    fraction slash (``1⁄2``) is not one (``None``), nor is ``1 100/200`` (1100/200 or 1 + 100/200)."""
+    ``"12"``. A number written with an exponent (``1e3``), with commas that group no thousands (``12,34``), with a
+    fraction slash (``1⁄2``) or followed by a superscript or subscript (a power ``10³``, a fraction ``1¹/₂``) is not
+    one (``None``), nor is ``1 100/200`` (1100/200 or 1 + 100/200)."""
     if not isinstance(text, str):
         return None
     head = text[: 4 * _MAX_NUMBER_CHARS + 16]  # room for a mixed number's three parts, with thousands commas
