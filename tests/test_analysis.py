@@ -354,6 +354,27 @@ def test_tasks_as_trained_settings_given_recorded_and_chosen():
         tasks_as_trained([{"name": "countdown"}], None, [])
 
 
+def test_eval_names_only_the_task_settings_training_chose(tmp_path, capsys):
+    """`es-lightning eval` of an r1 Countdown checkpoint said "tasks as … was trained: countdown (prompt_format='r1',
+    max_completion_chars=65536)": 65536 is r1's own default, no setting the run chose. It names what the run set; a
+    bound the run did set is named."""
+    for bound, said in ((None, "countdown (prompt_format='r1')"),
+                        (4096, "countdown (prompt_format='r1', max_completion_chars=4096)")):
+        task = CountdownTask(prompt_format="r1", **({} if bound is None else {"max_completion_chars": bound}))
+        module = ESModule(model=BUILTIN, task=task, population_size=2, sigma=5e-3, lr=3e-3, max_new_tokens=2)
+        trainer = L.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, limit_val_batches=0)
+        trainer.fit(module, datamodule=ReasoningDataModule(task, train_size=2, val_size=1, test_size=1, batch_size=2))
+        ckpt = tmp_path / f"r1-{bound}.ckpt"
+        trainer.save_checkpoint(ckpt)
+        capsys.readouterr()
+        cli_main(["eval", "--checkpoints", str(ckpt), "--tasks", "countdown", "--eval.num_problems", "1",
+                  "--eval.num_samples", "1", "--eval.max_new_tokens", "2", "--out_dir", str(tmp_path / "eval"),
+                  "--progress", "false"])
+        lines = [line for line in capsys.readouterr().out.splitlines() if "was trained:" in line]
+        assert lines == [f"tasks as {ckpt} was trained: {said} (--eval.chat_template to choose the template)"], lines
+
+
 def test_one_task_twice_is_refused():
     with pytest.raises(ValueError, match=r"--tasks names \['countdown'\] more than once"):
         evaluate_models([BUILTIN], tasks=["countdown", {"class_path": "countdown", "init_args": {"prompt_format": "r1"}}],

@@ -292,8 +292,7 @@ def tasks_as_trained(tasks: Sequence[str | dict[str, Any] | Task], chat_template
             task = get_task(t)
             if record is not None and type(record) is type(task):
                 task = copy.copy(record)
-                default = vars(get_task(t))
-                changed = {k: v for k, v in vars(task).items() if k in default and default[k] != v}
+                changed = _changed_settings(t, source[1].get("init_args", {}))
                 if changed:
                     said.append(f"{task.name} ({', '.join(f'{k}={v!r}' for k, v in changed.items())})")
             elif record is not None and record.use_chat_template and chat_template is not False:
@@ -307,6 +306,24 @@ def tasks_as_trained(tasks: Sequence[str | dict[str, Any] | Task], chat_template
     if said and source is not None:
         print(f"tasks as {source[0]} was trained: {'; '.join(said)} (--eval.chat_template to choose the template)")
     return out
+
+
+def _changed_settings(name: str, recorded: dict[str, Any]) -> dict[str, Any]:
+    """The settings of the recorded task (``init_args``, every setting the task keeps) that the training chose: those
+    that differ from the task's defaults, less those the others imply — ``max_completion_chars=65536`` of an ``r1``
+    Countdown follows from ``prompt_format='r1'`` (its default there), no choice of its own. Dropped one at a time, as
+    long as the rest still rebuild every differing value."""
+    default = vars(get_task(name))
+    changed = {k: v for k, v in recorded.items() if k in default and default[k] != v}
+    for key in list(changed):
+        rest = {k: v for k, v in changed.items() if k != key}
+        try:
+            rebuilt = vars(get_task(name, **rest))
+        except Exception:  # the others alone are no valid task: the setting is needed
+            continue
+        if all(rebuilt.get(k) == v for k, v in changed.items()):
+            changed = rest
+    return changed
 
 
 def _task_from_spec(spec: dict[str, Any]) -> Task:
