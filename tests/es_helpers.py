@@ -112,13 +112,13 @@ class SignalRankAtStep(L.Callback):
 
 
 def say_line(text: str) -> None:
-    """``text`` and its newline on stderr in one ``write(2)``: the ranks of a launch share the stream, and ``print``'s
-    two writes (the text, then the newline) of two ranks interleave into one line ("...batchesrank 0 ...")."""
-    import os
+    """``text`` and its newline on stderr in one write: the ranks of a launch share the stream, and ``print``'s two
+    writes (the text, then the newline) of two ranks interleaved into one line ("...batchesrank 0 ..."). Through
+    ``sys.stderr`` (not fd 2), so an in-process test that redirects it sees the line."""
     import sys
 
+    sys.stderr.write(f"{text}\n")
     sys.stderr.flush()
-    os.write(2, f"{text}\n".encode())
 
 
 class SignalRankInEvaluation(L.Callback):
