@@ -295,23 +295,30 @@ GSM8K_FORMS = [
 ]
 
 
-def test_gsm8k_number_forms_table():
-    """A mixed number ``1 1/2`` was read as 1 (a completion answering 1 1/2 paid for a gold of 1, a reference answer
-    1 1/2 became a gold of 1); a comma that groups no thousands (``12,34``: a decimal comma) was dropped (1234), as
-    was ``1½``'s fraction. Each form is now its value or no number, the same for gold answers and completions."""
+def _check_number_forms(task, table):
+    """Each ``(text, expected)`` of ``table`` read alike by normalize_number, a completion's ``#### text`` and a
+    reference's: no number refuses the reference, a number is its gold and pays both spellings in full."""
     from es_lightning.tasks.gsm8k import normalize_number
 
-    task = GSM8KTask()
-    for text, expected in GSM8K_FORMS:
+    for text, expected in table:
         assert normalize_number(text) == expected, text
         assert task.extract_answer(f"work\n#### {text}") == expected, text
         if expected is None:
-            with pytest.raises(ValueError, match="gold"):
-                task.preprocess({"question": "q", "answer": f"#### {text}"})
+            for answer in (f"#### {text}", f"steps\n#### {text}"):
+                with pytest.raises(ValueError, match="gold"):
+                    task.preprocess({"question": "q", "answer": answer})
             continue
         gold = task.preprocess({"question": "q", "answer": f"steps\n#### {text}"})
         assert gold["gold"] == expected, text
         assert task.reward([f"#### {text}", f"#### {expected}"], [gold] * 2) == [1.0, 1.0], text
+
+
+def test_gsm8k_number_forms_table():
+    """A mixed number ``1 1/2`` was read as 1 (a completion answering 1 1/2 paid for a gold of 1, a reference answer
+    1 1/2 became a gold of 1); a comma that groups no thousands (``12,34``: a decimal comma) was dropped (1234), as
+    was ``1½``'s fraction. Each form is now its value or no number, the same for gold answers and completions."""
+    task = GSM8KTask()
+    _check_number_forms(task, GSM8K_FORMS)
     one = task.preprocess({"question": "q", "answer": "#### 1"})
     assert task.reward(["#### 1 1/2", "#### 1\u00bd", "#### 1"], [one] * 3) == [0.1, 0.1, 1.0]
     assert task.votes(["1 1/2", "1.5", "3/2"], one) == [Fraction(3, 2)] * 3
@@ -336,20 +343,11 @@ def test_gsm8k_reads_thousands_grouped_by_spaces_and_vulgar_fractions():
     1 000 was paid for a gold of 1); ``1½`` was no number (a reference answer ``#### 1½`` refused the dataset, a
     completion writing it lost its format reward). Both are now their values, in gold answers and completions alike;
     a space before anything but three digits still ends a number."""
-    from es_lightning.tasks.gsm8k import normalize_number
-
     task = GSM8KTask()
-    for text, expected in GSM8K_SPACED_AND_VULGAR:
-        assert normalize_number(text) == expected, text
-        assert task.extract_answer(f"work\n#### {text}") == expected, text
-        if expected is None:
-            with pytest.raises(ValueError, match="gold"):
-                task.preprocess({"question": "q", "answer": f"#### {text}"})
-            continue
-        assert task.preprocess({"question": "q", "answer": text})["gold"] == expected, text
-        gold = task.preprocess({"question": "q", "answer": f"steps\n#### {text}"})
-        assert gold["gold"] == expected, text
-        assert task.reward([f"#### {text}", f"#### {expected}"], [gold] * 2) == [1.0, 1.0], text
+    _check_number_forms(task, GSM8K_SPACED_AND_VULGAR)
+    for text, expected in GSM8K_SPACED_AND_VULGAR:  # a reference without "####" is read from its start
+        if expected is not None:
+            assert task.preprocess({"question": "q", "answer": text})["gold"] == expected, text
     thousand = task.preprocess({"question": "q", "answer": "In 1 000 steps.\n#### 1 000"})
     assert task.reward(["#### 1000", "#### 1,000", "#### 1 000", "#### 1", "#### 1 00"], [thousand] * 5) == [1.0] * 3 + [0.1] * 2
     assert task.votes(["1 000", "1,000", "1000.0"], thousand) == [Fraction(1000)] * 3
@@ -373,18 +371,12 @@ def test_gsm8k_reads_no_number_from_a_power_or_a_superscript_fraction():
     """``10³`` was read as 10, ``1²`` as 1 and the fraction ``1¹/₂`` as 1: a completion answering a power was paid as
     correct for its base, and a reference answer written so became a wrong gold. A power is no GSM8K answer form (as
     ``1e3`` is not): no number, in gold answers (refused) and completions (no format reward) alike."""
-    from es_lightning.tasks.gsm8k import normalize_number
-
     task = GSM8KTask()
-    for text, expected in GSM8K_POWERS:
-        assert normalize_number(text) == expected, text
-        assert task.extract_answer(f"work\n#### {text}") == expected, text
+    _check_number_forms(task, GSM8K_POWERS)
+    for text, expected in GSM8K_POWERS:  # a reference without "####" too
         if expected is None:
-            for answer in (text, f"steps\n#### {text}"):
-                with pytest.raises(ValueError, match="gold"):
-                    task.preprocess({"question": "q", "answer": answer})
-        else:
-            assert task.preprocess({"question": "q", "answer": f"steps\n#### {text}"})["gold"] == expected, text
+            with pytest.raises(ValueError, match="gold"):
+                task.preprocess({"question": "q", "answer": text})
     ten, thousand = (task.preprocess({"question": "q", "answer": f"#### {n}"}) for n in ("10", "1000"))
     assert task.reward(["#### 10\u00b3", "#### 10", "#### 1000"], [ten] * 3) == [0.0, 1.0, 0.1]
     assert task.reward(["#### 10\u00b3", "#### 1000"], [thousand] * 2) == [0.0, 1.0]
