@@ -39,16 +39,14 @@ class AnalysisStopped(SystemExit):
 
 class _Signals(L.Callback):
     """SIGTERM and SLURM's requeue signal in an analysis's fit: only noted, and every rank stops after the same step
-    (:func:`~es_lightning.callbacks.sigterm.install`, :func:`~es_lightning.callbacks.sigterm.agree`); never requeued."""
+    (:func:`~es_lightning.callbacks.sigterm.install`, :func:`~es_lightning.callbacks.sigterm.agree`); never requeued
+    (installed last: a RunCheckpoint given in overrides installs before it, and this install is the one kept)."""
 
     def setup(self, trainer, pl_module, stage) -> None:
-        sigterm.install(trainer, stage)
+        sigterm.install(trainer, stage, requeue_job=False)  # a rerun would start the analysis over
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         sigterm.agree(trainer)
-        asked = sigterm.requeue_requested(trainer)
-        if asked is not None:  # a rerun would start the analysis over: not even a RunCheckpoint given in overrides requeues
-            asked["done"] = True
 
 
 def fit_run(trainer: L.Trainer, module, datamodule, run: str, finished: Sequence[str], kept: str) -> None:

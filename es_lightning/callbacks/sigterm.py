@@ -75,11 +75,12 @@ def requeue_signal(trainer: L.Trainer) -> signal.Signals | None:
     return None
 
 
-def install(trainer: L.Trainer, stage: str) -> None:
+def install(trainer: L.Trainer, stage: str, requeue_job: bool = True) -> None:
     """At ``setup``, before Lightning registers its handlers: make ``trainer``'s SIGTERM handler (several processes)
     and SLURM requeue handler (auto-requeue on) only note the signal — during a fit, agreed by :func:`agree`;
     during ``validate``/``test``, agreed by :func:`agree_evaluation`, never saved nor requeued; otherwise (one process
-    without requeueing) leave Lightning's."""
+    without requeueing) leave Lightning's. ``requeue_job=False``: a fit's requeue signal stops it as agreed, but
+    :func:`requeue` never requeues the job (an analysis's fits: a rerun would start the analysis over)."""
     connector = trainer._signal_connector
     for name in (*_HANDLERS, _STATE):  # a trainer that fitted before: Lightning's handlers again
         connector.__dict__.pop(name, None)
@@ -88,7 +89,8 @@ def install(trainer: L.Trainer, stage: str) -> None:
     evaluating = stage in ("validate", "test")  # stage: Lightning's TrainerFn, a str enum
     if not (stage == "fit" or evaluating) or not (several or requeue_on):
         return
-    state: dict[str, Any] = {"pending": False, "requeue_pending": False, "agreed_batch": -1, "requeue": None}
+    state: dict[str, Any] = {"pending": False, "requeue_pending": False, "agreed_batch": -1, "requeue": None,
+                             "requeue_job": requeue_job}
     if evaluating:  # an evaluation: stopped after an agreed batch, never saved nor requeued
         state["evaluation_cut"] = None  # the signal that cut it
     setattr(connector, _STATE, state)
@@ -139,7 +141,8 @@ def agree(trainer: L.Trainer) -> None:
     if notes is None:
         return
     if notes[1] and state["requeue"] is None:
-        state["requeue"] = {"job": None, "status": None, "done": False}  # requeue() runs it once the step is saved
+        # requeue() runs it once the step is saved (never, when the job is not to be requeued)
+        state["requeue"] = {"job": None, "status": None, "done": not state["requeue_job"]}
     if any(notes):
         trainer._signal_connector.received_sigterm = True
 
