@@ -355,14 +355,6 @@ class ReasoningDataModule(L.LightningDataModule):
                              f"rows{DROP_INVALID_HINT}")
         return result
 
-    def valid_rows(self, ds, split: str):
-        """``ds`` (a split of the source, named ``split`` there) without the rows the task refuses: with
-        ``drop_invalid_rows``, dropped with one warning naming how many; otherwise refused in one line naming how many,
-        the first's row number and the task's reason, and the fix. Reads every row (a fit reads only those it draws,
-        unless it drops: :meth:`_load_datasets`)."""
-        refused, _ = self._refused_rows(self.map_columns(ds, split), False)
-        return self._without(ds, split, refused)[0]
-
     def _refused_rows(self, mapped, with_keys: bool) -> tuple[dict[int, ValueError], list[Any] | None]:
         """One pass over ``mapped`` (a split, its columns the task's): the rows the task refuses (row number → the
         task's reason) and, ``with_keys``, each row's problem identity (``Task.pool_key`` of the preprocessed record,
