@@ -88,16 +88,23 @@ def test_a_distributed_process_ends_past_the_interpreter_teardown(tmp_path):
     assert files == {"thread": "done", "atexit": "False"}
 
 
+#: es.yaml's population, batch and data at their smallest (``extra`` arguments override them): what these tests check
+#: does not depend on them, and the recipe's 32 x 32 x 2 rollouts a step and 100 x 16 at each evaluation would be most
+#: of each run's time
+_TINY = ["--model.init_args.population_size", "4", "--data.init_args.batch_size", "2", "--data.init_args.train_size",
+         "64", "--data.init_args.val_size", "4", "--data.init_args.test_size", "4"]
+
+
 def _distributed_fit(tmp_path, *extra, subcommand="fit"):
-    """`es-lightning fit` (or ``subcommand``) of es.yaml for 1 step on 2 DDP processes, every process armed with the
-    teardown bomb."""
+    """`es-lightning fit` (or ``subcommand``) of es.yaml (:data:`_TINY`) for 1 step on 2 DDP processes, every process
+    armed with the teardown bomb."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": os.pathsep.join([teardown_bomb(tmp_path / "bomb"), str(ROOT), str(ROOT / "tests")])}
     return subprocess.run(
         [sys.executable, "-m", "es_lightning.cli", subcommand, "--config", str(ROOT / "recipes" / "es.yaml"),
          "--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "ddp",
-         "--trainer.max_steps", "1", "--trainer.logger", "false", "--trainer.enable_checkpointing", "false", *extra],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+         "--trainer.max_steps", "1", "--trainer.logger", "false", "--trainer.enable_checkpointing", "false", *_TINY,
+         *extra], cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
 
 
 def test_a_mistake_in_a_distributed_command_ends_with_its_one_line_and_status_2(tmp_path):
@@ -240,10 +247,11 @@ def _free_port() -> int:
 
 
 def _slurm_fit(tmp_path, *extra, nodes=1, cwds=None, subcommand="fit"):
-    """`es-lightning fit` (or ``subcommand``) of es.yaml as ``srun`` starts it in a SLURM job of 2 tasks (on ``nodes`` nodes): two
-    processes started here, each with SLURM's variables for its rank (Lightning's ``SLURMEnvironment``, auto-requeue
-    on), ``scontrol`` a script first on ``PATH`` that appends its arguments to ``scontrol.log``; rank ``r`` runs in
-    ``cwds[r]`` (default ``tmp_path``). Returns ``(status, stderr)`` of each rank."""
+    """`es-lightning fit` (or ``subcommand``) of es.yaml (:data:`_TINY`) as ``srun`` starts it in a SLURM job of 2
+    tasks (on ``nodes`` nodes): two processes started here, each with SLURM's variables for its rank (Lightning's
+    ``SLURMEnvironment``, auto-requeue on), ``scontrol`` a script first on ``PATH`` that appends its arguments to
+    ``scontrol.log``; rank ``r`` runs in ``cwds[r]`` (default ``tmp_path``). Returns ``(status, stderr)`` of each
+    rank."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     scontrol = bin_dir / "scontrol"
@@ -261,7 +269,7 @@ def _slurm_fit(tmp_path, *extra, nodes=1, cwds=None, subcommand="fit"):
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "es_lightning.cli", subcommand, "--config", str(ROOT / "recipes" / "es.yaml"),
              "--trainer.accelerator", "cpu", "--trainer.max_steps", "1", "--trainer.logger", "false",
-             "--trainer.enable_checkpointing", "false", *extra, "--trainer.devices", str(2 // nodes),
+             "--trainer.enable_checkpointing", "false", *_TINY, *extra, "--trainer.devices", str(2 // nodes),
              "--trainer.num_nodes", str(nodes)], cwd=(cwds or [tmp_path, tmp_path])[rank], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True, env=ranked))
     try:
@@ -358,12 +366,13 @@ def test_sharded_checkpoints_on_disks_local_to_each_node_are_refused_at_setup(tm
 
 
 def _spawn_fit(tmp_path, *extra):
-    """`es-lightning fit` of es.yaml for 1 step on 2 ``ddp_spawn`` workers (the command's process launches them)."""
+    """`es-lightning fit` of es.yaml (:data:`_TINY`) for 1 step on 2 ``ddp_spawn`` workers (the command's process
+    launches them)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     return subprocess.run(
         [sys.executable, "-m", "es_lightning.cli", "fit", "--config", str(ROOT / "recipes" / "es.yaml"),
          "--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "ddp_spawn",
-         "--trainer.max_steps", "1", "--trainer.limit_val_batches", "0", *extra],
+         "--trainer.max_steps", "1", "--trainer.limit_val_batches", "0", *_TINY, *extra],
         cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
 
 
