@@ -1,5 +1,6 @@
-"""Pieces the tests share: a reward every member earns differently, callbacks that record the batches and when each
-update ended, a callback with a bug, and a process that aborts if the interpreter's teardown runs."""
+"""Pieces the tests share: a reward every member earns differently, a task that signals its process in an evaluation,
+callbacks that record the batches and when each update ended, a callback with a bug, and a process that aborts if the
+interpreter's teardown runs."""
 
 from __future__ import annotations
 
@@ -16,6 +17,35 @@ class CharSumTask(CountdownTask):
 
     def reward(self, completions, examples):
         return [sum(map(ord, c)) % 97 / 97 for c in completions]
+
+
+class SignalInEvaluation(CountdownTask):
+    """Countdown that sends this process signal ``signum`` (a name) as the first problem of its ``evaluation``-th
+    held-out evaluation (1: the first this task object and its copies take part in) is voted on: Maj@k votes are cast
+    only in an evaluation, never in a fit's training, so the signal reaches an analysis while it evaluates. Where the
+    signal's action is still the default (nothing handles it) it raises AssertionError instead: the signal would end
+    the test process itself, without a word."""
+
+    def __init__(self, signum: str = "SIGTERM", evaluation: int = 1, **task_kwargs) -> None:
+        super().__init__(**task_kwargs)
+        self.signum, self.evaluation = signum, evaluation
+        self._seen = {"first": None, "evaluations": 0}  # shared with the copies an analysis evaluates with
+
+    def votes(self, answers, example):
+        if self._seen["first"] is None:
+            self._seen["first"] = example
+        if example == self._seen["first"]:  # every evaluation of an analysis sees the same problems, in order
+            self._seen["evaluations"] += 1
+            if self._seen["evaluations"] == self.evaluation:
+                import os
+                import signal
+
+                signum = getattr(signal, self.signum)
+                if signal.getsignal(signum) == signal.SIG_DFL:
+                    raise AssertionError(f"nothing handles {self.signum} in this evaluation: its default action would "
+                                         "end the process without a word")
+                os.kill(os.getpid(), signum)
+        return super().votes(answers, example)
 
 
 class RecordBatches(L.Callback):

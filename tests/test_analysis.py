@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import signal
 from dataclasses import replace
 from pathlib import Path
 
@@ -750,6 +751,7 @@ def test_population_sweep_matches_es_lightning_fit(tmp_path, capsys):
     assert written["rows"][2]["population_size"] == 4
     assert written["settings"]["eval"]["max_new_tokens"] == 8  # null: the recipe's cap, here overridden to 8
     assert "pass@1" in capsys.readouterr().out
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the sweep's handler between fits is gone with it
 
     # the same run through `es-lightning fit` logs the same reward and ends on the same weights
     logs = tmp_path / "fit"

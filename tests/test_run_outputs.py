@@ -560,6 +560,37 @@ def test_a_sigterm_in_an_analysis_fit_stops_it_with_one_line_and_status_143(tmp_
     assert not list((tmp_path / "out").rglob("sweep.*"))
 
 
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGUSR1"])
+def test_a_signal_between_an_analysis_fits_stops_it_at_once_with_one_line(tmp_path, monkeypatch, capsys, signum):
+    """A SIGTERM (no SLURM) or SLURM's requeue signal (a one-task SLURM job) while `analyze sweep` evaluates the
+    fit of N=4 — between fits, where no trainer handles signals: the signal's default action killed the process
+    without a word. Now the evaluation is cut at once, and the command says in one line what was cut, what finished
+    and what is kept, and exits 128 + the signal's number; the process's handlers are back after it."""
+    import signal
+
+    if signum == "SIGUSR1":
+        _one_task_slurm_job(tmp_path, monkeypatch, "80", "sweep")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stopped:  # evaluation 1: the base model's, 2: N=4's
+        cli_main(["analyze", "sweep", "--recipe", str(ROOT / "recipes" / "es.yaml"), "--populations", "[4]",
+                  "--steps", "1", "--batch_size", "2", "--eval.num_problems", "3", "--eval.num_samples", "4",
+                  "--out_dir", str(tmp_path / "out"), "--overrides",
+                  "[--data.init_args.train_size, '16', --data.init_args.task.class_path, es_helpers.SignalInEvaluation, "
+                  f"--data.init_args.task.init_args.signum, {signum}, --data.init_args.task.init_args.evaluation, '2']"])
+    assert stopped.value.code == 128 + getattr(signal, signum)
+    out, err = capsys.readouterr()
+    by = "SLURM's requeue signal (SIGUSR1)" if signum == "SIGUSR1" else "SIGTERM"
+    line = (f"es-lightning analyze sweep: stopped by {by} while evaluating N=4; no run finished before it; nothing was "
+            f"written to {tmp_path / 'out'} (sweep.json comes once every run is done), so the same command starts over")
+    if signum == "SIGUSR1":
+        line += ("; the job was not requeued (it would start over and meet the same time limit): give it more time "
+                 "(#SBATCH --time) or fewer runs and submit it again")
+    assert line in err.splitlines(), err[-3000:]
+    assert "N=4: reward" not in out and not list((tmp_path / "out").rglob("sweep.*"))
+    assert not (tmp_path / "scontrol.log").exists() and not list(tmp_path.rglob("*.ckpt"))
+    assert signal.getsignal(signal.SIGTERM) == signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+
+
 def test_an_explicit_ckpt_path_resumes_with_the_configured_settings(tmp_path, monkeypatch):
     """`--ckpt_path <file>` runs what the command configures, as `--ckpt_path last` does: Lightning's LightningCLI
     would replace the configured model settings with the checkpoint's hyperparameters (a `--model.init_args.sigma`

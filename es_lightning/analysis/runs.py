@@ -13,13 +13,29 @@ an analysis writes its results once every run is done and has no checkpoint to r
 and the analysis ended with status 0, saying nothing; on the requeue signal ``hpc_ckpt_N.ckpt`` was saved in the middle
 of a step — which a rerun's fit of that run, under SLURM, would silently resume from — the job was requeued to start
 over, and the analysis went on.
+
+The same signals *between* the fits — while the analysis sets up a fit, loads and evaluates a model (Pass@K on held-out
+problems, minutes on a real model) or writes its results — took their default action: the process died without a word.
+Now :func:`stopping_between_fits`, around the ``analyze compare`` / ``sweep`` commands, takes SIGTERM and SLURM's
+requeue signal (under SLURM Lightning's ``SIGUSR1``, then whatever each fit's trainer uses; none once auto-requeue is
+off) where their action is still the default, and its handler raises :class:`AnalysisStopped` at once — an evaluation
+is cut, not waited for: a scheduler sends SIGKILL some 30 s after SIGTERM — with the same kind of line, naming what was
+cut ("while evaluating N=4", as :func:`between_fits` last said), the runs finished and what is kept. During a fit the
+handlers are Lightning's, exactly as without the analysis: at ``on_fit_start``, just before Lightning registers its
+own, the process's previous handlers are put back, so Lightning registers and composes what it would anyway; at
+``on_train_start`` the analysis's handler becomes what Lightning's teardown restores (a fit's setup, which loads the
+model, is the analysis's). The process's handlers are back when the command ends; a handler the process already had (a
+script's own, or an ignored signal) is never replaced, and the Python functions (``compare_methods``,
+``population_sweep``) install nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import signal
+import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import lightning as L
@@ -28,22 +44,127 @@ from es_lightning.callbacks import sigterm
 
 
 class AnalysisStopped(SystemExit):
-    """A SIGTERM or SLURM's requeue signal stopped one of an analysis's fits: ``code`` is 128 + the signal's number (as
-    the ``es-lightning`` command's status), ``line`` says which run was cut and what is kept (``es-lightning analyze``
-    prints it)."""
+    """A SIGTERM or SLURM's requeue signal stopped an analysis, in one of its fits or between them: ``code`` is 128 +
+    the signal's number (as the ``es-lightning`` command's status), ``line`` says which run (or what else) was cut and
+    what is kept (``es-lightning analyze`` prints it)."""
 
     def __init__(self, line: str, code: int) -> None:
         super().__init__(code)
         self.line = line
 
 
+def _stopped(signum: signal.Signals, requeue: bool, where: str, finished: Sequence[str], kept: str) -> AnalysisStopped:
+    """The :class:`AnalysisStopped` of ``signum`` (SLURM's requeue signal when ``requeue``), which cut the analysis
+    ``where`` ("at step 3 of the fit of N=4", "while evaluating N=4")."""
+    by = f"SLURM's requeue signal ({signum.name})" if requeue else "SIGTERM"
+    done = f"{', '.join(finished)} finished before it (printed above)" if finished else "no run finished before it"
+    line = f"stopped by {by} {where}; {done}; {kept}, so the same command starts over"
+    if requeue:
+        line += ("; the job was not requeued (it would start over and meet the same time limit): give it more time "
+                 "(#SBATCH --time) or fewer runs and submit it again")
+    return AnalysisStopped(line, 128 + int(signum))
+
+
+class _Between:
+    """The handler of SIGTERM and SLURM's requeue signal between an analysis's fits (:func:`stopping_between_fits`):
+    raises :class:`AnalysisStopped` naming what :func:`between_fits` last said the analysis was doing."""
+
+    def __init__(self) -> None:
+        from lightning.fabric.plugins.environments import SLURMEnvironment
+
+        self.where, self.finished, self.kept = "while setting up", (), "nothing was written"
+        self.fit_end = "at the end of a fit"  # where a signal after a fit's teardown cuts (fit_run names the run)
+        self.previous: dict[signal.Signals, object] = {}  # the signals taken, and the process's handler of each
+        self.requeue: signal.Signals | None = None
+        self.stop: AnalysisStopped | None = None  # raised once; again at the next between_fits if it was swallowed
+        self._take(signal.SIGTERM)
+        if SLURMEnvironment.detect() and hasattr(signal, "SIGUSR1"):  # Lightning's auto-requeue default under SLURM
+            self.follow(signal.SIGUSR1)
+
+    def _take(self, signum: signal.Signals) -> None:
+        if signal.getsignal(signum) == signal.SIG_DFL:  # ends the process without a word; any other handler stays
+            self.previous[signum] = signal.SIG_DFL
+            signal.signal(signum, self.handle)
+
+    def follow(self, requeue: signal.Signals | None) -> None:
+        """Take SLURM's requeue signal as the fits do: ``requeue`` (``None``: auto-requeue off, not under SLURM)."""
+        if requeue == self.requeue:
+            return
+        if self.requeue is not None and self.requeue in self.previous:
+            signal.signal(self.requeue, self.previous.pop(self.requeue))
+        self.requeue = requeue
+        if requeue is not None and requeue not in self.previous:
+            self._take(requeue)
+
+    def handle(self, signum, frame) -> None:
+        signum = signal.Signals(signum)
+        self.stop = _stopped(signum, signum == self.requeue, self.where, self.finished, self.kept)
+        raise self.stop
+
+    def take(self) -> None:
+        """The analysis's handler again (after a fit: Lightning's teardown restored the process's)."""
+        for signum in self.previous:
+            signal.signal(signum, self.handle)
+
+    def step_aside(self) -> None:
+        """The process's own handlers again: before a fit registers Lightning's, and when the analysis ends."""
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+
+
+_BETWEEN: _Between | None = None  # while stopping_between_fits is on
+
+
+@contextlib.contextmanager
+def stopping_between_fits() -> Iterator[None]:
+    """Around an analysis command (``analyze compare`` / ``sweep``): SIGTERM or SLURM's requeue signal between its fits
+    raises :class:`AnalysisStopped` at once (see the module docstring); the process's handlers are restored at the end.
+    Nothing in a thread other than the main one (no handler can be set there), nor when one is on already."""
+    global _BETWEEN
+    if _BETWEEN is not None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _BETWEEN = between = _Between()
+    try:
+        yield
+        if between.stop is not None:  # raised where it was swallowed (a finalizer's "Exception ignored"): end now
+            raise between.stop
+    finally:
+        between.step_aside()
+        _BETWEEN = None
+
+
+def between_fits(doing: str, finished: Sequence[str] = (), kept: str = "nothing was written") -> None:
+    """What a signal between an analysis's fits now cuts: ``doing`` ("evaluating N=4", said as "while evaluating
+    N=4"), the runs ``finished`` and what is ``kept`` (as for :func:`fit_run`). Nothing outside
+    :func:`stopping_between_fits`. A stop the analysis swallowed (a finalizer ignores exceptions) is raised here."""
+    between = _BETWEEN
+    if between is None:
+        return
+    if between.stop is not None:
+        raise between.stop
+    between.where, between.finished, between.kept = f"while {doing}", finished, kept
+
+
 class _Signals(L.Callback):
     """SIGTERM and SLURM's requeue signal in an analysis's fit: only noted, and every rank stops after the same step
     (:func:`~es_lightning.callbacks.sigterm.install`, :func:`~es_lightning.callbacks.sigterm.agree`); never requeued
-    (installed last: a RunCheckpoint given in overrides installs before it, and this install is the one kept)."""
+    (installed last: a RunCheckpoint given in overrides installs before it, and this install is the one kept). Under
+    :func:`stopping_between_fits`, the analysis's handlers step aside for Lightning's at ``on_fit_start`` and are what
+    Lightning's teardown restores."""
 
     def setup(self, trainer, pl_module, stage) -> None:
         sigterm.install(trainer, stage, requeue_job=False)  # a rerun would start the analysis over
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        if _BETWEEN is not None:  # Lightning registers its handlers next, composing what it finds, as without analysis
+            _BETWEEN.step_aside()
+            _BETWEEN.where = _BETWEEN.fit_end  # what the analysis's handler cuts once the fit's teardown is past
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if _BETWEEN is not None:  # Lightning's registered: its teardown puts the analysis's back, not the default
+            originals = trainer._signal_connector._original_handlers
+            originals.update({signum: _BETWEEN.handle for signum in _BETWEEN.previous if signum in originals})
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         sigterm.agree(trainer)
@@ -52,11 +173,16 @@ class _Signals(L.Callback):
 def fit_run(trainer: L.Trainer, module, datamodule, run: str, finished: Sequence[str], kept: str) -> None:
     """``trainer.fit`` of one of an analysis's runs (of :func:`recipe_cli`): ``run`` names it, ``finished`` the runs
     done before it, ``kept`` what is on disk so far. Raises :class:`AnalysisStopped` when a SIGTERM or SLURM's requeue
-    signal stopped the fit (or arrived in its last step: the analysis stops before the next run)."""
+    signal stopped the fit (or arrived in its last step: the analysis stops before the next run) — under
+    :func:`stopping_between_fits` also when one arrives in its setup or after its teardown."""
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
     from es_lightning.run_dirs import slurm_leftover
 
+    between_fits(f"setting up the fit of {run}", finished, kept)  # until on_fit_start: the analysis's handlers
+    if _BETWEEN is not None:
+        _BETWEEN.follow(sigterm.requeue_signal(trainer))  # the fits' requeue signal, between them too
+        _BETWEEN.fit_end = f"at the end of the fit of {run}"
     leftover = slurm_leftover(trainer)
     if leftover is not None:  # Lightning would resume the run from it, without a word, under SLURM
         raise ValueError(f"{leftover} is a SLURM checkpoint (an older es-lightning's, or another tool's) that Lightning "
@@ -69,15 +195,12 @@ def fit_run(trainer: L.Trainer, module, datamodule, run: str, finished: Sequence
     else:
         if not trainer.received_sigterm:
             return
+    finally:
+        if _BETWEEN is not None:  # a fit that ended before its teardown could restore them
+            _BETWEEN.take()
     requeue = sigterm.requeue_signal(trainer) if sigterm.requeue_requested(trainer) is not None else None
-    by = f"SLURM's requeue signal ({requeue.name})" if requeue is not None else "SIGTERM"
-    done = f"{', '.join(finished)} finished before it (printed above)" if finished else "no run finished before it"
-    line = (f"stopped by {by} at step {trainer.global_step} of the fit of {run}; {done}; {kept}, so the same command "
-            "starts over")
-    if requeue is not None:
-        line += ("; the job was not requeued (it would start over and meet the same time limit): give it more time "
-                 "(#SBATCH --time) or fewer runs and submit it again")
-    raise AnalysisStopped(line, 128 + int(requeue if requeue is not None else signal.SIGTERM)) from None
+    raise _stopped(requeue or signal.SIGTERM, requeue is not None, f"at step {trainer.global_step} of the fit of {run}",
+                   finished, kept) from None
 
 
 def recipe_cli(recipe: str | Path, steps: int, root: str | Path, args: Sequence[str] = (), progress_bar: bool = False):
