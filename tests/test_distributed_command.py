@@ -401,3 +401,26 @@ def test_a_mistake_in_a_ddp_spawn_worker_is_one_line_and_status_2(tmp_path):
     line = ("es-lightning: error: --model.init_args.prompt_groups: prompt_groups=3 splits each batch into 3 equal "
             "slices, but a batch has 4 prompts; set data.batch_size to a multiple of 3")  # located as under ddp
     assert proc.stderr.splitlines().count(line) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_previous_exports_all_incomplete_are_refused_on_every_rank(tmp_path):
+    """HFExport's dirpath missing and every previous export a kill left beside it incomplete, in a job of 2 SLURM
+    tasks: rank 0 (which alone recovers exports) refused in one line while rank 1 went on into its next collective,
+    which failed when rank 0 had gone (a traceback; under NCCL it waits for its timeout). Now every rank raises the same
+    line: said once (by rank 0), status 2 on both, the leftovers untouched."""
+    runs = tmp_path / "runs"
+    (runs / ".export.old-a").mkdir(parents=True)
+    (runs / ".export.old-b").mkdir()
+    (runs / ".export.old-b" / "config.json").write_text("{}")  # its weights' removal was done, not the config's
+    (status0, err0), (status1, err1) = _slurm_fit(tmp_path, "--data.init_args.train_size", "16",
+                                                  "--data.init_args.val_size", "4", "--data.init_args.test_size", "4",
+                                                  "--trainer.callbacks+=es_lightning.HFExport",
+                                                  "--trainer.callbacks.init_args.dirpath", str(runs / "export"))
+    assert (status0, status1) == (2, 2), (status0, status1, err0[-3000:], err1[-3000:])
+    export = str(runs / "export")
+    line = (f"es-lightning: error: trainer.callbacks[3] (es_lightning.HFExport): HFExport: {export!r} is missing and "
+            "the previous exports a kill left beside it (.export.old-a, .export.old-b) are all incomplete; move the one "
+            f"to keep to {export!r} (or delete them to export anew)")
+    assert err0.splitlines().count(line) == 1 and "error:" not in err1, (err0[-3000:], err1[-3000:])
+    assert "Traceback" not in err0 + err1, (err0[-3000:], err1[-3000:])
+    assert sorted(p.name for p in runs.iterdir()) == [".export.old-a", ".export.old-b"]

@@ -64,8 +64,16 @@ class HFExport(L.Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self.dirpath is None:
             self.dirpath = Path(trainer.log_dir or trainer.default_root_dir) / "export"
+        refused = None
         if trainer.is_global_zero:  # an export a kill interrupted in this directory (a resume writes here again)
-            recover_exports(self.dirpath.parent, self.dirpath.name)
+            try:
+                recover_exports(self.dirpath.parent, self.dirpath.name)
+            except ValueError as err:  # every previous export incomplete
+                refused = str(err)
+        # every rank stops, not rank 0 alone: the others would wait for it in their next collective
+        refused = trainer.strategy.broadcast(refused)
+        if refused is not None:
+            raise ValueError(refused)
         if stage == "fit":  # every rank (the same shared path): refused before any training
             check_export_target(self.dirpath, getattr(pl_module, "model_name", None))
 
@@ -198,7 +206,8 @@ def recover_exports(directory: str | os.PathLike, name: str = "export") -> None:
     of their order; several exports (an older one whose removal failed — an NFS ``.nfs*`` file keeps a directory — and
     the one a later kill left) are told apart by the newest ``config.json``, which ``save_pretrained`` writes anew each
     time (a ``.tmp-*`` is newer than an ``.old-*`` of the same time). When previous exports are there and none of them
-    (nor a ``.tmp-*``) is complete, they are refused in one line."""
+    (nor a ``.tmp-*``) is complete, they are refused in one line; :class:`HFExport`'s setup, which runs this on rank 0,
+    raises that line on every rank (broadcast), so no rank of a multi-process fit goes on to wait for rank 0."""
     directory = Path(directory)
     if not directory.is_dir():
         return
