@@ -25,7 +25,7 @@ from typing import Any
 from lightning.pytorch.utilities import rank_zero_info
 
 from es_lightning.callbacks.checkpoint import OLD_SUFFIX, recover
-from es_lightning.callbacks.export import recover_exports
+from es_lightning.callbacks.export import check_exports_recoverable, recover_exports
 from es_lightning.cli_errors import UserError
 
 #: what a run directory holds before anything was trained (a failed run with only these is removed)
@@ -72,14 +72,18 @@ def find_last_checkpoint(root: Path) -> Path | None:
     Every process of a multi-process launch (``torchrun``, ``srun``) looks on its own, before any process group exists,
     while rank 0 repairs: a ``.last.ckpt.old`` whose ``last.ckpt`` is missing (a kill between the two renames of a
     sharded checkpoint) counts as the ``last.ckpt`` rank 0 puts back (a rename keeps its time), so the other ranks find
-    the same checkpoint whether they look before or after the repair; equal times are decided by the path."""
+    the same checkpoint whether they look before or after the repair; equal times are decided by the path. A run's
+    exports that rank 0 refuses to recover (every one a kill left incomplete) are refused by every process alike
+    (:func:`~es_lightning.callbacks.export.check_exports_recoverable`): none goes on to wait for rank 0."""
     if not root.is_dir():
         return None
     dirs = [d for d in root.glob("*/checkpoints") if d.is_dir()] + ([root / "checkpoints"] if (root / "checkpoints").is_dir() else [])
-    if _is_global_zero():
-        for d in dirs:
+    for d in dirs:
+        if _is_global_zero():
             recover(d)
             recover_exports(d.parent)  # a run's export/ beside its checkpoints/
+        else:  # the refusal rank 0 meets, here too: every process stops, none waits for rank 0 at the rendezvous
+            check_exports_recoverable(d.parent)
     candidates = []
     for d in dirs:
         olds = {d / old.name[1 : -len(OLD_SUFFIX)]: old for old in d.glob(f".last*.ckpt{OLD_SUFFIX}")}  # before: rank 0

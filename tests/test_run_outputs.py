@@ -275,6 +275,39 @@ def test_an_export_a_kill_interrupted_is_cleaned_up_when_the_recipe_resumes(tmp_
     assert sorted(p.name for p in run.iterdir()) == [".cache.tmp-keep", "checkpoints", "export"]
 
 
+def test_every_rank_refuses_the_incomplete_exports_rank_0_refuses(tmp_path, monkeypatch):
+    """Under torchrun / srun every process resolves `--ckpt_path last` itself while rank 0 alone recovers exports: a
+    run whose export/ is missing beside previous exports that are all incomplete was refused by rank 0 alone, and the
+    other processes went on to wait for it at the process group's rendezvous (srun: until the timeout). Every rank now
+    refuses it, in the same line, and changes nothing; a directory rank 0 recovers is no refusal on any rank."""
+    from safetensors.torch import save_file
+
+    from es_lightning.run_dirs import find_last_checkpoint
+
+    run = tmp_path / "es" / "version_0"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "last.ckpt").write_bytes(b"ckpt")
+    for leftover in (".export.old-a", ".export.old-b", ".export.tmp-c"):  # none a complete export
+        (run / leftover).mkdir()
+        (run / leftover / "config.json").write_text("{}")
+    lines = []
+    for rank in ("1", "0"):
+        monkeypatch.setenv("RANK", rank)
+        with pytest.raises(ValueError, match=r"export' is missing and the previous exports a kill left beside it ") as err:
+            find_last_checkpoint(tmp_path / "es")
+        lines.append(str(err.value))
+        assert sorted(p.name for p in run.iterdir()) == [".export.old-a", ".export.old-b", ".export.tmp-c", "checkpoints"]
+    assert lines[0] == lines[1] and "\n" not in lines[0]
+
+    save_file({"w": torch.zeros(2)}, run / ".export.old-b" / "model.safetensors")  # complete: rank 0 puts it back
+    monkeypatch.setenv("RANK", "1")  # looks before rank 0 repairs
+    assert find_last_checkpoint(tmp_path / "es") == run / "checkpoints" / "last.ckpt"
+    assert len(list(run.iterdir())) == 4  # rank 0's to repair
+    monkeypatch.setenv("RANK", "0")
+    assert find_last_checkpoint(tmp_path / "es") == run / "checkpoints" / "last.ckpt"
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "export"] and (run / "export" / "model.safetensors").is_file()
+
+
 def test_enable_checkpointing_false_turns_a_recipes_checkpoint_off(tmp_path):
     cli = ESLightningCLI(args=["--config", str(ROOT / "recipes" / "es.yaml"), "--trainer.enable_checkpointing", "false",
                                "--trainer.default_root_dir", str(tmp_path)], run=False)

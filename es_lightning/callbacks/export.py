@@ -211,19 +211,44 @@ def recover_exports(directory: str | os.PathLike, name: str = "export") -> None:
     directory = Path(directory)
     if not directory.is_dir():
         return
+    keep, leftovers = _recovery(directory, name)
+    if keep is not None:
+        if keep.name.startswith(f".{name}.tmp-"):
+            _make_readable(keep)  # the kill may have come before the export was made readable
+        os.replace(keep, directory / name)
+    for leftover in leftovers:
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def check_exports_recoverable(directory: str | os.PathLike, name: str = "export") -> None:
+    """Raise the refusal :func:`recover_exports` raises for ``directory/name``, changing nothing: what the other
+    processes of a multi-process launch (``torchrun``, ``srun``) run while rank 0 recovers, before a process group
+    exists, so that every process stops — rank 0 alone stopped, and the others waited for it at the group's
+    rendezvous. A refused directory is never changed, so every process sees what rank 0 sees; rank 0 may be putting an
+    export in place (one rename, then the leftovers removed) while this looks, so the refusal — or a file gone midway —
+    stands only if ``name`` is still missing after."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return
+    try:
+        _recovery(directory, name)
+    except (ValueError, OSError):
+        if not (directory / name).exists():
+            raise
+
+
+def _recovery(directory: Path, name: str) -> tuple[Path | None, list[Path]]:
+    """What :func:`recover_exports` does in ``directory``: the export to put in place as ``name`` (``None``: none) and
+    the leftovers to remove; the refusal is raised."""
     target = directory / name
     olds = sorted(old for old in directory.glob(f".{name}.old-*") if old.is_dir())
     tmps = sorted(tmp for tmp in directory.glob(f".{name}.tmp-*") if tmp.is_dir())
+    keep = None
     if not target.exists():
         finished = [tmp for tmp in tmps if _is_complete_export(tmp)]
         if finished or olds:
             keep = olds[0] if len(olds) == 1 and not finished else _newest_complete_export(olds + finished, target)
-            if keep in finished:
-                _make_readable(keep)  # the kill may have come before the export was made readable
-            os.replace(keep, target)
-            (tmps if keep in tmps else olds).remove(keep)
-    for leftover in olds + tmps:
-        shutil.rmtree(leftover, ignore_errors=True)
+    return keep, [leftover for leftover in olds + tmps if leftover != keep]
 
 
 def _newest_complete_export(candidates: list[Path], target: Path) -> Path:
