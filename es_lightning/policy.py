@@ -215,7 +215,8 @@ def save_model(model, path: str | os.PathLike, state_dict: dict | None = None) -
     """``model.save_pretrained(path, state_dict=...)`` readable with its dtype by transformers 4 and 5: transformers 5
     writes the weights' dtype to ``config.json`` as ``dtype`` alone, which transformers 4 and older vLLM do not read
     (they read ``torch_dtype``, and load a bf16 model in fp32 without it); ``torch_dtype`` is added with the same
-    value, as the hub's files carry it (transformers 5 reads either, silently)."""
+    value, as the hub's files carry it (transformers 5 reads either, silently) — after the weights, so a directory
+    whose ``config.json`` has ``dtype`` without it is unfinished (``HFExport``'s recovery counts it so)."""
     model.save_pretrained(path, state_dict=state_dict)
     config = Path(path) / "config.json"
     if config.is_file():

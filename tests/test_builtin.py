@@ -3,6 +3,7 @@ and exports a directory that loads back bit for bit."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -216,7 +217,8 @@ class Killed(BaseException):
 
 def export_killed(monkeypatch, target: Path, module: SFTModule, at: str) -> None:
     """``HFExport(target).export(module)`` killed at ``at`` — "tokenizer" (while it is written), "weights" (halfway
-    through model.safetensors), "chmod" (before the export is made readable), "swap" (between the swap's two renames):
+    through model.safetensors), "dtype" (the weights whole, before save_model adds torch_dtype to config.json), "chmod"
+    (before the export is made readable), "swap" (between the swap's two renames):
     the directory a kill there leaves, nothing after it run (the export's clean-up neither)."""
     from es_lightning.callbacks import export
 
@@ -231,12 +233,15 @@ def export_killed(monkeypatch, target: Path, module: SFTModule, at: str) -> None
         weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
         kill()
 
-    replace = os.replace
+    replace, write_text = os.replace, Path.write_text
     with monkeypatch.context() as patch:
         if at == "tokenizer":
             patch.setattr(export, "save_tokenizer", kill)
         elif at == "weights":
             patch.setattr(export, "save_model", cut_weights)
+        elif at == "dtype":
+            patch.setattr(Path, "write_text", lambda path, *args, **kwargs: kill() if path.name == "config.json" else
+                          write_text(path, *args, **kwargs))
         elif at == "chmod":
             patch.setattr(os, "chmod", kill)
         else:  # the second rename: the new export (the tmp) to the target
@@ -249,17 +254,23 @@ def test_recover_exports_puts_in_place_a_finished_export_a_kill_left(tmp_path, m
     """A kill between the swap's two renames (the previous export moved to ``.export.old-*``, the new one finished in
     ``.export.tmp-*``) got the older export put back and the finished newer one deleted: the newer one is put in place.
     A first export killed after it was written (before its rename) is put in place, readable; one killed while the
-    tokenizer or the weights were written is removed, as is an unfinished one beside a previous export."""
-    from es_lightning.callbacks.export import recover_exports
+    tokenizer or the weights were written is removed — as is one killed with its weights whole before ``torch_dtype``
+    was added to its config.json (transformers 4 read it as fp32), which was put in place — and an unfinished one
+    beside a previous export."""
+    from es_lightning.callbacks.export import _is_whole_weights, recover_exports
 
     def embeddings():
         return AutoModelForCausalLM.from_pretrained(target).model.embed_tokens.weight
 
     target = tmp_path / "export"
     first, second, third = tiny_module(seed=1), tiny_module(seed=2), tiny_module(seed=3)
-    for at in ("tokenizer", "weights"):
+    for at in ("tokenizer", "weights", "dtype"):
         export_killed(monkeypatch, target, first, at)
         assert [p.name.startswith(".export.tmp-") for p in tmp_path.iterdir()] == [True]
+        if at == "dtype":  # the weights whole, config.json with transformers 5's dtype alone
+            left = next(tmp_path.iterdir())
+            config = json.loads((left / "config.json").read_text())
+            assert _is_whole_weights(left / "model.safetensors") and "dtype" in config and "torch_dtype" not in config
         recover_exports(tmp_path)
         assert list(tmp_path.iterdir()) == []
     export_killed(monkeypatch, target, first, "chmod")

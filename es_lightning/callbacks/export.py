@@ -117,7 +117,8 @@ class HFExport(L.Callback):
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
         try:
-            # the weights last: a tmp whose weights are whole holds everything else too (recover_exports relies on it)
+            # the weights after everything else, and torch_dtype in config.json after them (save_model): a tmp whose
+            # weights are whole and whose config.json has torch_dtype holds everything (recover_exports relies on it)
             for name in self.keep_files:
                 old = target / name
                 if old.is_file():
@@ -201,13 +202,16 @@ def recover_exports(directory: str | os.PathLike, name: str = "export") -> None:
     ``--ckpt_path last`` looks for the newest one (a resume writes into a new run directory).
 
     Complete: ``config.json`` and every weights file whole (those a sharded export's ``*.index.json`` lists; a
-    safetensors file as long as its header says). An export writes its weights last, so a ``.tmp-*`` whose weights are
-    whole holds the tokenizer and the kept files too. The ``.old-*`` suffixes are random (``mkdtemp``) and say nothing
-    of their order; several exports (an older one whose removal failed — an NFS ``.nfs*`` file keeps a directory — and
-    the one a later kill left) are told apart by the newest ``config.json``, which ``save_pretrained`` writes anew each
-    time (a ``.tmp-*`` is newer than an ``.old-*`` of the same time). When previous exports are there and none of them
-    (nor a ``.tmp-*``) is complete, they are refused in one line; :class:`HFExport`'s setup, which runs this on rank 0,
-    raises that line on every rank (broadcast), so no rank of a multi-process fit goes on to wait for rank 0."""
+    safetensors file as long as its header says), and ``torch_dtype`` in a ``config.json`` that has ``dtype``. An
+    export writes the tokenizer and the kept files before the weights, and adds ``torch_dtype`` to ``config.json``
+    after them (:func:`~es_lightning.policy.save_model`: ``save_pretrained`` writes ``config.json`` before the weights,
+    with transformers 5's ``dtype`` alone), so such a ``.tmp-*`` holds everything. The ``.old-*`` suffixes are random
+    (``mkdtemp``) and say nothing of their order; several exports (an older one whose removal failed — an NFS ``.nfs*``
+    file keeps a directory — and the one a later kill left) are told apart by the newest ``config.json``, which each
+    export writes anew (a ``.tmp-*`` is newer than an ``.old-*`` of the same time). When previous exports are there
+    and none of them (nor a ``.tmp-*``) is complete, they are refused in one line; :class:`HFExport`'s setup, which
+    runs this on rank 0, raises that line on every rank (broadcast), so no rank of a multi-process fit goes on to wait
+    for rank 0."""
     directory = Path(directory)
     if not directory.is_dir():
         return
@@ -266,11 +270,15 @@ def _newest_complete_export(candidates: list[Path], target: Path) -> Path:
 
 def _is_complete_export(path: Path) -> bool:
     """``config.json`` and every weights file ``save_pretrained`` wrote (those its ``*.index.json`` lists, sharded),
-    each whole (a safetensors file cut short by a kill is not)."""
+    each whole (a safetensors file cut short by a kill is not), and the ``torch_dtype`` that ``save_model`` adds to a
+    ``config.json`` with ``dtype`` after the weights (without it transformers 4 and older vLLM read a bf16 export as
+    fp32)."""
     try:
-        json.loads((path / "config.json").read_text())
+        config = json.loads((path / "config.json").read_text())
     except (OSError, ValueError):
         return False
+    if isinstance(config, dict) and config.get("dtype") is not None and "torch_dtype" not in config:
+        return False  # killed before save_model's last write
     for index in path.glob("*.index.json"):
         try:
             shards = set(json.loads(index.read_text())["weight_map"].values())
