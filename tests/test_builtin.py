@@ -296,6 +296,22 @@ def test_recover_exports_puts_in_place_a_finished_export_a_kill_left(tmp_path, m
     assert torch.equal(embeddings(), third.model.model.embed_tokens.weight)
 
 
+def test_recover_exports_of_a_dirpath_whose_name_has_glob_characters(tmp_path, monkeypatch):
+    """``dirpath: runs/export[1]``: the leftovers of a kill (``.export[1].tmp-*``) were looked for with the name as a
+    glob pattern, which ``[1]`` does not match: a finished first export was never put in place (nor any leftover
+    removed, gigabytes at 1.5B), and ``.export1.tmp-*``, which it matches, was deleted. The name is matched as it
+    is."""
+    from es_lightning.callbacks.export import recover_exports
+
+    target, module = tmp_path / "export[1]", tiny_module(seed=1)
+    export_killed(monkeypatch, target, module, "chmod")
+    (tmp_path / ".export1.tmp-x").mkdir()  # what the pattern matched: not this export's
+    recover_exports(tmp_path, target.name)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".export1.tmp-x", "export[1]"]
+    restored = AutoModelForCausalLM.from_pretrained(target)
+    assert torch.equal(restored.model.embed_tokens.weight, module.model.model.embed_tokens.weight)
+
+
 def test_hf_export_refuses_a_directory_it_would_wipe(tmp_path):
     """An export replaces its whole directory: pointed at a folder of other files (a home directory, a data folder, a
     downloaded hub model with its .cache/), it deleted them all. A fit is refused at setup, before any step, and an

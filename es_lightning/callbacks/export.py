@@ -7,6 +7,7 @@ built-in pretraining, ES and GRPO alike.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -245,8 +246,9 @@ def _recovery(directory: Path, name: str) -> tuple[Path | None, list[Path]]:
     """What :func:`recover_exports` does in ``directory``: the export to put in place as ``name`` (``None``: none) and
     the leftovers to remove; the refusal is raised."""
     target = directory / name
-    olds = sorted(old for old in directory.glob(f".{name}.old-*") if old.is_dir())
-    tmps = sorted(tmp for tmp in directory.glob(f".{name}.tmp-*") if tmp.is_dir())
+    hidden = glob.escape(f".{name}")  # a name with [ ], * or ? is a name, not a pattern
+    olds = sorted(old for old in directory.glob(f"{hidden}.old-*") if old.is_dir())
+    tmps = sorted(tmp for tmp in directory.glob(f"{hidden}.tmp-*") if tmp.is_dir())
     keep = None
     if not target.exists():
         finished = [tmp for tmp in tmps if _is_complete_export(tmp)]
