@@ -312,6 +312,27 @@ def test_recover_exports_of_a_dirpath_whose_name_has_glob_characters(tmp_path, m
     assert torch.equal(restored.model.embed_tokens.weight, module.model.model.embed_tokens.weight)
 
 
+def test_recover_exports_of_a_symlinked_dirpath(tmp_path, monkeypatch):
+    """``dirpath`` a symlink (``runs/export`` → a scratch disk's ``big/model``): an export writes beside the link's
+    target, where a kill between the swap's renames leaves ``.model.old-*`` and the finished ``.model.tmp-*``; recovery
+    looked beside the link, found nothing, and left the link dangling (the newer export never put in place) and both
+    model copies on the disk for good. It is recovered where the link points."""
+    from es_lightning.callbacks.export import recover_exports
+
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "big").mkdir()
+    link = tmp_path / "runs" / "export"
+    link.symlink_to(tmp_path / "big" / "model")
+    first, second = tiny_module(seed=1), tiny_module(seed=2)
+    HFExport(link).export(first)
+    export_killed(monkeypatch, link, second, "swap")
+    assert not link.exists() and len(list((tmp_path / "big").iterdir())) == 2
+    recover_exports(link.parent, link.name)  # as HFExport's setup calls it
+    assert sorted(p.name for p in (tmp_path / "big").iterdir()) == ["model"] and link.is_symlink()
+    restored = AutoModelForCausalLM.from_pretrained(link)
+    assert torch.equal(restored.model.embed_tokens.weight, second.model.model.embed_tokens.weight)
+
+
 def test_hf_export_refuses_a_directory_it_would_wipe(tmp_path):
     """An export replaces its whole directory: pointed at a folder of other files (a home directory, a data folder, a
     downloaded hub model with its .cache/), it deleted them all. A fit is refused at setup, before any step, and an

@@ -212,8 +212,8 @@ def recover_exports(directory: str | os.PathLike, name: str = "export") -> None:
     export writes anew (a ``.tmp-*`` is newer than an ``.old-*`` of the same time). When previous exports are there
     and none of them (nor a ``.tmp-*``) is complete, they are refused in one line; :class:`HFExport`'s setup, which
     runs this on rank 0, raises that line on every rank (broadcast), so no rank of a multi-process fit goes on to wait
-    for rank 0."""
-    directory = Path(directory)
+    for rank 0. A symlinked ``directory/name`` is recovered where it points: an export writes beside its target."""
+    directory, name = _resolved(directory, name)
     if not directory.is_dir():
         return
     keep, leftovers = _recovery(directory, name)
@@ -232,7 +232,7 @@ def check_exports_recoverable(directory: str | os.PathLike, name: str = "export"
     rendezvous. A refused directory is never changed, so every process sees what rank 0 sees; rank 0 may be putting an
     export in place (one rename, then the leftovers removed) while this looks, so the refusal — or a file gone midway —
     stands only if ``name`` is still missing after."""
-    directory = Path(directory)
+    directory, name = _resolved(directory, name)
     if not directory.is_dir():
         return
     try:
@@ -240,6 +240,13 @@ def check_exports_recoverable(directory: str | os.PathLike, name: str = "export"
     except (ValueError, OSError):
         if not (directory / name).exists():
             raise
+
+
+def _resolved(directory: str | os.PathLike, name: str) -> tuple[Path, str]:
+    """``directory/name`` as :meth:`HFExport._write` writes it (a symlink's target, whose directory holds the
+    ``.<name>.tmp-*`` and ``.<name>.old-*``), as ``(directory, name)``."""
+    target = (Path(directory) / name).resolve()
+    return target.parent, target.name
 
 
 def _recovery(directory: Path, name: str) -> tuple[Path | None, list[Path]]:
