@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -181,6 +182,16 @@ def test_hf_export_keep_files_takes_one_name_as_a_string(tmp_path):
         if seed == 1:
             (target / "NOTES.md").write_text("notes")
     assert (target / "NOTES.md").read_text() == "notes"
+
+
+@pytest.mark.parametrize("name", ["/home/me/card.md", "../card.md", "docs/card.md", ".."])
+def test_hf_export_keep_files_refuses_a_path(tmp_path, name):
+    """``keep_files`` names files of the previous export; a path was joined to the export directory: an absolute one
+    or one with ``..`` (a model card kept elsewhere) was then copied onto itself — ``SameFileError`` at the end of the
+    fit, after all the training — and one into a folder never found. Refused at construction, in one line."""
+    with pytest.raises(ValueError, match=r"^HFExport: keep_files names files of the previous export to carry over into "
+                                         rf"the next, by their plain names \(README.md\), got '{re.escape(name)}'; copy"):
+        HFExport(tmp_path / "export", keep_files=["README.md", name])
 
 
 def test_recover_exports_puts_back_the_newest_complete_previous_export(tmp_path):

@@ -44,8 +44,8 @@ class HFExport(L.Callback):
             ``lightning_logs/grpo_es/version_3/export``), so each run keeps its model. A directory holding anything
             but a previous export (which the export would delete) is refused at setup.
         every_n_train_steps: also export every this many optimizer steps (``None``: only at the end of fit).
-        keep_files: files of a previous export to carry over into the new one (a hand-written model card, say); a
-            single name may be given as a string.
+        keep_files: files of a previous export to carry over into the new one (a hand-written model card, say), by
+            their names in it (no paths); a single name may be given as a string.
     """
 
     def __init__(
@@ -59,6 +59,11 @@ class HFExport(L.Callback):
         self.dirpath = Path(dirpath) if dirpath is not None else None
         self.every_n_train_steps = every_n_train_steps
         self.keep_files = (keep_files,) if isinstance(keep_files, (str, os.PathLike)) else tuple(keep_files)
+        for name in self.keep_files:  # a path would be read (and written) outside the export: SameFileError at the end
+            if Path(name).name != str(name) or str(name) in ("", ".", ".."):
+                raise ValueError(f"HFExport: keep_files names files of the previous export to carry over into the next, "
+                                 f"by their plain names (README.md), got {str(name)!r}; copy the file into the export "
+                                 "directory once and give its name")
         self._last_exported_step: int | None = None
         self._cadence = StepCadence()
 
