@@ -108,17 +108,26 @@ def _distributed_fit(tmp_path, *extra, subcommand="fit"):
 
 
 def test_a_mistake_in_a_distributed_command_ends_with_its_one_line_and_status_2(tmp_path):
-    """`es-lightning fit` on 2 DDP processes with a batch prompt_groups cannot split: the mistake surfaces at fit setup,
-    after the process group exists, on both ranks; the command prints the one line once (rank 0's; rank 1 sees its own
-    line is the same) and exits 2 — past the interpreter's teardown, which would abort it here
-    (es_helpers.teardown_bomb)."""
-    proc = _distributed_fit(tmp_path, "--model.init_args.prompt_groups", "3", "--model.init_args.population_size", "6",
-                            "--data.init_args.batch_size", "4")
+    """`es-lightning fit` on 2 DDP processes whose HFExport finds its dirpath missing and every previous export a kill
+    left beside it incomplete: the mistake surfaces at fit setup, after the process group exists. Rank 0 alone recovers
+    exports, and it alone refused while rank 1 went on into its next collective, which failed when rank 0 had gone (a
+    traceback; under NCCL it waits for its timeout). Now every rank raises the same line (broadcast): the command prints
+    it once (rank 0's; rank 1 sees its own line is the same) and exits 2 — past the interpreter's teardown, which would
+    abort it here (es_helpers.teardown_bomb) — and the leftovers are untouched."""
+    runs = tmp_path / "runs"
+    (runs / ".export.old-a").mkdir(parents=True)
+    (runs / ".export.old-b").mkdir()
+    (runs / ".export.old-b" / "config.json").write_text("{}")  # its weights' removal was done, not the config's
+    proc = _distributed_fit(tmp_path, "--trainer.callbacks+=es_lightning.HFExport",
+                            "--trainer.callbacks.init_args.dirpath", str(runs / "export"))
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
     assert "MEMBER: 2/2" in proc.stdout + proc.stderr and proc.stderr.count("teardown bomb armed") == 2
-    line = ("es-lightning: error: --model.init_args.prompt_groups: prompt_groups=3 splits each batch into 3 equal "
-            "slices, but a batch has 4 prompts; set data.batch_size to a multiple of 3")
+    export = str(runs / "export")
+    line = (f"es-lightning: error: trainer.callbacks[3] (es_lightning.HFExport): HFExport: {export!r} is missing and "
+            "the previous exports a kill left beside it (.export.old-a, .export.old-b) are all incomplete; move the one "
+            f"to keep to {export!r} (or delete them to export anew)")
     assert proc.stderr.splitlines().count(line) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert sorted(p.name for p in runs.iterdir()) == [".export.old-a", ".export.old-b"]
 
 
 def test_a_mistake_only_one_rank_meets_is_still_said(tmp_path):
@@ -402,25 +411,3 @@ def test_a_mistake_in_a_ddp_spawn_worker_is_one_line_and_status_2(tmp_path):
             "slices, but a batch has 4 prompts; set data.batch_size to a multiple of 3")  # located as under ddp
     assert proc.stderr.splitlines().count(line) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
 
-
-def test_previous_exports_all_incomplete_are_refused_on_every_rank(tmp_path):
-    """HFExport's dirpath missing and every previous export a kill left beside it incomplete, in a job of 2 SLURM
-    tasks: rank 0 (which alone recovers exports) refused in one line while rank 1 went on into its next collective,
-    which failed when rank 0 had gone (a traceback; under NCCL it waits for its timeout). Now every rank raises the same
-    line: said once (by rank 0), status 2 on both, the leftovers untouched."""
-    runs = tmp_path / "runs"
-    (runs / ".export.old-a").mkdir(parents=True)
-    (runs / ".export.old-b").mkdir()
-    (runs / ".export.old-b" / "config.json").write_text("{}")  # its weights' removal was done, not the config's
-    (status0, err0), (status1, err1) = _slurm_fit(tmp_path, "--data.init_args.train_size", "16",
-                                                  "--data.init_args.val_size", "4", "--data.init_args.test_size", "4",
-                                                  "--trainer.callbacks+=es_lightning.HFExport",
-                                                  "--trainer.callbacks.init_args.dirpath", str(runs / "export"))
-    assert (status0, status1) == (2, 2), (status0, status1, err0[-3000:], err1[-3000:])
-    export = str((runs / "export").resolve())  # where the leftovers are (tmp_path under a symlink: macOS's /var)
-    line = (f"es-lightning: error: trainer.callbacks[3] (es_lightning.HFExport): HFExport: {export!r} is missing and "
-            "the previous exports a kill left beside it (.export.old-a, .export.old-b) are all incomplete; move the one "
-            f"to keep to {export!r} (or delete them to export anew)")
-    assert err0.splitlines().count(line) == 1 and "error:" not in err1, (err0[-3000:], err1[-3000:])
-    assert "Traceback" not in err0 + err1, (err0[-3000:], err1[-3000:])
-    assert sorted(p.name for p in runs.iterdir()) == [".export.old-a", ".export.old-b"]
