@@ -331,6 +331,8 @@ GSM8K_SPACED_AND_VULGAR = [
     ("1\u00a0000", "1000"), ("1\u2009000\u2009000", "1000000"), ("2 000 steps", "2000"), ("1 000 1/2", "1000.5"),
     ("1 00", "1"), ("12 3456", "12"), ("3 4", "3"), ("1 0001", "1"),  # a space before no group of three ends the number
     ("1234 567", None), ("1 000,5", None), ("1 100/200", None),  # a bad group, a decimal comma, 1100/200 or 1 + 100/200
+    ("1 000 0000", None), ("1 000 00", None), ("12 345 6789", None), ("1\u00a0000\u00a00000", None),  # a bad last group
+    ("1 000 1", None), ("1 000 1/2 3", None), ("2 000 1/2", "2000.5"), ("2 000 \u00bd", "2000.5"),  # ... not a fraction
     ("1\u00bd", "1.5"), ("2\u00be", "2.75"), ("-1\u00bd", "-1.5"), ("1,000\u00bd", "1000.5"), ("1 000\u00bd", "1000.5"),
     ("1\u2153", "4/3"), ("\u00bd", "0.5"), ("\u2154 of them", "2/3"), ("1\u00bd.", "1.5"),
     ("1.5\u00bd", None), ("1\u00bd3", None), ("1\u00bd\u00bd", None), ("1\u00bd/2", None),
@@ -342,7 +344,8 @@ def test_gsm8k_reads_thousands_grouped_by_spaces_and_vulgar_fractions():
     """``1 000`` was read as 1 and ``12 345 678`` as 12 (a gold of 1000 written so became 1, a completion answering
     1 000 was paid for a gold of 1); ``1½`` was no number (a reference answer ``#### 1½`` refused the dataset, a
     completion writing it lost its format reward). Both are now their values, in gold answers and completions alike;
-    a space before anything but three digits still ends a number."""
+    a space before anything but three digits still ends a number, unless it follows a group: ``1 000 0000`` was read
+    as 1000 (paid for a gold of 1000) and is no number, as ``1234 567`` is."""
     task = GSM8KTask()
     _check_number_forms(task, GSM8K_SPACED_AND_VULGAR)
     for text, expected in GSM8K_SPACED_AND_VULGAR:  # a reference without "####" is read from its start
@@ -351,6 +354,7 @@ def test_gsm8k_reads_thousands_grouped_by_spaces_and_vulgar_fractions():
     thousand = task.preprocess({"question": "q", "answer": "In 1 000 steps.\n#### 1 000"})
     assert task.reward(["#### 1000", "#### 1,000", "#### 1 000", "#### 1", "#### 1 00"], [thousand] * 5) == [1.0] * 3 + [0.1] * 2
     assert task.votes(["1 000", "1,000", "1000.0"], thousand) == [Fraction(1000)] * 3
+    assert task.reward(["#### 1 000 0000", "#### 1 000 00", "#### 1 000 0000 1/2"], [thousand] * 3) == [0.0] * 3
     # a reference without "####" is read from its start: a sentence is no number, however it ends
     with pytest.raises(ValueError, match="gold"):
         task.preprocess({"question": "q", "answer": "between 1 and 2 000"})

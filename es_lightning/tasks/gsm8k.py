@@ -7,7 +7,8 @@ format reward (Ba et al. 2026 convention, :mod:`es_lightning.tasks.base`) to com
 Numbers are compared exactly as fractions after removing thousands separators, ``$`` and a leading ``+``, so ``1,234``,
 ``1 234``, ``$1234``, ``1234.0`` and ``1234.00`` are all ``1234``, ``3/4`` is ``0.75`` (never ``3``), the mixed number
 ``1 1/2`` and ``1½`` are ``1.5`` (never ``1``); a comma that groups no thousands (``12,34``, a decimal comma) makes no
-number, and a space that groups no thousands ends one (``12 3456`` is 12, never 123456); a power (``10³``, ``1e3``)
+number, and a space that groups no thousands ends one (``12 3456`` is 12, never 123456) unless the number's thousands
+are already grouped by spaces (``1 000 0000``: a broken grouping, no number, never 1000); a power (``10³``, ``1e3``)
 is no GSM8K answer form and makes no number (never 10), as a superscript fraction ``1¹/₂`` does (never 1), the gold
 answer's and the completion's alike. Nothing is ``eval``-ed.
 """
@@ -33,9 +34,10 @@ _SPACE_GROUP = _SPACE + r"\d{3}(?!\d)"
 #: the whole part of a number: thousands grouped by commas (1,234,567, or India's 12,34,567), by spaces (1 234 567,
 #: as math-verify reads them) or plain digits, never followed by another group of digits: ``12,34`` (a decimal comma),
 #: ``1,2345`` and ``1234,567`` are no number, not 1234. A space is also a word's end, so a space before anything but a
-#: group of three digits ends the number (``12 3456`` and ``3 4`` are 12 and 3, ``5 2-liter bottles`` is 5), and plain
-#: digits followed by a group (``1234 567``, or ``1 000,5`` once the grouped reading is refused) are no number, never a
-#: prefix of it
+#: group of three digits ends a number of plain digits (``12 3456`` and ``3 4`` are 12 and 3, ``5 2-liter bottles``
+#: is 5: no grouping begun), and plain digits followed by a group (``1234 567``, or ``1 000,5`` once the grouped reading
+#: is refused) are no number, never a prefix of it; a number grouped by spaces followed by more digits after a space
+#: (``1 000 0000``) is no number either (:data:`_NOT_AFTER_SPACE_GROUPS`)
 _WHOLE = (r"(?:\d{1,3}(?:,\d{3})+|\d{1,2}(?:,\d{2})+,\d{3}|\d{1,3}(?:" + _SPACE_GROUP + r")+|\d+(?!" + _SPACE_GROUP
           + r"))(?!,?\d)")
 #: the unicode vulgar fractions and their values: ``1½`` is 1.5, ``2 ¾`` 2.75 and ``½`` 0.5
@@ -62,6 +64,12 @@ _AFTER_MARK = re.compile(
 #: fraction ``1¹/₂``: not 10, 2 or 1; ``5 m²`` is 5)
 _NOT_AFTER = re.compile(r"[eE][-+]?\d|\s*/\s*[\d.]|[,.]?(?u:\d)"
                         r"|[ \t]*[\u00bc-\u00be\u2150-\u215f\u2189\u2044\u2215\u00b2\u00b3\u00b9\u2070-\u209c]", re.ASCII)
+#: what may not follow a number whose thousands are grouped by spaces: more digits after a space. Once a space has
+#: grouped three digits the spaces group thousands, so digits after the next one are one more group of other than three
+#: digits, a broken grouping — ``1 000 0000``, ``1 000 00``: no number, as ``1234 567`` (a first part of four digits)
+#: is, never 1000 — where a space after plain digits (``12 3456``, ``3 4``) began no grouping and ends the number
+#: as a word's end; a mixed number's fraction (``1 000 1/2``) is part of the number
+_NOT_AFTER_SPACE_GROUPS = re.compile(r"[ \t\u00a0\u2009\u202f]+\d")
 _MAX_NUMBER_CHARS = 40
 
 
@@ -72,7 +80,8 @@ def normalize_number(text: str) -> str | None:
     completion that wrote ``3/4`` for a gold of 3, and turned a reference answer ``3/4`` into a gold of 3), and so is a
     mixed number: ``"1 1/2"`` → ``"1.5"``, ``"1½"`` → ``"1.5"``. Thousands grouped by spaces are one number:
     ``"12 345 678"`` → ``"12345678"``, but a space before anything other than three digits ends it: ``"12 3456"`` →
-    ``"12"``. A number written with an exponent (``1e3``), with commas that group no thousands (``12,34``), with a
+    ``"12"``, and digits after a space that follows a group (``"1 000 0000"``) are a broken grouping: ``None``, as
+    for ``"1234 567"``. A number written with an exponent (``1e3``), with commas that group no thousands (``12,34``), with a
     fraction slash (``1⁄2``) or followed by a superscript or subscript (a power ``10³``, a fraction ``1¹/₂``) is not
     one (``None``), nor is ``1 100/200`` (1100/200 or 1 + 100/200)."""
     if not isinstance(text, str):
@@ -85,6 +94,8 @@ def normalize_number(text: str) -> str | None:
     if alone is not None:  # a vulgar fraction alone: ½
         digits, vulgar = "0", alone
     grouped_by_spaces = re.search(_SPACE, digits) is not None
+    if grouped_by_spaces and _NOT_AFTER_SPACE_GROUPS.match(head, match.end()):
+        return None  # 1 000 0000: a broken grouping
     digits = re.sub("[," + _SPACE[1:], "", digits)
     if max(len(digits), len(numerator or ""), len(denominator or ""), len(divisor or "")) > _MAX_NUMBER_CHARS:
         return None
