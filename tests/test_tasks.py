@@ -333,6 +333,9 @@ GSM8K_SPACED_AND_VULGAR = [
     ("1234 567", None), ("1 000,5", None), ("1 100/200", None),  # a bad group, a decimal comma, 1100/200 or 1 + 100/200
     ("1 000 0000", None), ("1 000 00", None), ("12 345 6789", None), ("1\u00a0000\u00a00000", None),  # a bad last group
     ("1 000 1", None), ("1 000 1/2 3", None), ("2 000 1/2", "2000.5"), ("2 000 \u00bd", "2000.5"),  # ... not a fraction
+    ("5 200-liter tanks", None), ("1 000-page book", None), ("5 200\u2011liter", None), ("1 000 000-ton", None),
+    ("5 200.5-liter", None), ("5 200 1/2-inch", None), ("5 200\u00bd-inch", None), ("1 000-2 000", None),  # 5 or 5200?
+    ("5,200-liter tanks", "5200"), ("5200-liter tanks", "5200"), ("5 20-liter tanks", "5"), ("5 200 liters", "5200"),
     ("1\u00bd", "1.5"), ("2\u00be", "2.75"), ("-1\u00bd", "-1.5"), ("1,000\u00bd", "1000.5"), ("1 000\u00bd", "1000.5"),
     ("1\u2153", "4/3"), ("\u00bd", "0.5"), ("\u2154 of them", "2/3"), ("1\u00bd.", "1.5"),
     ("1.5\u00bd", None), ("1\u00bd3", None), ("1\u00bd\u00bd", None), ("1\u00bd/2", None),
@@ -345,7 +348,8 @@ def test_gsm8k_reads_thousands_grouped_by_spaces_and_vulgar_fractions():
     1 000 was paid for a gold of 1); ``1½`` was no number (a reference answer ``#### 1½`` refused the dataset, a
     completion writing it lost its format reward). Both are now their values, in gold answers and completions alike;
     a space before anything but three digits still ends a number, unless it follows a group: ``1 000 0000`` was read
-    as 1000 (paid for a gold of 1000) and is no number, as ``1234 567`` is."""
+    as 1000 (paid for a gold of 1000) and is no number, as ``1234 567`` is; ``5 200-liter tanks`` (five tanks) was
+    5200, and is no number, as ``1 000-page book`` (a thousand pages, the same spelling) is."""
     task = GSM8KTask()
     _check_number_forms(task, GSM8K_SPACED_AND_VULGAR)
     for text, expected in GSM8K_SPACED_AND_VULGAR:  # a reference without "####" is read from its start
@@ -355,6 +359,9 @@ def test_gsm8k_reads_thousands_grouped_by_spaces_and_vulgar_fractions():
     assert task.reward(["#### 1000", "#### 1,000", "#### 1 000", "#### 1", "#### 1 00"], [thousand] * 5) == [1.0] * 3 + [0.1] * 2
     assert task.votes(["1 000", "1,000", "1000.0"], thousand) == [Fraction(1000)] * 3
     assert task.reward(["#### 1 000 0000", "#### 1 000 00", "#### 1 000 0000 1/2"], [thousand] * 3) == [0.0] * 3
+    five, fifty_two_hundred = (task.preprocess({"question": "q", "answer": f"#### {n}"}) for n in ("5", "5200"))
+    for gold in (five, fifty_two_hundred):  # five tanks of 200 litres, or 5200: neither gold pays it
+        assert task.reward(["#### 5 200-liter tanks", "#### 5", "#### 5200"], [gold] * 3) in ([0.0, 1.0, 0.1], [0.0, 0.1, 1.0])
     # a reference without "####" is read from its start: a sentence is no number, however it ends
     with pytest.raises(ValueError, match="gold"):
         task.preprocess({"question": "q", "answer": "between 1 and 2 000"})
@@ -388,7 +395,8 @@ def test_gsm8k_reads_no_number_from_a_power_or_a_superscript_fraction():
 
 
 @pytest.mark.parametrize("text", ["1 " * 50_000, "1 000" * 20_000, "\u00bd" * 100_000, "1" + " 000" * 25_000,
-                                  "9" * 100_000, "1,000 " * 16_000, "1\u00bd " * 33_000, "$ -" * 33_000 + "1"])
+                                  "9" * 100_000, "1,000 " * 16_000, "1\u00bd " * 33_000, "$ -" * 33_000 + "1",
+                                  "1 000" + " 0000" * 20_000, "1 000-" * 16_000, "1 000" + " " * 100_000 + "1"])
 def test_gsm8k_adversarial_numbers_return(text):
     """Long runs of what a number is made of (space groups, vulgar fractions, digits): extraction reads a bounded head,
     so these return (as no number or the number at the start) without scanning the 100 kB."""

@@ -8,9 +8,10 @@ Numbers are compared exactly as fractions after removing thousands separators, `
 ``1 234``, ``$1234``, ``1234.0`` and ``1234.00`` are all ``1234``, ``3/4`` is ``0.75`` (never ``3``), the mixed number
 ``1 1/2`` and ``1½`` are ``1.5`` (never ``1``); a comma that groups no thousands (``12,34``, a decimal comma) makes no
 number, and a space that groups no thousands ends one (``12 3456`` is 12, never 123456) unless the number's thousands
-are already grouped by spaces (``1 000 0000``: a broken grouping, no number, never 1000); a power (``10³``, ``1e3``)
-is no GSM8K answer form and makes no number (never 10), as a superscript fraction ``1¹/₂`` does (never 1), the gold
-answer's and the completion's alike. Nothing is ``eval``-ed.
+are already grouped by spaces (``1 000 0000``: a broken grouping, no number, never 1000), and a number grouped by
+spaces before a hyphen is no number (``5 200-liter tanks`` is five tanks, ``1 000-page book`` a thousand pages: never 5
+nor 5200); a power (``10³``, ``1e3``) is no GSM8K answer form and makes no number (never 10), as a superscript
+fraction ``1¹/₂`` does (never 1), the gold answer's and the completion's alike. Nothing is ``eval``-ed.
 """
 
 from __future__ import annotations
@@ -68,8 +69,12 @@ _NOT_AFTER = re.compile(r"[eE][-+]?\d|\s*/\s*[\d.]|[,.]?(?u:\d)"
 #: grouped three digits the spaces group thousands, so digits after the next one are one more group of other than three
 #: digits, a broken grouping — ``1 000 0000``, ``1 000 00``: no number, as ``1234 567`` (a first part of four digits)
 #: is, never 1000 — where a space after plain digits (``12 3456``, ``3 4``) began no grouping and ends the number
-#: as a word's end; a mixed number's fraction (``1 000 1/2``) is part of the number
-_NOT_AFTER_SPACE_GROUPS = re.compile(r"[ \t\u00a0\u2009\u202f]+\d")
+#: as a word's end; a mixed number's fraction (``1 000 1/2``) is part of the number.
+#: Nor a hyphen: the last group is then the first word of a compound (``5 200-liter tanks``: five tanks of 200 litres,
+#: ``1 000-page book``: one book of a thousand pages), and the same spelling means the first number or the whole one,
+#: which no reader tells apart: no number, as ``1 100/200`` is, never 5200 nor 1 (either reading pays a wrong answer
+#: for one of them). GSM8K's own answers are plain integers; ``5,200-liter`` and ``5 2-liter`` are 5200 and 5
+_NOT_AFTER_SPACE_GROUPS = re.compile(r"[ \t\u00a0\u2009\u202f]+\d|[-\u2010\u2011]")
 _MAX_NUMBER_CHARS = 40
 
 
@@ -81,9 +86,12 @@ def normalize_number(text: str) -> str | None:
     mixed number: ``"1 1/2"`` → ``"1.5"``, ``"1½"`` → ``"1.5"``. Thousands grouped by spaces are one number:
     ``"12 345 678"`` → ``"12345678"``, but a space before anything other than three digits ends it: ``"12 3456"`` →
     ``"12"``, and digits after a space that follows a group (``"1 000 0000"``) are a broken grouping: ``None``, as
-    for ``"1234 567"``. A number written with an exponent (``1e3``), with commas that group no thousands (``12,34``), with a
-    fraction slash (``1⁄2``) or followed by a superscript or subscript (a power ``10³``, a fraction ``1¹/₂``) is not
-    one (``None``), nor is ``1 100/200`` (1100/200 or 1 + 100/200)."""
+    for ``"1234 567"``. A number grouped by spaces right before a hyphen is ``None``: ``"5 200-liter tanks"`` (five
+    200-litre tanks) and ``"1 000-page book"`` (a thousand pages) are one spelling, and reading either as the first
+    number or the whole one would pay a wrong answer for the other. A number written with an exponent (``1e3``), with
+    commas that group no thousands (``12,34``), with a fraction slash (``1⁄2``) or followed by a superscript or
+    subscript (a power ``10³``, a fraction ``1¹/₂``) is not one (``None``), nor is ``1 100/200`` (1100/200 or
+    1 + 100/200)."""
     if not isinstance(text, str):
         return None
     head = text[: 4 * _MAX_NUMBER_CHARS + 16]  # room for a mixed number's three parts, with thousands commas
@@ -95,7 +103,7 @@ def normalize_number(text: str) -> str | None:
         digits, vulgar = "0", alone
     grouped_by_spaces = re.search(_SPACE, digits) is not None
     if grouped_by_spaces and _NOT_AFTER_SPACE_GROUPS.match(head, match.end()):
-        return None  # 1 000 0000: a broken grouping
+        return None  # 1 000 0000: a broken grouping; 5 200-liter: five 200-litre tanks, or 5200 litres?
     digits = re.sub("[," + _SPACE[1:], "", digits)
     if max(len(digits), len(numerator or ""), len(denominator or ""), len(divisor or "")) > _MAX_NUMBER_CHARS:
         return None
