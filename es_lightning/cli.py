@@ -145,7 +145,7 @@ def run_analysis(args: list[str]):
     run = partial(CLI, commands, args=args, as_positional=False, prog="es-lightning", parser_class=OneLineAnalysisParser)
     try:
         return run()
-    except AnalysisStopped as stop:  # a SIGTERM or SLURM's requeue signal in one of its fits: which run, what is kept
+    except AnalysisStopped as stop:  # a SIGTERM or SLURM's requeue signal: what was cut, what is kept
         print(f"es-lightning {name}: {stop.line}", file=sys.stderr, flush=True)
         raise SystemExit(stop.code) from None
     except ConfigError as err:  # a misspelt option, a value of the wrong type: one line, not the usage block

@@ -12,6 +12,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from es_helpers import SignalInEvaluation
 from torch.utils.data import DataLoader, TensorDataset
 
 from es_lightning import ReasoningDataModule, RunCheckpoint, run_dirs
@@ -622,6 +623,76 @@ def test_a_signal_between_an_analysis_fits_stops_it_at_once_with_one_line(tmp_pa
     assert "N=4: reward" not in out and not list((tmp_path / "out").rglob("sweep.*"))
     assert not (tmp_path / "scontrol.log").exists() and not list(tmp_path.rglob("*.ckpt"))
     assert signal.getsignal(signal.SIGTERM) == signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+
+
+class _SignalInTheSecondEvaluation(SignalInEvaluation):
+    """SIGTERM in the second held-out evaluation: `analyze forgetting`'s tuned model on the training task."""
+
+    def __init__(self, **task_kwargs) -> None:
+        super().__init__(evaluation=2, **task_kwargs)
+
+
+class _SignalInTheFourthEvaluation(SignalInEvaluation):
+    """SIGTERM in the fourth held-out evaluation: `analyze ablation`'s second τ (base, tuned, then the τs)."""
+
+    def __init__(self, **task_kwargs) -> None:
+        super().__init__(evaluation=4, **task_kwargs)
+
+
+@pytest.mark.parametrize(("command", "signum"), [("eval", "SIGTERM"), ("eval", "SIGUSR1"), ("ablation", "SIGTERM"),
+                                                 ("forgetting", "SIGTERM")])
+def test_a_signal_in_an_evaluation_without_fits_stops_it_at_once_with_one_line(tmp_path, monkeypatch, capsys, command,
+                                                                              signum):
+    """A SIGTERM (no SLURM) or SLURM's requeue signal (a one-task SLURM job) while `es-lightning eval`, `analyze
+    ablation` or `analyze forgetting` evaluates a model (minutes on a real one): nothing handled it, and its default
+    action killed the process without a word. Now the evaluation is cut at once, and the command says in one line
+    what was cut and what is kept, and exits 128 + the signal's number; the process's handlers are back after it."""
+    import signal
+
+    if signum == "SIGUSR1":
+        _one_task_slurm_job(tmp_path, monkeypatch, "81", command)
+    monkeypatch.chdir(tmp_path)
+    out_dir = tmp_path / "out"
+    tiny = ["--eval.num_problems", "2", "--eval.num_samples", "2", "--eval.max_new_tokens", "8", "--progress", "false",
+            "--out_dir", str(out_dir)]
+    builtin = "builtin:countdown-tiny"
+    args, doing, kept, less, result = {
+        "eval": (["eval", "--checkpoints", builtin, builtin, "--labels", "base", "tuned", "--tasks",
+                  f"[{{class_path: es_helpers.SignalInEvaluation, init_args: {{signum: {signum}, evaluation: 2}}}}]"],
+                 "evaluating tuned on countdown",
+                 f"nothing was written to {out_dir} (eval.json comes once every model is evaluated)",
+                 "fewer models, tasks or problems", "eval.json"),
+        "ablation": (["analyze", "ablation", "--tuned", builtin, "--base", builtin, "--taus", "[0.001, 0.01]",
+                      "--save_models", "true", "--task", f"{__name__}._SignalInTheFourthEvaluation"],
+                     "evaluating tau=0.01",
+                     f"the ablated models of tau=0.001 are in {out_dir / 'models'}, nothing else was written",
+                     "fewer settings or problems", "ablation.json"),
+        "forgetting": (["analyze", "forgetting", "--tuned", builtin, "--base", builtin, "--tasks", "[addition]",
+                        "--training_task", f"{__name__}._SignalInTheSecondEvaluation"],
+                       "evaluating tuned on countdown",
+                       f"nothing was written to {out_dir} (forgetting.json comes once both models are evaluated)",
+                       "fewer tasks or problems", "forgetting.json"),
+    }[command]
+    with pytest.raises(SystemExit) as stopped:
+        cli_main([*args, *tiny])
+    assert stopped.value.code == 128 + getattr(signal, signum)
+    out, err = capsys.readouterr()
+    by = "SLURM's requeue signal (SIGUSR1)" if signum == "SIGUSR1" else "SIGTERM"
+    name = command if command == "eval" else f"analyze {command}"
+    line = f"es-lightning {name}: stopped by {by} while {doing}; {kept}, so the same command starts over"
+    if signum == "SIGUSR1":
+        line += ("; the job was not requeued (it would start over and meet the same time limit): give it more time "
+                 f"(#SBATCH --time) or {less} and submit it again")
+    assert line in err.splitlines(), err[-3000:]
+    assert "wrote" not in out and not list(tmp_path.rglob(result)) and not (tmp_path / "scontrol.log").exists()
+    assert sorted(p.name for p in (out_dir / "models").glob("*")) == (["tau=0.001"] if command == "ablation" else [])
+    assert signal.getsignal(signal.SIGTERM) == signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+    if command == "eval":  # the Python function installs nothing: only the command does
+        from es_lightning.analysis import EvalSettings, evaluate_models
+
+        with pytest.raises(AssertionError, match="nothing handles SIGTERM"):
+            evaluate_models([builtin], tasks=[SignalInEvaluation()], progress=False,
+                            settings=EvalSettings(num_problems=2, num_samples=2, max_new_tokens=8))
 
 
 def test_an_explicit_ckpt_path_resumes_with_the_configured_settings(tmp_path, monkeypatch):

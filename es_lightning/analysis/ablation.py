@@ -180,15 +180,28 @@ def sparsity_ablation(
     masters of bf16/fp16 weights (a ``.ckpt``'s, :attr:`LoadedModel.masters`): Δθ is theirs, and a kept weight is its
     master rounded — the tuned weight itself, so τ = 0 still gives back the tuned model bit for bit.
     """
+    from es_lightning.analysis.runs import now_doing  # what a signal cuts, in a command (no handler in this function)
+
     tuned_weights = {**snapshot(tuned_model), **(masters or {})}
     rows = []
+
+    def kept() -> str | None:  # the ablated models saved so far, for the line of a signal that stops the command
+        saved = [r["label"] for r in rows if "path" in r]
+        return (f"the ablated models of {', '.join(saved)} are in {save_dir}, nothing else was written" if saved
+                else None)
+
     try:
+        if top_percent:
+            now_doing("finding the thresholds of --top_percent")
         for setting in ablation_settings(taus, top_percent, base_weights, tuned_weights):
+            now_doing(f"evaluating {setting.label}", kept=kept())
             sparsity = ablate_(tuned_model, base_weights, tuned_weights, setting.tau)
             rows.append({"label": setting.label, "tau": setting.tau, "top_percent": setting.top_percent,
                          "sparsity": sparsity, **evaluate()})
             if save_dir is not None and setting.label not in ("base", "tuned"):
                 target = Path(save_dir) / setting.label.replace(" ", "").replace("%", "pct")
+                now_doing(f"saving the model of {setting.label}", kept=(f"{kept()}; " if kept() else "")
+                          + f"{target} may be incomplete")
                 save_model(tuned_model, target)
                 if tokenizer is not None:
                     save_tokenizer(tokenizer, target)
@@ -234,47 +247,57 @@ def ablation_command(
     from es_lightning.analysis.checkpoints import load_model, recorded_task, start_dtype, trained_with
     from es_lightning.analysis.evaluate import evaluate_policy, heldout_problems, tasks_as_trained
     from es_lightning.analysis.plots import plot_ablation
+    from es_lightning.analysis.runs import now_doing, stopping_on_signals
 
     start = time.perf_counter()
-    if taus is None and not top_percent:
-        taus = [t for t in check_taus(None) if t > 0]
-    taus = check_taus(taus) if taus else []
-    top_percent = check_top_percents(top_percent)
-    settings = replace(eval, ks=eval.pass_at_ks(default=[1, eval.num_samples]))
-    settings.completion_cap()
-    record = trained_with(tuned)
-    task_obj = tasks_as_trained([task or recorded_task(record)], settings.chat_template, [(tuned, record)])[0]
-    problems = heldout_problems(task_obj, settings.num_problems, settings.seed, settings.source,
-                                settings.column_mapping)
-    tuned_model = load_model(tuned, dtype=dtype)
-    base = base or _base_of(tuned_model, "ablation")
-    base_model = load_model(base, dtype=start_dtype(tuned_model, dtype))
-    # a .ckpt base's masters, as drift reads them; τ = ∞ still gives its weights: each is its master rounded once
-    base_weights = {**snapshot(base_model.policy.model), **base_model.masters}
-    del base_model
-    policy = tuned_model.policy
-    tuned_model.say_masters()
-    warn_about_base(tuned, base, tuned_model.base, parameter_drift(base_weights, tuned_model.weights(), [0.0]).relative_drift)
-    bar = tqdm(total=(2 + len(taus) + len(top_percent)) * len(problems), desc="ablation", unit="problem", disable=not progress,
-               leave=False)
-
-    def evaluate() -> dict[str, float]:
-        return evaluate_policy(policy, task_obj, problems, settings, progress=bar)
-
     out = Path(out_dir)
-    try:
-        rows = sparsity_ablation(policy.model, base_weights, evaluate, taus=taus, top_percent=top_percent,
-                                 save_dir=out / "models" if save_models else None, tokenizer=policy.tokenizer,
-                                 masters=tuned_model.masters)
-    finally:
-        bar.close()
-    report = AblationReport(rows=rows, ks=settings.ks, settings=dict(base=base, tuned=tuned, task=task_obj.name,
-                                                                      eval=asdict(settings)))
-    print(f"sparsity ablation of {tuned} against {base} on {task_obj.name}: {settings.num_problems} problems, "
-          f"n={settings.num_samples}, T={settings.temperature} ({time.perf_counter() - start:.0f}s)")
-    print(report.table())
-    written = [write_json(out / "ablation.json", report.to_json())]
-    if plot:
-        written.append(plot_ablation(rows, settings.ks, out / "ablation.png"))
+    # a SIGTERM or SLURM's requeue signal while loading, ablating, evaluating or writing: one line, 143 / 138
+    with stopping_on_signals(f"nothing was written to {out} (ablation.json comes once every setting is evaluated)",
+                             less="fewer settings or problems"):
+        if taus is None and not top_percent:
+            taus = [t for t in check_taus(None) if t > 0]
+        taus = check_taus(taus) if taus else []
+        top_percent = check_top_percents(top_percent)
+        settings = replace(eval, ks=eval.pass_at_ks(default=[1, eval.num_samples]))
+        settings.completion_cap()
+        record = trained_with(tuned)
+        task_obj = tasks_as_trained([task or recorded_task(record)], settings.chat_template, [(tuned, record)])[0]
+        now_doing("preparing the held-out problems")
+        problems = heldout_problems(task_obj, settings.num_problems, settings.seed, settings.source,
+                                    settings.column_mapping)
+        now_doing(f"loading {tuned}")
+        tuned_model = load_model(tuned, dtype=dtype)
+        base = base or _base_of(tuned_model, "ablation")
+        now_doing(f"loading {base}")
+        base_model = load_model(base, dtype=start_dtype(tuned_model, dtype))
+        # a .ckpt base's masters, as drift reads them; τ = ∞ still gives its weights: each is its master rounded once
+        base_weights = {**snapshot(base_model.policy.model), **base_model.masters}
+        del base_model
+        policy = tuned_model.policy
+        tuned_model.say_masters()
+        now_doing(f"measuring the update from {base}")
+        warn_about_base(tuned, base, tuned_model.base, parameter_drift(base_weights, tuned_model.weights(), [0.0]).relative_drift)
+        bar = tqdm(total=(2 + len(taus) + len(top_percent)) * len(problems), desc="ablation", unit="problem", disable=not progress,
+                   leave=False)
+
+        def evaluate() -> dict[str, float]:
+            return evaluate_policy(policy, task_obj, problems, settings, progress=bar)
+
+        try:
+            rows = sparsity_ablation(policy.model, base_weights, evaluate, taus=taus, top_percent=top_percent,
+                                     save_dir=out / "models" if save_models else None, tokenizer=policy.tokenizer,
+                                     masters=tuned_model.masters)
+        finally:
+            bar.close()
+        report = AblationReport(rows=rows, ks=settings.ks, settings=dict(base=base, tuned=tuned, task=task_obj.name,
+                                                                          eval=asdict(settings)))
+        now_doing("writing the results", kept=(f"the ablated models are in {out / 'models'}; " if save_models else "")
+                  + f"{out / 'ablation.json'}{' and ablation.png' if plot else ''} may be incomplete")
+        print(f"sparsity ablation of {tuned} against {base} on {task_obj.name}: {settings.num_problems} problems, "
+              f"n={settings.num_samples}, T={settings.temperature} ({time.perf_counter() - start:.0f}s)")
+        print(report.table())
+        written = [write_json(out / "ablation.json", report.to_json())]
+        if plot:
+            written.append(plot_ablation(rows, settings.ks, out / "ablation.png"))
     print("wrote " + ", ".join(map(str, written)))
     return report

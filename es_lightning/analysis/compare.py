@@ -170,7 +170,7 @@ def compare_methods(
     """Fit every method for every seed and evaluate everything the same way (see the module docstring).
     ``method_overrides``: further fit arguments for one method's fits, after ``overrides``."""
     from es_lightning.analysis.evaluate import evaluate_policy, heldout_problems, tasks_as_trained
-    from es_lightning.analysis.runs import between_fits
+    from es_lightning.analysis.runs import now_doing
     from es_lightning.policy import load_policy
 
     unknown = [m for m in methods if m not in METHODS]
@@ -222,7 +222,7 @@ def compare_methods(
         pace = None  # budget "time": the first method's training seconds on this seed
         for method, recipe in recipes.items():
             run = f"{method}, seed {seed}"
-            between_fits(f"setting up the fit of {run}", finished, kept)  # what a signal between fits cuts
+            now_doing(f"setting up the fit of {run}", finished, kept)  # what a signal between fits cuts
             start = time.perf_counter()
             module, fit_task, updates, train_s = _fit(recipe, int(seed), steps, out / f"seed{seed}" / recipe.stem,
                                                       [*overrides, *method_overrides.get(method, ())],
@@ -231,21 +231,21 @@ def compare_methods(
             if budget == "time" and pace is None:
                 pace = train_s
             if problems is None:  # the same problems and samples for every row
-                between_fits("preparing the held-out problems", finished, kept)
+                now_doing("preparing the held-out problems", finished, kept)
                 task = tasks_as_trained([fit_task], settings.chat_template, [])[0]  # the recipe's; --eval.chat_template
                 problems = heldout_problems(task, settings.num_problems, settings.seed, settings.source,
                                             settings.column_mapping)
                 base_model = module.model_name
-                between_fits(f"evaluating the base model ({base_model})", finished, kept)
+                now_doing(f"evaluating the base model ({base_model})", finished, kept)
                 base = evaluate(load_policy(base_model))
                 print(f"base ({base_model}): " + _summary(base), flush=True)
-            between_fits(f"evaluating {run}", finished, kept)
+            now_doing(f"evaluating {run}", finished, kept)
             results[int(seed)][method] = {**evaluate(module.policy), "updates": updates, "train_s": round(train_s, 1),
                                           "fit_s": round(fit_s, 1)}
             print(f"seed {seed} {method}: " + _summary(results[int(seed)][method])
                   + f" ({time.perf_counter() - start:.0f}s)", flush=True)
             finished.append(run)
-            between_fits(f"after {run}", finished, kept)
+            now_doing(f"after {run}", finished, kept)
             del module
             gc.collect()
     run_settings = dict(seeds=list(seeds), steps=steps, budget=budget, overrides=list(overrides),
@@ -294,15 +294,15 @@ def compare_command(
         method_overrides: further `es-lightning fit` arguments for one method, after overrides, e.g.
             '{"ES": [--model.init_args.population_size, "16"]}'.
     """
-    from es_lightning.analysis.runs import between_fits, stopping_between_fits
+    from es_lightning.analysis.runs import now_doing, stopping_on_signals
 
     check_out_dir(out_dir)  # before any model loads or fit runs
     start = time.perf_counter()
     out = Path(out_dir)
-    with stopping_between_fits():  # a SIGTERM or SLURM's requeue signal outside the fits, too: one line, 143 / 138
+    with stopping_on_signals():  # a SIGTERM or SLURM's requeue signal outside the fits, too: one line, 143 / 138
         report = compare_methods(seeds=seeds, steps=steps, methods=methods, recipes_dir=recipes_dir, settings=eval,
                                  out_dir=out_dir, overrides=overrides, budget=budget, method_overrides=method_overrides)
-        between_fits("writing the results", ["every run"], f"{out / 'compare.json'} and compare.md may be incomplete")
+        now_doing("writing the results", ["every run"], f"{out / 'compare.json'} and compare.md may be incomplete")
         each = (f"{steps} updates per method" if budget == "updates"
                 else f"every method trained for {methods[0]}'s time of {steps} updates")
         print(f"\n{len(report.results)} seed(s), {each}, evaluated on {eval.num_problems} held-out "

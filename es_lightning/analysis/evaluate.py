@@ -215,6 +215,8 @@ def evaluate_models(
 ) -> EvalReport:
     """Evaluate every model on every task, on the same problems with the same seeds; models are loaded one at a time.
     ``task_sources`` overrides ``settings.source`` for the tasks it names (``{task name: source}``)."""
+    from es_lightning.analysis.runs import now_doing  # what a signal cuts, in a command (no handler in this function)
+
     if not models:
         raise ValueError("name at least one model to evaluate (a .ckpt, an HF directory, a hub id or builtin:<name>)")
     if labels is not None and len(labels) != len(models):
@@ -240,6 +242,7 @@ def evaluate_models(
             dtype = recorded[0][1]
             if len(recorded) < len(trained) or any(d != dtype for _, d in recorded):
                 print(f"every model in {dtype}, as {recorded[0][0]} was trained (--dtype to choose)")
+    now_doing("preparing the held-out problems")
     problems = {t.name: heldout_problems(t, settings.num_problems, settings.seed, (task_sources or {}).get(t.name, settings.source),
                                          settings.column_mapping) for t in task_objs}
     names = list(labels) if labels is not None else [_label(m) for m in models]
@@ -252,10 +255,13 @@ def evaluate_models(
     sources: dict[str, str] = {}
     try:
         for name, model in zip(names, models):
+            if not isinstance(model, LoadedModel):
+                now_doing(f"loading {model}")
             loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype)
             sources[name] = loaded.spec
             results[name] = {}
             for task in task_objs:
+                now_doing(f"evaluating {name} on {task.name}")
                 bar.set_description(f"eval {name} · {task.name}")
                 results[name][task.name] = evaluate_policy(loaded.policy, task, problems[task.name], settings, progress=bar)
             if not isinstance(model, LoadedModel):
@@ -394,16 +400,24 @@ def eval_command(
         plot: write pass_at_k.png.
         progress: show a progress bar.
     """
+    from es_lightning.analysis.runs import now_doing, stopping_on_signals
+
     check_out_dir(out_dir)  # before any model loads or fit runs
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     start = time.perf_counter()
-    report = evaluate_models(checkpoints, tasks=tasks, labels=labels, settings=eval, dtype=dtype, progress=progress)
-    s = report.settings
-    print(
-        f"{s['num_problems']} held-out problems/task, n={s['num_samples']}, T={s['temperature']}, seed={s['seed']} "
-        f"({time.perf_counter() - start:.0f}s)"
-    )
-    print(report.table())
-    written = write_eval_report(report, out_dir, plot=plot)
+    out = Path(out_dir)
+    # a SIGTERM or SLURM's requeue signal while loading, evaluating or writing: one line, 143 / 138
+    with stopping_on_signals(f"nothing was written to {out} (eval.json comes once every model is evaluated)",
+                             less="fewer models, tasks or problems"):
+        report = evaluate_models(checkpoints, tasks=tasks, labels=labels, settings=eval, dtype=dtype, progress=progress)
+        now_doing("writing the results", kept=(f"{out / 'eval.json'}, eval.md and pass_at_k.png" if plot else
+                                               f"{out / 'eval.json'} and eval.md") + " may be incomplete")
+        s = report.settings
+        print(
+            f"{s['num_problems']} held-out problems/task, n={s['num_samples']}, T={s['temperature']}, seed={s['seed']} "
+            f"({time.perf_counter() - start:.0f}s)"
+        )
+        print(report.table())
+        written = write_eval_report(report, out_dir, plot=plot)
     print("wrote " + ", ".join(map(str, written)))
     return report

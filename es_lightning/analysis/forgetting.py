@@ -134,27 +134,34 @@ def forgetting_command(
     from es_lightning.analysis.checkpoints import load_model, trained_with
     from es_lightning.analysis.drift import _base_of, warn_about_base
     from es_lightning.analysis.plots import plot_forgetting
+    from es_lightning.analysis.runs import now_doing, stopping_on_signals
 
     start = time.perf_counter()
-    training_task = _suite(tasks, training_task, tuned)[1]  # a suite holding the training task: refused before loading
-    # both models in the dtype the tuned one was trained in (a run's export/ records it in its config.yaml): loaded
-    # here, the tuned model is evaluated as it is, so it must not be float32 while the base is loaded in bf16
-    recorded = None if dtype else trained_with(tuned).dtype
-    if recorded:
-        dtype = recorded
-        print(f"both models in {dtype}, as {tuned} was trained (--dtype to choose)")
-    tuned_model = load_model(tuned, dtype=dtype)
-    base = base or _base_of(tuned_model, "forgetting")
-    warn_about_base(tuned, base, tuned_model.base)
-    report = forgetting(base, tuned_model, tasks=tasks, training_task=training_task, settings=eval, dtype=dtype,
-                        progress=progress)
-    report.evaluation.sources = {"base": base, "tuned": tuned}
-    print(f"forgetting of {tuned} (base {base}): {eval.num_problems} held-out problems/task, n={eval.num_samples}, "
-          f"T={eval.temperature} ({time.perf_counter() - start:.0f}s)")
-    print(report.table())
     out = Path(out_dir)
-    written = [write_json(out / "forgetting.json", report.to_json())]
-    if plot:
-        written.append(plot_forgetting(report.changes, sorted({1, max(report.ks)}), out / "forgetting.png"))
+    # a SIGTERM or SLURM's requeue signal while loading, evaluating or writing: one line, 143 / 138
+    with stopping_on_signals(f"nothing was written to {out} (forgetting.json comes once both models are evaluated)",
+                             less="fewer tasks or problems"):
+        training_task = _suite(tasks, training_task, tuned)[1]  # a suite holding the training task: refused before loading
+        # both models in the dtype the tuned one was trained in (a run's export/ records it in its config.yaml): loaded
+        # here, the tuned model is evaluated as it is, so it must not be float32 while the base is loaded in bf16
+        recorded = None if dtype else trained_with(tuned).dtype
+        if recorded:
+            dtype = recorded
+            print(f"both models in {dtype}, as {tuned} was trained (--dtype to choose)")
+        now_doing(f"loading {tuned}")
+        tuned_model = load_model(tuned, dtype=dtype)
+        base = base or _base_of(tuned_model, "forgetting")
+        warn_about_base(tuned, base, tuned_model.base)
+        report = forgetting(base, tuned_model, tasks=tasks, training_task=training_task, settings=eval, dtype=dtype,
+                            progress=progress)
+        report.evaluation.sources = {"base": base, "tuned": tuned}
+        now_doing("writing the results", kept=f"{out / 'forgetting.json'}{' and forgetting.png' if plot else ''} may be "
+                  "incomplete")
+        print(f"forgetting of {tuned} (base {base}): {eval.num_problems} held-out problems/task, n={eval.num_samples}, "
+              f"T={eval.temperature} ({time.perf_counter() - start:.0f}s)")
+        print(report.table())
+        written = [write_json(out / "forgetting.json", report.to_json())]
+        if plot:
+            written.append(plot_forgetting(report.changes, sorted({1, max(report.ks)}), out / "forgetting.png"))
     print("wrote " + ", ".join(map(str, written)))
     return report

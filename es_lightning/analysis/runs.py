@@ -1,4 +1,5 @@
-"""Recipe fits inside an analysis (population sweep, method comparison): one way to build them, and to run them.
+"""Recipe fits inside an analysis (population sweep, method comparison): one way to build them, and to run them;
+and how a SIGTERM or SLURM's requeue signal stops any analysis command, in a fit or outside one.
 
 An analysis fits a shipped recipe exactly as ``es-lightning fit --config recipe`` would — the same
 :class:`~es_lightning.lightning_cli.ESLightningCLI` parses it — but quietly and without the recipe's own evaluation and export
@@ -15,18 +16,20 @@ of a step — which a rerun's fit of that run, under SLURM, would silently resum
 over, and the analysis went on.
 
 The same signals *between* the fits — while the analysis sets up a fit, loads and evaluates a model (Pass@K on held-out
-problems, minutes on a real model) or writes its results — took their default action: the process died without a word.
-Now :func:`stopping_between_fits`, around the ``analyze compare`` / ``sweep`` commands, takes SIGTERM and SLURM's
-requeue signal (under SLURM Lightning's ``SIGUSR1``, then whatever each fit's trainer uses; none once auto-requeue is
-off) where their action is still the default, and its handler raises :class:`AnalysisStopped` at once — an evaluation
-is cut, not waited for: a scheduler sends SIGKILL some 30 s after SIGTERM — with the same kind of line, naming what was
-cut ("while evaluating N=4", as :func:`between_fits` last said), the runs finished and what is kept. During a fit the
-handlers are Lightning's, exactly as without the analysis: at ``on_fit_start``, just before Lightning registers its
-own, the process's previous handlers are put back, so Lightning registers and composes what it would anyway; at
-``on_train_start`` the analysis's handler becomes what Lightning's teardown restores (a fit's setup, which loads the
-model, is the analysis's). The process's handlers are back when the command ends; a handler the process already had (a
-script's own, or an ignored signal) is never replaced, and the Python functions (``compare_methods``,
-``population_sweep``) install nothing.
+problems, minutes on a real model) or writes its results — and anywhere in the commands that fit nothing (``eval``,
+``analyze ablation`` / ``forgetting``, which load, evaluate and write) took their default action: the process died
+without a word. Now :func:`stopping_on_signals`, around those commands (``eval``, ``analyze ablation`` / ``forgetting``
+/ ``compare`` / ``sweep``), takes SIGTERM and SLURM's requeue signal (under SLURM Lightning's ``SIGUSR1``, then
+whatever each fit's trainer uses; none once auto-requeue is off) where their action is still the default, and its
+handler raises :class:`AnalysisStopped` at once — an evaluation is cut, not waited for: a scheduler sends SIGKILL some
+30 s after SIGTERM — with the same kind of line, naming what was cut ("while evaluating N=4", "while evaluating tuned
+on countdown", as :func:`now_doing` last said), the runs finished (an analysis with fits) and what is kept; the job is
+never requeued. During a fit the handlers are Lightning's, exactly as without the analysis: at ``on_fit_start``, just
+before Lightning registers its own, the process's previous handlers are put back, so Lightning registers and composes
+what it would anyway; at ``on_train_start`` the analysis's handler becomes what Lightning's teardown restores (a fit's
+setup, which loads the model, is the analysis's). The process's handlers are back when the command ends; a handler the
+process already had (a script's own, or an ignored signal) is never replaced, and the Python functions
+(``evaluate_models``, ``sparsity_ablation``, ``forgetting``, ``compare_methods``, ``population_sweep``) install nothing.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from es_lightning.callbacks import sigterm
 
 
 class AnalysisStopped(SystemExit):
-    """A SIGTERM or SLURM's requeue signal stopped an analysis, in one of its fits or between them: ``code`` is 128 +
+    """A SIGTERM or SLURM's requeue signal stopped an analysis, in one of its fits or outside them: ``code`` is 128 +
     the signal's number (as the ``es-lightning`` command's status), ``line`` says which run (or what else) was cut and
     what is kept (``es-lightning analyze`` prints it)."""
 
@@ -53,30 +56,35 @@ class AnalysisStopped(SystemExit):
         self.line = line
 
 
-def _stopped(signum: signal.Signals, requeue: bool, where: str, finished: Sequence[str], kept: str) -> AnalysisStopped:
+def _stopped(signum: signal.Signals, requeue: bool, where: str, finished: Sequence[str] | None, kept: str,
+             less: str = "fewer runs") -> AnalysisStopped:
     """The :class:`AnalysisStopped` of ``signum`` (SLURM's requeue signal when ``requeue``), which cut the analysis
-    ``where`` ("at step 3 of the fit of N=4", "while evaluating N=4")."""
+    ``where`` ("at step 3 of the fit of N=4", "while evaluating N=4"); ``finished``: the runs done before it (``None``:
+    an analysis without runs says nothing of them); ``less``: what the job could do less of, with its time."""
     by = f"SLURM's requeue signal ({signum.name})" if requeue else "SIGTERM"
-    done = f"{', '.join(finished)} finished before it (printed above)" if finished else "no run finished before it"
-    line = f"stopped by {by} {where}; {done}; {kept}, so the same command starts over"
+    done = ("" if finished is None else f"{', '.join(finished)} finished before it (printed above); " if finished
+            else "no run finished before it; ")
+    line = f"stopped by {by} {where}; {done}{kept}, so the same command starts over"
     if requeue:
         line += ("; the job was not requeued (it would start over and meet the same time limit): give it more time "
-                 "(#SBATCH --time) or fewer runs and submit it again")
+                 f"(#SBATCH --time) or {less} and submit it again")
     return AnalysisStopped(line, 128 + int(signum))
 
 
 class _Between:
-    """The handler of SIGTERM and SLURM's requeue signal between an analysis's fits (:func:`stopping_between_fits`):
-    raises :class:`AnalysisStopped` naming what :func:`between_fits` last said the analysis was doing."""
+    """The handler of SIGTERM and SLURM's requeue signal outside an analysis's fits (:func:`stopping_on_signals`):
+    raises :class:`AnalysisStopped` naming what :func:`now_doing` last said the analysis was doing. ``kept``: what
+    is on disk until it says otherwise; ``less``: what a job that ran out of time could do less of."""
 
-    def __init__(self) -> None:
+    def __init__(self, kept: str, less: str) -> None:
         from lightning.fabric.plugins.environments import SLURMEnvironment
 
-        self.where, self.finished, self.kept = "while setting up", (), "nothing was written"
+        self.where, self.finished, self.kept, self.less = "while setting up", None, kept, less
+        self.default_kept = kept
         self.fit_end = "at the end of a fit"  # where a signal after a fit's teardown cuts (fit_run names the run)
         self.previous: dict[signal.Signals, object] = {}  # the signals taken, and the process's handler of each
         self.requeue: signal.Signals | None = None
-        self.stop: AnalysisStopped | None = None  # raised once; again at the next between_fits if it was swallowed
+        self.stop: AnalysisStopped | None = None  # raised once; again at the next now_doing if it was swallowed
         self._take(signal.SIGTERM)
         if SLURMEnvironment.detect() and hasattr(signal, "SIGUSR1"):  # Lightning's auto-requeue default under SLURM
             self.follow(signal.SIGUSR1)
@@ -98,7 +106,7 @@ class _Between:
 
     def handle(self, signum, frame) -> None:
         signum = signal.Signals(signum)
-        self.stop = _stopped(signum, signum == self.requeue, self.where, self.finished, self.kept)
+        self.stop = _stopped(signum, signum == self.requeue, self.where, self.finished, self.kept, self.less)
         raise self.stop
 
     def take(self) -> None:
@@ -112,19 +120,21 @@ class _Between:
             signal.signal(signum, handler)
 
 
-_BETWEEN: _Between | None = None  # while stopping_between_fits is on
+_BETWEEN: _Between | None = None  # while stopping_on_signals is on
 
 
 @contextlib.contextmanager
-def stopping_between_fits() -> Iterator[None]:
-    """Around an analysis command (``analyze compare`` / ``sweep``): SIGTERM or SLURM's requeue signal between its fits
-    raises :class:`AnalysisStopped` at once (see the module docstring); the process's handlers are restored at the end.
-    Nothing in a thread other than the main one (no handler can be set there), nor when one is on already."""
+def stopping_on_signals(kept: str = "nothing was written", less: str = "fewer runs") -> Iterator[None]:
+    """Around an analysis command (``eval``, ``analyze ablation`` / ``forgetting`` / ``compare`` / ``sweep``): SIGTERM
+    or SLURM's requeue signal outside its fits raises :class:`AnalysisStopped` at once (see the module docstring),
+    saying ``kept`` of what is on disk where :func:`now_doing` says nothing else, and ``less`` of what a job out of time
+    could do less of ("fewer runs"); the process's handlers are restored at the end. Nothing in a thread other than the
+    main one (no handler can be set there), nor when one is on already."""
     global _BETWEEN
     if _BETWEEN is not None or threading.current_thread() is not threading.main_thread():
         yield
         return
-    _BETWEEN = between = _Between()
+    _BETWEEN = between = _Between(kept, less)
     try:
         yield
         if between.stop is not None:  # raised where it was swallowed (a finalizer's "Exception ignored"): end now
@@ -134,23 +144,25 @@ def stopping_between_fits() -> Iterator[None]:
         _BETWEEN = None
 
 
-def between_fits(doing: str, finished: Sequence[str] = (), kept: str = "nothing was written") -> None:
-    """What a signal between an analysis's fits now cuts: ``doing`` ("evaluating N=4", said as "while evaluating
-    N=4"), the runs ``finished`` and what is ``kept`` (as for :func:`fit_run`). Nothing outside
-    :func:`stopping_between_fits`. A stop the analysis swallowed (a finalizer ignores exceptions) is raised here."""
+def now_doing(doing: str, finished: Sequence[str] | None = None, kept: str | None = None) -> None:
+    """What a signal outside an analysis's fits now cuts: ``doing`` ("evaluating N=4", said as "while evaluating
+    N=4"), the runs ``finished`` (``None``: an analysis without runs) and what is ``kept`` (as for :func:`fit_run`;
+    ``None``: what :func:`stopping_on_signals` was given). Nothing outside :func:`stopping_on_signals`. A stop the
+    analysis swallowed (a finalizer ignores exceptions) is raised here."""
     between = _BETWEEN
     if between is None:
         return
     if between.stop is not None:
         raise between.stop
-    between.where, between.finished, between.kept = f"while {doing}", finished, kept
+    between.where, between.finished = f"while {doing}", finished
+    between.kept = between.default_kept if kept is None else kept
 
 
 class _Signals(L.Callback):
     """SIGTERM and SLURM's requeue signal in an analysis's fit: only noted, and every rank stops after the same step
     (:func:`~es_lightning.callbacks.sigterm.install`, :func:`~es_lightning.callbacks.sigterm.agree`); never requeued
     (installed last: a RunCheckpoint given in overrides installs before it, and this install is the one kept). Under
-    :func:`stopping_between_fits`, the analysis's handlers step aside for Lightning's at ``on_fit_start`` and are what
+    :func:`stopping_on_signals`, the analysis's handlers step aside for Lightning's at ``on_fit_start`` and are what
     Lightning's teardown restores."""
 
     def setup(self, trainer, pl_module, stage) -> None:
@@ -174,12 +186,12 @@ def fit_run(trainer: L.Trainer, module, datamodule, run: str, finished: Sequence
     """``trainer.fit`` of one of an analysis's runs (of :func:`recipe_cli`): ``run`` names it, ``finished`` the runs
     done before it, ``kept`` what is on disk so far. Raises :class:`AnalysisStopped` when a SIGTERM or SLURM's requeue
     signal stopped the fit (or arrived in its last step: the analysis stops before the next run) — under
-    :func:`stopping_between_fits` also when one arrives in its setup or after its teardown."""
+    :func:`stopping_on_signals` also when one arrives in its setup or after its teardown."""
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
     from es_lightning.run_dirs import slurm_leftover
 
-    between_fits(f"setting up the fit of {run}", finished, kept)  # until on_fit_start: the analysis's handlers
+    now_doing(f"setting up the fit of {run}", finished, kept)  # until on_fit_start: the analysis's handlers
     if _BETWEEN is not None:
         _BETWEEN.follow(sigterm.requeue_signal(trainer))  # the fits' requeue signal, between them too
         _BETWEEN.fit_end = f"at the end of the fit of {run}"

@@ -80,7 +80,7 @@ def population_sweep(
 ) -> SweepReport:
     """Fit the ES recipe once per population size and evaluate every result the same way (see the module docstring)."""
     from es_lightning.analysis.evaluate import evaluate_policy, heldout_problems, tasks_as_trained
-    from es_lightning.analysis.runs import between_fits, fit_run, recipe_cli
+    from es_lightning.analysis.runs import fit_run, now_doing, recipe_cli
 
     if not Path(recipe).is_file():
         raise FileNotFoundError(
@@ -109,7 +109,7 @@ def population_sweep(
 
     for n in sizes:
         done = [f"N={r['population_size']}" for r in rows[1:]]
-        between_fits(f"setting up the fit of N={n}", done, kept(done))  # what a signal between fits cuts
+        now_doing(f"setting up the fit of N={n}", done, kept(done))  # what a signal between fits cuts
         args = ["--model.init_args.population_size", str(n)]
         if batch_size is not None:
             args += ["--data.init_args.batch_size", str(batch_size)]
@@ -123,14 +123,14 @@ def population_sweep(
         task = tasks_as_trained([cli.datamodule.task], settings.chat_template, [])[0]  # --eval.chat_template if set
 
         if problems is None:  # the base model, once: same problems and seeds for every row
-            between_fits("preparing the held-out problems", done, kept(done))
+            now_doing("preparing the held-out problems", done, kept(done))
             problems = heldout_problems(task, settings.num_problems, settings.seed, settings.source,
                                         settings.column_mapping)
             if settings.max_new_tokens is None:  # the recipe's own cap
                 settings = replace(settings, max_new_tokens=module.sampling.max_new_tokens)
         evaluate = functools.partial(evaluate_policy, module.policy, task, problems, settings)
         if not rows:
-            between_fits("evaluating the base model", done, kept(done))
+            now_doing("evaluating the base model", done, kept(done))
             rows.append({"population_size": 0, "steps": 0, "reward": float("nan"), "seconds_per_update": float("nan"),
                          "rewards": [], **evaluate()})
         start = time.perf_counter()
@@ -138,14 +138,14 @@ def population_sweep(
         seconds = time.perf_counter() - start
         if trainer.global_step != steps:
             raise RuntimeError(f"N={n}: the fit stopped after {trainer.global_step} of {steps} updates")
-        between_fits(f"evaluating N={n}", done, kept(done))
+        now_doing(f"evaluating N={n}", done, kept(done))
         rewards = recorder.rewards
         row = {"population_size": n, "steps": trainer.global_step,
                "reward": sum(rewards[-reward_window:]) / len(rewards[-reward_window:]),
                "seconds_per_update": seconds / steps, "rewards": rewards, **evaluate()}
         if save_models:
             row["path"] = str(out / "models" / f"N{n}")
-            between_fits(f"saving the model of N={n}", done,
+            now_doing(f"saving the model of N={n}", done,
                          (f"the models of {', '.join(done)} are in {out / 'models'}, " if done else "")
                          + f"{row['path']} may be incomplete, nothing else was written (sweep.json comes once every "
                          "run is done)")
@@ -153,7 +153,7 @@ def population_sweep(
             save_tokenizer(module.policy.tokenizer, row["path"])
         rows.append(row)
         print(f"N={n}: reward {row['reward']:.3f}, pass@1 {row['pass@1']:.3f} ({seconds:.0f}s)", flush=True)
-        between_fits(f"after N={n}", [*done, f"N={n}"], kept([*done, f"N={n}"]))
+        now_doing(f"after N={n}", [*done, f"N={n}"], kept([*done, f"N={n}"]))
         del cli, module, trainer
         gc.collect()
     for row in rows:
@@ -212,15 +212,15 @@ def sweep_command(
     """
     check_out_dir(out_dir)  # before any model loads or fit runs
     from es_lightning.analysis.plots import plot_sweep
-    from es_lightning.analysis.runs import between_fits, stopping_between_fits
+    from es_lightning.analysis.runs import now_doing, stopping_on_signals
 
     start = time.perf_counter()
     out = Path(out_dir)
-    with stopping_between_fits():  # a SIGTERM or SLURM's requeue signal outside the fits, too: one line, 143 / 138
+    with stopping_on_signals():  # a SIGTERM or SLURM's requeue signal outside the fits, too: one line, 143 / 138
         report = population_sweep(recipe=recipe, populations=populations, steps=steps, batch_size=batch_size,
                                   overrides=overrides, settings=eval, reward_window=reward_window, out_dir=out_dir,
                                   save_models=save_models)
-        between_fits("writing the results", ["every run"], (f"the models are in {out / 'models'}; " if save_models else "")
+        now_doing("writing the results", ["every run"], (f"the models are in {out / 'models'}; " if save_models else "")
                      + f"{out / 'sweep.json'}{' and sweep.png' if plot else ''} may be incomplete")
         print(f"\npopulation sweep: {recipe}, {steps} updates per run, final evaluation on {eval.num_problems} held-out "
               f"problems, n={eval.num_samples}, T={eval.temperature} ({time.perf_counter() - start:.0f}s)")
