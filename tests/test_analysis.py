@@ -39,7 +39,7 @@ from es_lightning.analysis.settings import SWEEP_EVAL, EvalSettings, default_ks
 from es_lightning.cli import cli_main, join_list_values
 from es_lightning.generation import SamplingParams
 from es_lightning.policy import load_policy
-from es_lightning.tasks import CountdownTask, get_task
+from es_lightning.tasks import AdditionTask, CountdownTask, get_task
 
 ROOT = Path(__file__).resolve().parents[1]
 BUILTIN = "builtin:countdown-tiny"
@@ -716,6 +716,24 @@ def test_forgetting_of_unchanged_and_of_broken_models(tmp_path, capsys):
     assert (tmp_path / "f2" / "forgetting.png").read_bytes()[:8] == PNG_MAGIC
     with pytest.raises(ValueError, match="contains the training task"):
         forgetting_command(tuned=str(same), base=BUILTIN, tasks=["countdown", "sort"], out_dir=str(tmp_path), **kwargs)
+
+
+class _Doubling(AdditionTask):
+    """A custom task of its own name, named to `analyze forgetting` by its import path."""
+
+    name = "doubling"
+
+
+def test_forgetting_evaluates_a_custom_task_named_by_its_import_path(tmp_path, capsys):
+    """`analyze forgetting --tasks my_package.MyTask`, as the unknown-task message asks: the suite was evaluated by
+    the task's name alone, so a custom task was refused as unknown ("unknown task 'doubling'"), and one that kept a
+    built-in task's name was silently replaced by the built-in task."""
+    cli_main(["analyze", "forgetting", "--tuned", BUILTIN, "--base", BUILTIN, "--tasks", f"{__name__}._Doubling",
+              "--training_task", "countdown", "--eval.num_problems", "2", "--eval.num_samples", "2",
+              "--eval.max_new_tokens", "8", "--progress", "false", "--plot", "false", "--out_dir", str(tmp_path / "f")])
+    data = json.loads((tmp_path / "f" / "forgetting.json").read_text())
+    assert data["suite"] == ["doubling"] and list(data["results"]["tuned"]) == ["countdown", "doubling"]
+    assert any(line.split()[:2] == ["doubling", "held-out"] for line in capsys.readouterr().out.splitlines())
 
 
 def test_forgetting_refuses_a_suite_with_the_training_task_before_loading_a_model(es_checkpoint, tmp_path, capsys):

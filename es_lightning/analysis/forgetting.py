@@ -77,7 +77,7 @@ def forgetting(
     from es_lightning.analysis.checkpoints import LoadedModel
 
     suite, training_task, trained = _suite(tasks, training_task, tuned.spec if isinstance(tuned, LoadedModel) else str(tuned))
-    all_tasks = ([training_task] if trained else []) + suite  # as given: a class path keeps a custom task
+    all_tasks = ([training_task] if trained else []) + list(tasks)  # as given: a class path keeps a custom task
     # --eval.source gives the training task's problems (a file, the hub); the suite's probes stay procedural
     procedural = {name: "procedural" for name in suite} if trained and settings.source != "procedural" else None
     report = evaluate_models([base, tuned], tasks=all_tasks, labels=["base", "tuned"], settings=settings, dtype=dtype,
