@@ -258,35 +258,44 @@ def drift_command(
     check_out_dir(out_dir)  # before any model loads or fit runs
     from es_lightning.analysis.checkpoints import load_model, start_dtype
     from es_lightning.analysis.plots import plot_drift
+    from es_lightning.analysis.runs import now_doing, stopping_on_signals
 
     start = time.perf_counter()
     taus = check_taus(taus)
-    tuned_model = load_model(tuned, dtype=dtype)
-    trained_from = tuned_model.base
-    base = base or _base_of(tuned_model, "drift")
-    base_model = load_model(base, dtype=start_dtype(tuned_model, dtype))
-    # θ₀ too is read from a .ckpt base's masters (a GRPO → ES stage, two checkpoints of one run): its rounded weights
-    # are off its masters by up to half an ulp, as large as the update measured
-    report = parameter_drift(base_model.weights(), tuned_model.weights(), taus)
-    report.tied_embeddings = _has_tied_head(tuned_model.policy.model)
-    report.sources = {"base": base, "tuned": tuned}
-    report.masters = len(tuned_model.masters)
-    print(f"drift of {tuned} from {base} ({time.perf_counter() - start:.0f}s)")
-    tuned_model.say_masters()
-    base_model.say_masters(tuned=False)
-    warn_about_base(tuned, base, trained_from, report.relative_drift)
-    print(report.table())
-    if report.tied_embeddings:
-        print("(input and output embeddings are tied: the LM head is counted under embeddings)")
-    moved = [k for k in report.largest if report.per_kind[k]["update_norm"] > 0]  # not kinds that did not move at all
-    print(f"largest relative drift: {', '.join(moved[:2])}\n" if moved else
-          f"no weight moved: Δθ = 0 everywhere (is {tuned!r} the trained model, and was any update applied?)\n")
-    print(report.sparsity_table())
     out = Path(out_dir)
-    written = [write_json(out / "drift.json", report.to_json())]
-    if plot:
-        overall = [report.overall["sparsity"][str(t)] for t in report.taus]
-        written.append(plot_drift(report.per_kind, report.taus, overall, out / "drift.png"))
+    # a SIGTERM or SLURM's requeue signal while loading (minutes for billions of weights), measuring or writing: one
+    # line, 143 / 138
+    with stopping_on_signals(f"nothing was written to {out} (drift.json comes once the update is measured)",
+                             less=""):
+        now_doing(f"loading {tuned}")
+        tuned_model = load_model(tuned, dtype=dtype)
+        trained_from = tuned_model.base
+        base = base or _base_of(tuned_model, "drift")
+        now_doing(f"loading {base}")
+        base_model = load_model(base, dtype=start_dtype(tuned_model, dtype))
+        # θ₀ too is read from a .ckpt base's masters (a GRPO → ES stage, two checkpoints of one run): its rounded weights
+        # are off its masters by up to half an ulp, as large as the update measured
+        now_doing("measuring the update")
+        report = parameter_drift(base_model.weights(), tuned_model.weights(), taus)
+        report.tied_embeddings = _has_tied_head(tuned_model.policy.model)
+        report.sources = {"base": base, "tuned": tuned}
+        report.masters = len(tuned_model.masters)
+        print(f"drift of {tuned} from {base} ({time.perf_counter() - start:.0f}s)")
+        tuned_model.say_masters()
+        base_model.say_masters(tuned=False)
+        warn_about_base(tuned, base, trained_from, report.relative_drift)
+        print(report.table())
+        if report.tied_embeddings:
+            print("(input and output embeddings are tied: the LM head is counted under embeddings)")
+        moved = [k for k in report.largest if report.per_kind[k]["update_norm"] > 0]  # not kinds that did not move at all
+        print(f"largest relative drift: {', '.join(moved[:2])}\n" if moved else
+              f"no weight moved: Δθ = 0 everywhere (is {tuned!r} the trained model, and was any update applied?)\n")
+        print(report.sparsity_table())
+        now_doing("writing the results", kept=f"{out / 'drift.json'}{' and drift.png' if plot else ''} may be incomplete")
+        written = [write_json(out / "drift.json", report.to_json())]
+        if plot:
+            overall = [report.overall["sparsity"][str(t)] for t in report.taus]
+            written.append(plot_drift(report.per_kind, report.taus, overall, out / "drift.png"))
     print("wrote " + ", ".join(map(str, written)))
     return report
 

@@ -17,19 +17,20 @@ over, and the analysis went on.
 
 The same signals *between* the fits — while the analysis sets up a fit, loads and evaluates a model (Pass@K on held-out
 problems, minutes on a real model) or writes its results — and anywhere in the commands that fit nothing (``eval``,
-``analyze ablation`` / ``forgetting``, which load, evaluate and write) took their default action: the process died
-without a word. Now :func:`stopping_on_signals`, around those commands (``eval``, ``analyze ablation`` / ``forgetting``
-/ ``compare`` / ``sweep``), takes SIGTERM and SLURM's requeue signal (under SLURM Lightning's ``SIGUSR1``, then
-whatever each fit's trainer uses; none once auto-requeue is off) where their action is still the default, and its
-handler raises :class:`AnalysisStopped` at once — an evaluation is cut, not waited for: a scheduler sends SIGKILL some
-30 s after SIGTERM — with the same kind of line, naming what was cut ("while evaluating N=4", "while evaluating tuned
-on countdown", as :func:`now_doing` last said), the runs finished (an analysis with fits) and what is kept; the job is
-never requeued. During a fit the handlers are Lightning's, exactly as without the analysis: at ``on_fit_start``, just
-before Lightning registers its own, the process's previous handlers are put back, so Lightning registers and composes
-what it would anyway; at ``on_train_start`` the analysis's handler becomes what Lightning's teardown restores (a fit's
-setup, which loads the model, is the analysis's). The process's handlers are back when the command ends; a handler the
-process already had (a script's own, or an ignored signal) is never replaced, and the Python functions
-(``evaluate_models``, ``sparsity_ablation``, ``forgetting``, ``compare_methods``, ``population_sweep``) install nothing.
+``analyze ablation`` / ``forgetting`` / ``drift``, which load, evaluate or measure, and write) took their default
+action: the process died without a word. Now :func:`stopping_on_signals`, around those commands (``eval``, ``analyze
+ablation`` / ``forgetting`` / ``drift`` / ``compare`` / ``sweep``), takes SIGTERM and SLURM's requeue signal (under
+SLURM Lightning's ``SIGUSR1``, then whatever each fit's trainer uses; none once auto-requeue is off) where their action
+is still the default, and its handler raises :class:`AnalysisStopped` at once — an evaluation is cut, not waited for: a
+scheduler sends SIGKILL some 30 s after SIGTERM — with the same kind of line, naming what was cut ("while evaluating
+N=4", "while evaluating tuned on countdown", as :func:`now_doing` last said), the runs finished (an analysis with fits)
+and what is kept; the job is never requeued. During a fit the handlers are Lightning's, exactly as without the analysis:
+at ``on_fit_start``, just before Lightning registers its own, the process's previous handlers are put back, so Lightning
+registers and composes what it would anyway; at ``on_train_start`` the analysis's handler becomes what Lightning's
+teardown restores (a fit's setup, which loads the model, is the analysis's). The process's handlers are back when the
+command ends; a handler the process already had (a script's own, or an ignored signal) is never replaced, and the Python
+functions (``evaluate_models``, ``sparsity_ablation``, ``forgetting``, ``parameter_drift``, ``compare_methods``,
+``population_sweep``) install nothing.
 """
 
 from __future__ import annotations
@@ -60,14 +61,14 @@ def _stopped(signum: signal.Signals, requeue: bool, where: str, finished: Sequen
              less: str = "fewer runs") -> AnalysisStopped:
     """The :class:`AnalysisStopped` of ``signum`` (SLURM's requeue signal when ``requeue``), which cut the analysis
     ``where`` ("at step 3 of the fit of N=4", "while evaluating N=4"); ``finished``: the runs done before it (``None``:
-    an analysis without runs says nothing of them); ``less``: what the job could do less of, with its time."""
+    an analysis without runs says nothing of them); ``less``: what the job could do less of, with its time ("": nothing to name)."""
     by = f"SLURM's requeue signal ({signum.name})" if requeue else "SIGTERM"
     done = ("" if finished is None else f"{', '.join(finished)} finished before it (printed above); " if finished
             else "no run finished before it; ")
     line = f"stopped by {by} {where}; {done}{kept}, so the same command starts over"
     if requeue:
         line += ("; the job was not requeued (it would start over and meet the same time limit): give it more time "
-                 f"(#SBATCH --time) or {less} and submit it again")
+                 f"(#SBATCH --time){f' or {less}' if less else ''} and submit it again")
     return AnalysisStopped(line, 128 + int(signum))
 
 
