@@ -126,8 +126,8 @@ _BETWEEN: _Between | None = None  # while stopping_on_signals is on
 
 @contextlib.contextmanager
 def stopping_on_signals(kept: str = "nothing was written", less: str = "fewer runs") -> Iterator[None]:
-    """Around an analysis command (``eval``, ``analyze ablation`` / ``forgetting`` / ``compare`` / ``sweep``): SIGTERM
-    or SLURM's requeue signal outside its fits raises :class:`AnalysisStopped` at once (see the module docstring),
+    """Around an analysis command (``eval``, ``analyze ablation`` / ``forgetting`` / ``drift`` / ``compare`` /
+    ``sweep``): SIGTERM or SLURM's requeue signal outside its fits raises :class:`AnalysisStopped` at once (see the module docstring),
     saying ``kept`` of what is on disk where :func:`now_doing` says nothing else, and ``less`` of what a job out of time
     could do less of ("fewer runs"); the process's handlers are restored at the end. Nothing in a thread other than the
     main one (no handler can be set there), nor when one is on already."""
