@@ -695,36 +695,39 @@ def test_a_signal_in_an_evaluation_without_fits_stops_it_at_once_with_one_line(t
                             settings=EvalSettings(num_problems=2, num_samples=2, max_new_tokens=8))
 
 
-def test_a_signal_while_analyze_drift_measures_stops_it_with_one_line(tmp_path, monkeypatch, capsys):
-    """SLURM's requeue signal (a one-task SLURM job) while `es-lightning analyze drift` loads or measures (minutes for
-    billions of weights): it took its default action and the process ended without a word. Now the command says in
-    one line what was cut and that nothing was written, never requeues, and exits 138. The signal is sent from inside
-    the measurement (the real one runs after it), where nothing handling it would end the test process: then it
-    fails instead."""
+@pytest.mark.parametrize("phase", ["measuring", "writing"])
+def test_a_signal_while_analyze_drift_measures_stops_it_with_one_line(tmp_path, monkeypatch, capsys, phase):
+    """SLURM's requeue signal (a one-task SLURM job) while `es-lightning analyze drift` measures the update (minutes
+    for billions of weights) or writes its results: it took its default action and the process ended without a word.
+    Now the command says in one line what was cut and what is on disk, never requeues, and exits 138. The signal is
+    sent from inside the measurement (or the writing of drift.json; the real one runs after it), where nothing handling
+    it would end the test process: then it fails instead."""
     import signal
 
     from es_lightning.analysis import drift
 
     _one_task_slurm_job(tmp_path, monkeypatch, "82", "drift")
-    measure = drift.parameter_drift
+    name = "parameter_drift" if phase == "measuring" else "write_json"
+    real = getattr(drift, name)
 
     def signalled(*args, **kwargs):
         if signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL:
-            raise AssertionError("nothing handles SIGUSR1 while analyze drift measures")
+            raise AssertionError(f"nothing handles SIGUSR1 while analyze drift is {phase}")
         os.kill(os.getpid(), signal.SIGUSR1)
-        return measure(*args, **kwargs)
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(drift, "parameter_drift", signalled)
+    monkeypatch.setattr(drift, name, signalled)
     out_dir = tmp_path / "out"
     with pytest.raises(SystemExit) as stopped:
         cli_main(["analyze", "drift", "--tuned", "builtin:countdown-tiny", "--base", "builtin:countdown-tiny",
                   "--out_dir", str(out_dir)])
     assert stopped.value.code == 128 + signal.SIGUSR1
     out, err = capsys.readouterr()
-    line = (f"es-lightning analyze drift: stopped by SLURM's requeue signal (SIGUSR1) while measuring the update; "
-            f"nothing was written to {out_dir} (drift.json comes once the update is measured), so the same command "
-            "starts over; the job was not requeued (it would start over and meet the same time limit): give it more "
-            "time (#SBATCH --time) and submit it again")
+    cut = ("measuring the update; nothing was written to {0} (drift.json comes once the update is measured)"
+           if phase == "measuring" else "writing the results; {0}/drift.json and drift.png may be incomplete")
+    line = (f"es-lightning analyze drift: stopped by SLURM's requeue signal (SIGUSR1) while {cut.format(out_dir)}, so "
+            "the same command starts over; the job was not requeued (it would start over and meet the same time "
+            "limit): give it more time (#SBATCH --time) and submit it again")
     assert line in err.splitlines(), err[-3000:]
     assert "wrote" not in out and not list(tmp_path.rglob("drift.json")) and not (tmp_path / "scontrol.log").exists()
     assert signal.getsignal(signal.SIGTERM) == signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL

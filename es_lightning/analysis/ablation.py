@@ -247,7 +247,7 @@ def ablation_command(
     from es_lightning.analysis.checkpoints import load_model, recorded_task, start_dtype, trained_with
     from es_lightning.analysis.evaluate import evaluate_policy, heldout_problems, tasks_as_trained
     from es_lightning.analysis.plots import plot_ablation
-    from es_lightning.analysis.runs import now_doing, stopping_on_signals
+    from es_lightning.analysis.runs import now_doing, now_writing, stopping_on_signals
 
     start = time.perf_counter()
     out = Path(out_dir)
@@ -291,8 +291,8 @@ def ablation_command(
             bar.close()
         report = AblationReport(rows=rows, ks=settings.ks, settings=dict(base=base, tuned=tuned, task=task_obj.name,
                                                                           eval=asdict(settings)))
-        now_doing("writing the results", kept=(f"the ablated models are in {out / 'models'}; " if save_models else "")
-                  + f"{out / 'ablation.json'}{' and ablation.png' if plot else ''} may be incomplete")
+        now_writing(out, ["ablation.json", *(["ablation.png"] if plot else [])],
+                    f"the ablated models are in {out / 'models'}" if save_models else None)
         print(f"sparsity ablation of {tuned} against {base} on {task_obj.name}: {settings.num_problems} problems, "
               f"n={settings.num_samples}, T={settings.temperature} ({time.perf_counter() - start:.0f}s)")
         print(report.table())

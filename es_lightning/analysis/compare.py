@@ -294,7 +294,7 @@ def compare_command(
         method_overrides: further `es-lightning fit` arguments for one method, after overrides, e.g.
             '{"ES": [--model.init_args.population_size, "16"]}'.
     """
-    from es_lightning.analysis.runs import now_doing, stopping_on_signals
+    from es_lightning.analysis.runs import now_writing, stopping_on_signals
 
     check_out_dir(out_dir)  # before any model loads or fit runs
     start = time.perf_counter()
@@ -302,7 +302,7 @@ def compare_command(
     with stopping_on_signals():  # a SIGTERM or SLURM's requeue signal outside the fits, too: one line, 143 / 138
         report = compare_methods(seeds=seeds, steps=steps, methods=methods, recipes_dir=recipes_dir, settings=eval,
                                  out_dir=out_dir, overrides=overrides, budget=budget, method_overrides=method_overrides)
-        now_doing("writing the results", ["every run"], f"{out / 'compare.json'} and compare.md may be incomplete")
+        now_writing(out, ["compare.json", "compare.md"], finished=["every run"])
         each = (f"{steps} updates per method" if budget == "updates"
                 else f"every method trained for {methods[0]}'s time of {steps} updates")
         print(f"\n{len(report.results)} seed(s), {each}, evaluated on {eval.num_problems} held-out "

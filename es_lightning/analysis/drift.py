@@ -258,7 +258,7 @@ def drift_command(
     check_out_dir(out_dir)  # before any model loads or fit runs
     from es_lightning.analysis.checkpoints import load_model, start_dtype
     from es_lightning.analysis.plots import plot_drift
-    from es_lightning.analysis.runs import now_doing, stopping_on_signals
+    from es_lightning.analysis.runs import now_doing, now_writing, stopping_on_signals
 
     start = time.perf_counter()
     taus = check_taus(taus)
@@ -291,7 +291,7 @@ def drift_command(
         print(f"largest relative drift: {', '.join(moved[:2])}\n" if moved else
               f"no weight moved: Δθ = 0 everywhere (is {tuned!r} the trained model, and was any update applied?)\n")
         print(report.sparsity_table())
-        now_doing("writing the results", kept=f"{out / 'drift.json'}{' and drift.png' if plot else ''} may be incomplete")
+        now_writing(out, ["drift.json", *(["drift.png"] if plot else [])])
         written = [write_json(out / "drift.json", report.to_json())]
         if plot:
             overall = [report.overall["sparsity"][str(t)] for t in report.taus]

@@ -400,7 +400,7 @@ def eval_command(
         plot: write pass_at_k.png.
         progress: show a progress bar.
     """
-    from es_lightning.analysis.runs import now_doing, stopping_on_signals
+    from es_lightning.analysis.runs import now_writing, stopping_on_signals
 
     check_out_dir(out_dir)  # before any model loads or fit runs
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -410,8 +410,7 @@ def eval_command(
     with stopping_on_signals(f"nothing was written to {out} (eval.json comes once every model is evaluated)",
                              less="fewer models, tasks or problems"):
         report = evaluate_models(checkpoints, tasks=tasks, labels=labels, settings=eval, dtype=dtype, progress=progress)
-        now_doing("writing the results", kept=(f"{out / 'eval.json'}, eval.md and pass_at_k.png" if plot else
-                                               f"{out / 'eval.json'} and eval.md") + " may be incomplete")
+        now_writing(out, ["eval.json", "eval.md", *(["pass_at_k.png"] if plot else [])])
         s = report.settings
         print(
             f"{s['num_problems']} held-out problems/task, n={s['num_samples']}, T={s['temperature']}, seed={s['seed']} "

@@ -134,7 +134,7 @@ def forgetting_command(
     from es_lightning.analysis.checkpoints import load_model, trained_with
     from es_lightning.analysis.drift import _base_of, warn_about_base
     from es_lightning.analysis.plots import plot_forgetting
-    from es_lightning.analysis.runs import now_doing, stopping_on_signals
+    from es_lightning.analysis.runs import now_doing, now_writing, stopping_on_signals
 
     start = time.perf_counter()
     out = Path(out_dir)
@@ -155,8 +155,7 @@ def forgetting_command(
         report = forgetting(base, tuned_model, tasks=tasks, training_task=training_task, settings=eval, dtype=dtype,
                             progress=progress)
         report.evaluation.sources = {"base": base, "tuned": tuned}
-        now_doing("writing the results", kept=f"{out / 'forgetting.json'}{' and forgetting.png' if plot else ''} may be "
-                  "incomplete")
+        now_writing(out, ["forgetting.json", *(["forgetting.png"] if plot else [])])
         print(f"forgetting of {tuned} (base {base}): {eval.num_problems} held-out problems/task, n={eval.num_samples}, "
               f"T={eval.temperature} ({time.perf_counter() - start:.0f}s)")
         print(report.table())

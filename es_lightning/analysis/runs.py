@@ -159,6 +159,14 @@ def now_doing(doing: str, finished: Sequence[str] | None = None, kept: str | Non
     between.kept = between.default_kept if kept is None else kept
 
 
+def now_writing(out: Path, files: Sequence[str], models: str | None = None, finished: Sequence[str] | None = None) -> None:
+    """:func:`now_doing` "writing the results" of a command: ``files`` (names in ``out``, the first with its path) may
+    be incomplete; ``models``: what is said of the models saved before (they are whole); ``finished``: the runs done."""
+    names = [str(out / files[0]), *files[1:]]
+    written = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+    now_doing("writing the results", finished, f"{f'{models}; ' if models else ''}{written} may be incomplete")
+
+
 class _Signals(L.Callback):
     """SIGTERM and SLURM's requeue signal in an analysis's fit: only noted, and every rank stops after the same step
     (:func:`~es_lightning.callbacks.sigterm.install`, :func:`~es_lightning.callbacks.sigterm.agree`); never requeued

@@ -212,7 +212,7 @@ def sweep_command(
     """
     check_out_dir(out_dir)  # before any model loads or fit runs
     from es_lightning.analysis.plots import plot_sweep
-    from es_lightning.analysis.runs import now_doing, stopping_on_signals
+    from es_lightning.analysis.runs import now_writing, stopping_on_signals
 
     start = time.perf_counter()
     out = Path(out_dir)
@@ -220,8 +220,8 @@ def sweep_command(
         report = population_sweep(recipe=recipe, populations=populations, steps=steps, batch_size=batch_size,
                                   overrides=overrides, settings=eval, reward_window=reward_window, out_dir=out_dir,
                                   save_models=save_models)
-        now_doing("writing the results", ["every run"], (f"the models are in {out / 'models'}; " if save_models else "")
-                     + f"{out / 'sweep.json'}{' and sweep.png' if plot else ''} may be incomplete")
+        now_writing(out, ["sweep.json", *(["sweep.png"] if plot else [])],
+                    f"the models are in {out / 'models'}" if save_models else None, ["every run"])
         print(f"\npopulation sweep: {recipe}, {steps} updates per run, final evaluation on {eval.num_problems} held-out "
               f"problems, n={eval.num_samples}, T={eval.temperature} ({time.perf_counter() - start:.0f}s)")
         print(report.table())
