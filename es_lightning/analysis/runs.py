@@ -83,7 +83,7 @@ class _Between:
         self.where, self.finished, self.kept, self.less = "while setting up", None, kept, less
         self.default_kept = kept
         self.fit_end = "at the end of a fit"  # where a signal after a fit's teardown cuts (fit_run names the run)
-        self.previous: dict[signal.Signals, object] = {}  # the signals taken, and the process's handler of each
+        self.taken: set[signal.Signals] = set()  # the signals taken (only from their default action: SIG_DFL after)
         self.requeue: signal.Signals | None = None
         self.stop: AnalysisStopped | None = None  # raised once; again at the next now_doing if it was swallowed
         self._take(signal.SIGTERM)
@@ -92,17 +92,18 @@ class _Between:
 
     def _take(self, signum: signal.Signals) -> None:
         if signal.getsignal(signum) == signal.SIG_DFL:  # ends the process without a word; any other handler stays
-            self.previous[signum] = signal.SIG_DFL
+            self.taken.add(signum)
             signal.signal(signum, self.handle)
 
     def follow(self, requeue: signal.Signals | None) -> None:
         """Take SLURM's requeue signal as the fits do: ``requeue`` (``None``: auto-requeue off, not under SLURM)."""
         if requeue == self.requeue:
             return
-        if self.requeue is not None and self.requeue in self.previous:
-            signal.signal(self.requeue, self.previous.pop(self.requeue))
+        if self.requeue in self.taken:
+            self.taken.discard(self.requeue)
+            signal.signal(self.requeue, signal.SIG_DFL)
         self.requeue = requeue
-        if requeue is not None and requeue not in self.previous:
+        if requeue is not None and requeue not in self.taken:
             self._take(requeue)
 
     def handle(self, signum, frame) -> None:
@@ -112,13 +113,13 @@ class _Between:
 
     def take(self) -> None:
         """The analysis's handler again (after a fit: Lightning's teardown restored the process's)."""
-        for signum in self.previous:
+        for signum in self.taken:
             signal.signal(signum, self.handle)
 
     def step_aside(self) -> None:
         """The process's own handlers again: before a fit registers Lightning's, and when the analysis ends."""
-        for signum, handler in self.previous.items():
-            signal.signal(signum, handler)
+        for signum in self.taken:
+            signal.signal(signum, signal.SIG_DFL)
 
 
 _BETWEEN: _Between | None = None  # while stopping_on_signals is on
@@ -185,7 +186,7 @@ class _Signals(L.Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         if _BETWEEN is not None:  # Lightning's registered: its teardown puts the analysis's back, not the default
             originals = trainer._signal_connector._original_handlers
-            originals.update({signum: _BETWEEN.handle for signum in _BETWEEN.previous if signum in originals})
+            originals.update({signum: _BETWEEN.handle for signum in _BETWEEN.taken if signum in originals})
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         sigterm.agree(trainer)

@@ -102,10 +102,12 @@ def population_sweep(
     rows: list[dict[str, Any]] = []
     problems = task = None
 
-    def kept(done: list[str]) -> str:  # what is on disk, for the line of a signal that stops the sweep
-        return (f"the models of {', '.join(done)} are in {out / 'models'}, nothing else was written (sweep.json comes "
-                "once every run is done)" if save_models and done else
-                f"nothing was written to {out} (sweep.json comes once every run is done)")
+    def kept(done: list[str], saving: str | None = None) -> str:  # what is on disk, for a signal's line
+        models = f"the models of {', '.join(done)} are in {out / 'models'}" if save_models and done else ""
+        if saving is not None:
+            models = f"{models}, {saving} may be incomplete" if models else f"{saving} may be incomplete"
+        return (f"{models}, nothing else was written" if models else f"nothing was written to {out}") + \
+            " (sweep.json comes once every run is done)"
 
     for n in sizes:
         done = [f"N={r['population_size']}" for r in rows[1:]]
@@ -145,10 +147,7 @@ def population_sweep(
                "seconds_per_update": seconds / steps, "rewards": rewards, **evaluate()}
         if save_models:
             row["path"] = str(out / "models" / f"N{n}")
-            now_doing(f"saving the model of N={n}", done,
-                         (f"the models of {', '.join(done)} are in {out / 'models'}, " if done else "")
-                         + f"{row['path']} may be incomplete, nothing else was written (sweep.json comes once every "
-                         "run is done)")
+            now_doing(f"saving the model of N={n}", done, kept(done, row["path"]))
             module.policy.model.save_pretrained(row["path"])
             save_tokenizer(module.policy.tokenizer, row["path"])
         rows.append(row)
