@@ -39,6 +39,7 @@ from collections.abc import Callable
 from functools import partial
 
 from es_lightning.command import CommandMixin
+from es_lightning.console import say
 from es_lightning.lightning_cli import ESLightningCLI, check_config
 
 __all__ = ["CommandCLI", "ESLightningCLI", "check_config", "cli_main"]  # the LightningCLI lives in lightning_cli (no cycle)
@@ -130,8 +131,7 @@ def run_analysis(args: list[str]):
         close = difflib.get_close_matches(args[1], names, n=1, cutoff=0.6)
         hint = (" — evaluation is its own command: es-lightning eval ..." if args[1] == "eval" else
                 f"; did you mean 'analyze {close[0]}'?" if close else "")
-        print(f"es-lightning analyze: error: unknown analysis {args[1]!r}{hint} (analyses: {', '.join(names)})",
-              file=sys.stderr)
+        say(f"es-lightning analyze: error: unknown analysis {args[1]!r}{hint} (analyses: {', '.join(names)})")
         raise SystemExit(2)
     target = commands.get(args[0])
     if isinstance(target, dict) and len(args) > 1:
@@ -146,14 +146,14 @@ def run_analysis(args: list[str]):
     try:
         return run()
     except AnalysisStopped as stop:  # a SIGTERM or SLURM's requeue signal: what was cut, what is kept
-        print(f"es-lightning {name}: {stop.line}", file=sys.stderr, flush=True)
+        say(f"es-lightning {name}: {stop.line}")
         raise SystemExit(stop.code) from None
     except ConfigError as err:  # a misspelt option, a value of the wrong type: one line, not the usage block
         line = describe_parse_error(str(err), args, options=_command_options(run, args), command=f"es-lightning {name}")
-        print(f"es-lightning {name}: error: {line}", file=sys.stderr)
+        say(f"es-lightning {name}: error: {line}")
         raise SystemExit(2) from err
     except (FileNotFoundError, ValueError) as err:  # bad input (paths, tasks, k > n, τ < 0, ...): the message, no traceback
-        print(f"es-lightning {name}: error: {err}", file=sys.stderr)
+        say(f"es-lightning {name}: error: {err}")
         raise SystemExit(2) from err
 
 

@@ -48,6 +48,7 @@ from typing import Any
 import jsonargparse
 from lightning.pytorch.cli import LightningArgumentParser
 
+from es_lightning.console import say
 from es_lightning.scoring import RewardError
 from es_lightning.signatures import accepted_options
 
@@ -149,8 +150,7 @@ def one_line_errors(prog: str = "es-lightning") -> Iterator[None]:
         if store is not None and rank == 0:
             _post(store, line)
         if store is None or rank == 0 or not _said_by_rank_zero(store, line):
-            sys.stderr.write(f"{prog}: error: {line}\n")
-            sys.stderr.flush()
+            say(f"{prog}: error: {line}")
         if store is not None and rank == 0:
             _wait_for_readers(store, world)
         raise SystemExit(2) from None

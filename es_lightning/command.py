@@ -21,7 +21,6 @@ make the command a user runs (``class CommandCLI(CommandMixin, ESLightningCLI)``
 from __future__ import annotations
 
 import signal
-import sys
 from pathlib import Path
 
 import lightning as L
@@ -135,7 +134,7 @@ def stopped_summary(trainer: L.Trainer, subcommand: str) -> None:
     elif requeued is not None:
         line += (f"; requeueing SLURM job {requeued['job']} failed (scontrol requeue exited {requeued['status']}): "
                  "submit the job again with --ckpt_path last")
-    print(f"es-lightning {subcommand}: {line}", file=sys.stderr, flush=True)
+    console.say(f"es-lightning {subcommand}: {line}")
 
 
 def stopped_status(trainer: L.Trainer) -> int:

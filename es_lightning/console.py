@@ -43,6 +43,17 @@ _QUIET = (
 )
 
 
+def say(line: str, stream=None) -> None:
+    """Write ``line`` and its newline to ``stream`` (stderr by default) in one ``write`` call, then flush. ``print``
+    writes the text and the newline apart, and with unbuffered streams (``python -u``, ``PYTHONUNBUFFERED``, common
+    under SLURM and in containers) each is its own system call: another rank's line sharing the stream could land
+    between them and split both. One call of a line shorter than the pipe's atomic size (4096 bytes on Linux) cannot
+    be split."""
+    stream = sys.stderr if stream is None else stream
+    stream.write(line + "\n")
+    stream.flush()
+
+
 def configure_threads() -> int:
     """One torch thread per process unless ``ES_LIGHTNING_NUM_THREADS`` or ``OMP_NUM_THREADS`` says otherwise."""
     import torch

@@ -54,6 +54,7 @@ from typing import Any
 
 from torch import nn
 
+from es_lightning.console import say
 from es_lightning.es.sharding import is_sharded
 
 
@@ -143,7 +144,7 @@ def destroy_process_group_at_exit() -> None:
                 if close is not None:
                     close()
             except Exception as err:  # one that fails must not keep the group (and the others) alive
-                print(f"es-lightning: closing {close} at exit failed: {err}", file=sys.stderr)
+                say(f"es-lightning: closing {close} at exit failed: {err}")
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -177,7 +178,7 @@ def end_distributed_process(status: int | str | None = 0, error: BaseException |
     if status is None:
         status = 0
     elif not isinstance(status, int):
-        print(status, file=sys.stderr)
+        say(str(status))
         status = 1
     for thread in threading.enumerate():  # what the interpreter's own shutdown waits for first
         if thread is not threading.current_thread() and not thread.daemon:
@@ -261,5 +262,5 @@ if __name__ == "__main__":
     try:
         print(consolidate_checkpoint(sys.argv[1], sys.argv[2]))
     except (OSError, ValueError, RuntimeError) as err:  # bad paths, a broken checkpoint: one line, status 2
-        print(f"python -m es_lightning.distributed: error: {err}", file=sys.stderr)
+        say(f"python -m es_lightning.distributed: error: {err}")
         sys.exit(2)

@@ -542,3 +542,37 @@ def test_a_task_module_that_cannot_be_imported_says_why(tmp_path, monkeypatch):
         line = describe_parse_error(_task_class_error(given, error), argv[:-1] + [given])
         assert all(f in line for f in fragments), line
     monkeypatch.delitem(sys.modules, "raising_mod", raising=False)
+
+
+def test_each_error_line_is_written_in_one_call(monkeypatch):
+    """Under DDP the ranks share one stderr, and with unbuffered streams (`python -u`, PYTHONUNBUFFERED, common under
+    SLURM) `print` writes a line's text and its newline in two system calls, so another rank's line could land between
+    them (CI saw two ranks' lines run together on stdout). Every one-line error of the command — an unknown analysis,
+    a misspelt option, a bad value of an analysis, a fit's refused config — is one write() of the whole line."""
+    import io
+
+    from es_lightning.cli import cli_main
+
+    class Writes(io.StringIO):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def write(self, text):
+            self.calls.append(text)
+            return super().write(text)
+
+    cases = [
+        ["analyze", "nonsense"],
+        ["eval", "--checkpoints", "./no/such.ckpt", "--eval.num_samples", "4", "--eval.ks", "1", "8"],
+        ["analyze", "drift", "--tuned", "x.ckpt", "--tauz", "1"],
+        ["fit", "--config", str(RECIPES / "es.yaml"), "--model.init_args.populaton_size", "4"],
+    ]
+    for argv in cases:
+        stream = Writes()
+        monkeypatch.setattr(sys, "stderr", stream)
+        with pytest.raises(SystemExit) as exit:
+            cli_main(argv)
+        monkeypatch.undo()
+        calls = [text for text in stream.calls if text]
+        assert exit.value.code == 2 and len(calls) == 1 and calls[0].endswith("\n") and "error:" in calls[0], (argv, calls)

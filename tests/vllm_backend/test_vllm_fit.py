@@ -16,6 +16,7 @@ script runs — and checked against the HF backend where the two must agree.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import lightning as L
@@ -347,18 +348,23 @@ def test_qwen_grpo_es_recipe_with_the_vllm_fragment(tmp_path, fit, qwen_like_dir
 
 ENGINE_PROBE = """
 import json
+import os
 import lightning as L
 
 import torch
 from es_lightning.generation import SamplingParams
 from es_lightning.generation.vllm import policy_token_stats
 
+def say(tag, payload):
+    # both ranks share one stdout pipe: one write() per line keeps their lines whole (print may write the text and
+    # its newline apart, and a line of the other rank can land between them)
+    os.write(1, (tag + " " + json.dumps(payload) + "\\n").encode())
+
 class EngineProbe(L.Callback):
     def on_train_end(self, trainer, pl_module):
         gen = pl_module.generator
         config = gen.llm.llm_engine.vllm_config.parallel_config
-        print("ENGINE " + json.dumps([trainer.global_rank, config.distributed_executor_backend, gen.engine_worker.rank,
-                                      trainer.world_size]), flush=True)
+        say("ENGINE", [trainer.global_rank, config.distributed_executor_backend, gen.engine_worker.rank, trainer.world_size])
         # the engine generates from this rank's policy weights (greedy log-probs = the policy's forward), and the
         # ranks' weights agree (a checksum per rank)
         prompts = pl_module.prompts([{"nums": [3, 5, 7], "target": 22}, {"nums": [2, 9, 4], "target": 14}])
@@ -366,12 +372,13 @@ class EngineProbe(L.Callback):
         forward, _ = policy_token_stats(pl_module.model, rollout, 1.0)
         gap = float((rollout.logprobs - forward).abs().max())
         total = sum(float(p.detach().double().sum()) for p in pl_module.model.parameters())
-        print("WEIGHTS " + json.dumps([trainer.global_rank, gap < 1e-5, total]), flush=True)
+        say("WEIGHTS", [trainer.global_rank, gap < 1e-5, total])
 """
 
 
 def _probed(stdout: str, tag: str) -> list:
-    return sorted(json.loads(line[len(tag) + 1:]) for line in stdout.splitlines() if line.startswith(tag + " "))
+    # found anywhere in a line: the other rank's output (a progress bar, a log line without its newline) may precede it
+    return sorted(json.loads(found) for found in re.findall(tag + r" (\[[^\[\]]*\])", stdout))
 
 
 def test_ddp_two_processes_equal_one(tmp_path, fit):
