@@ -142,13 +142,11 @@ class SignalRankAtStep(L.Callback):
 
 
 def say_line(text: str) -> None:
-    """``text`` and its newline on stderr in one write: the ranks of a launch share the stream, and ``print``'s two
-    writes (the text, then the newline) of two ranks interleaved into one line ("...batchesrank 0 ..."). Through
-    ``sys.stderr`` (not fd 2), so an in-process test that redirects it sees the line."""
-    import sys
+    """``text`` on stderr in one write (:func:`es_lightning.console.say`): the ranks of a launch share the stream, and
+    ``print``'s two writes of two ranks interleaved into one line ("...batchesrank 0 ...")."""
+    from es_lightning.console import say
 
-    sys.stderr.write(f"{text}\n")
-    sys.stderr.flush()
+    say(text)
 
 
 class SignalRankInEvaluation(L.Callback):
