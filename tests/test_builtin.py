@@ -385,3 +385,59 @@ def test_pretrain_recipe_parses():
     assert isinstance(cli.model, SFTModule) and isinstance(cli.datamodule, PretrainDataModule)
     assert any(isinstance(c, HFExport) for c in cli.trainer.callbacks)
     assert cli.model.num_parameters < 2_000_000
+
+
+def test_recover_exports_of_a_bf16_qwen_like_export(qwen_like_dir, tmp_path, monkeypatch):
+    """The recovery on what a user's Qwen2.5 run exports: bf16 weights at the real vocabulary size (transformers 5 writes
+    ``dtype`` alone to config.json, save_model adds ``torch_dtype`` after the weights), a chat template, a pad token
+    that is one of the model's EOS ids. A ``.export.tmp-*`` killed with its weights whole before ``torch_dtype`` was
+    added (transformers 4 and older vLLM read it as fp32), newer than the previous export moved aside to
+    ``.export.old-*``, is removed and the previous export put back; a finished bf16 ``.export.tmp-*`` (a kill between
+    the swap's renames) is put in place. Each loads in bf16 with the tokenizer as exported."""
+    from transformers import AutoTokenizer
+
+    from es_lightning import ESModule
+    from es_lightning.builtin.qwen_like import QWEN25_CHAT_TEMPLATE, QWEN_VOCAB_SIZE
+    from es_lightning.callbacks.export import _is_whole_weights, recover_exports
+
+    def policy(seed):
+        module = ESModule(model=qwen_like_dir, task=CountdownTask(use_chat_template=True), dtype="bfloat16")
+        module.configure_model()
+        with torch.no_grad():  # weights of its own: which export came back is told by them
+            module.model.model.norm.weight.add_(seed)
+        return module
+
+    def check_restored(module):
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
+        config = json.loads((target / "config.json").read_text())
+        assert config["dtype"] == config["torch_dtype"] == "bfloat16" and config["vocab_size"] == QWEN_VOCAB_SIZE
+        model = AutoModelForCausalLM.from_pretrained(target)  # transformers 5 reads the file's dtype
+        assert model.dtype == torch.bfloat16 and model.lm_head.weight is model.model.embed_tokens.weight
+        for (name, a), (_, b) in zip(model.named_parameters(), module.model.named_parameters()):
+            assert torch.equal(a, b), name
+        tokenizer = AutoTokenizer.from_pretrained(target)
+        assert tokenizer.chat_template == QWEN25_CHAT_TEMPLATE
+        assert (tokenizer.pad_token, tokenizer.eos_token) == ("<|endoftext|>", "<|im_end|>")
+        assert tokenizer.pad_token_id in model.generation_config.eos_token_id
+        loaded = load_policy(str(target), dtype="auto")
+        assert loaded.model.dtype == torch.bfloat16
+        assert loaded.render_prompts(["3 + 4"], use_chat_template=True) == \
+            module.policy.render_prompts(["3 + 4"], use_chat_template=True)
+
+    target = tmp_path / "export"
+    first, second, third = policy(0), policy(1), policy(2)
+    HFExport(target).export(first)
+    os.replace(target, tmp_path / ".export.old-k3x9")  # the previous export moved aside, as by _swap_in's first rename
+    export_killed(monkeypatch, target, second, "dtype")
+    left = next(p for p in tmp_path.iterdir() if p.name.startswith(".export.tmp-"))
+    config = json.loads((left / "config.json").read_text())
+    assert config["dtype"] == "bfloat16" and "torch_dtype" not in config and _is_whole_weights(left / "model.safetensors")
+    assert (left / "config.json").stat().st_mtime_ns >= (tmp_path / ".export.old-k3x9" / "config.json").stat().st_mtime_ns
+    recover_exports(tmp_path)
+    check_restored(first)
+
+    export_killed(monkeypatch, target, third, "swap")  # the first moved aside, the third finished in .export.tmp-*
+    assert sorted(p.name.split("-")[0] for p in tmp_path.iterdir()) == [".export.old", ".export.tmp"]
+    recover_exports(tmp_path)
+    check_restored(third)
+    assert target.stat().st_mode & 0o777 == 0o755 and {p.stat().st_mode & 0o777 for p in target.iterdir()} == {0o644}
