@@ -625,6 +625,45 @@ def test_a_signal_between_an_analysis_fits_stops_it_at_once_with_one_line(tmp_pa
     assert signal.getsignal(signal.SIGTERM) == signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
 
 
+def test_a_sigterm_while_analyze_sweep_saves_a_model_stops_it_with_one_line(tmp_path, monkeypatch, capsys):
+    """A SIGTERM while `analyze sweep --save_models true` saves the model of its second run (N=8; the weights written,
+    the tokenizer next): the command says in one line that it was cut saving that model, that N=4 finished and its
+    model is whole in models/, that N=8's may be incomplete and nothing else was written, and exits 143; N=4's model
+    loads, no sweep.json. The signal is sent from inside the saving (sweep's save_tokenizer), where nothing handling
+    it would end the test process: then it fails instead."""
+    import signal
+
+    from es_lightning.analysis import sweep
+
+    real, saved = sweep.save_tokenizer, []
+
+    def signalled(tokenizer, path):
+        saved.append(Path(path).name)
+        if len(saved) == 2:
+            if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+                raise AssertionError("nothing handles SIGTERM while analyze sweep saves a model")
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(tokenizer, path)
+
+    monkeypatch.setattr(sweep, "save_tokenizer", signalled)
+    monkeypatch.chdir(tmp_path)
+    out_dir = tmp_path / "out"
+    with pytest.raises(SystemExit) as stopped:
+        cli_main(["analyze", "sweep", "--recipe", str(ROOT / "recipes" / "es.yaml"), "--populations", "[4, 8]",
+                  "--steps", "1", "--batch_size", "2", "--eval.num_problems", "3", "--eval.num_samples", "4",
+                  "--save_models", "true", "--out_dir", str(out_dir), "--overrides", "[--data.init_args.train_size, '16']"])
+    assert stopped.value.code == 143 and saved == ["N4", "N8"]
+    out, err = capsys.readouterr()
+    line = (f"es-lightning analyze sweep: stopped by SIGTERM while saving the model of N=8; N=4 finished before it "
+            f"(printed above); the models of N=4 are in {out_dir / 'models'}, {out_dir / 'models' / 'N8'} may be "
+            "incomplete, nothing else was written (sweep.json comes once every run is done), so the same command starts "
+            "over")
+    assert line in err.splitlines(), err[-3000:]
+    assert "N=4: reward" in out and "N=8: reward" not in out and not list(tmp_path.rglob("sweep.*"))
+    assert load_policy(str(out_dir / "models" / "N4")).tokenizer("c:3 5").input_ids
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
 class _SignalInTheSecondEvaluation(SignalInEvaluation):
     """SIGTERM in the second held-out evaluation: `analyze forgetting`'s tuned model on the training task."""
 
