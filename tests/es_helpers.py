@@ -149,6 +149,32 @@ def say_line(text: str) -> None:
     say(text)
 
 
+class SignalInSetup(L.Callback):
+    """This process gets signal ``signum`` (a name) while an analysis sets up a fit: when this callback is built
+    (``at="init"``: the recipe's command line instantiated, before the fit) or at its ``setup`` hook (``at="setup"``:
+    in ``trainer.fit``, before ``on_fit_start``). Where the signal's action is still the default (nothing handles it)
+    it raises AssertionError instead: the signal would end the test process itself, without a word."""
+
+    def __init__(self, signum: str = "SIGTERM", at: str = "setup") -> None:
+        self.signum, self.at = signum, at
+        if at == "init":
+            self._signal()
+
+    def setup(self, trainer, module, stage):
+        if self.at == "setup":
+            self._signal()
+
+    def _signal(self):
+        import os
+        import signal
+
+        signum = getattr(signal, self.signum)
+        if signal.getsignal(signum) == signal.SIG_DFL:
+            raise AssertionError(f"nothing handles {self.signum} while the fit is set up: its default action would end "
+                                 "the process without a word")
+        os.kill(os.getpid(), signum)
+
+
 class SignalRankInEvaluation(L.Callback):
     """Rank ``rank`` alone gets signal ``signum`` (a name) when ``validate`` / ``test`` batch ``batch`` starts; every
     rank says the evaluation batches it finished on stderr (``rank R stopped after N evaluation batches``)."""

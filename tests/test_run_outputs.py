@@ -664,6 +664,38 @@ def test_a_sigterm_while_analyze_sweep_saves_a_model_stops_it_with_one_line(tmp_
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
 
 
+@pytest.mark.parametrize(("command", "at"), [("compare", "init"), ("compare", "setup"), ("sweep", "init"),
+                                             ("sweep", "setup")])
+def test_a_sigterm_while_an_analysis_sets_up_a_fit_names_that_fit(tmp_path, monkeypatch, capsys, command, at):
+    """A SIGTERM while `analyze compare` or `analyze sweep` sets up its first fit — while the recipe's command line is
+    instantiated ("init"), or in the fit's own setup, before Lightning's handlers ("setup"; `sweep` has evaluated the
+    base model just before) — stops it with one line naming the fit being set up, and status 143."""
+    import signal
+
+    monkeypatch.chdir(tmp_path)
+    out_dir = tmp_path / "out"
+    signal_args = f"--trainer.callbacks+, es_helpers.SignalInSetup, --trainer.callbacks.init_args.at, {at}"
+    if command == "compare":
+        args = ["analyze", "compare", "--seeds", "[0]", "--steps", "2", "--methods", "[ES]", "--recipes_dir",
+                str(ROOT / "recipes"), "--eval.num_problems", "3", "--eval.num_samples", "16",
+                "--overrides", f"[--data.init_args.batch_size, '2', {signal_args}]"]
+        run, written = "ES, seed 0", "compare.json and compare.md come"
+    else:
+        args = ["analyze", "sweep", "--recipe", str(ROOT / "recipes" / "es.yaml"), "--populations", "[4]",
+                "--steps", "1", "--batch_size", "2", "--eval.num_problems", "3", "--eval.num_samples", "4",
+                "--overrides", f"[--data.init_args.train_size, '16', {signal_args}]"]
+        run, written = "N=4", "sweep.json comes"
+    with pytest.raises(SystemExit) as stopped:
+        cli_main([*args, "--out_dir", str(out_dir)])
+    assert stopped.value.code == 143
+    err = capsys.readouterr().err
+    line = (f"es-lightning analyze {command}: stopped by SIGTERM while setting up the fit of {run}; no run finished "
+            f"before it; nothing was written to {out_dir} ({written} once every run is done), so the same command "
+            "starts over")
+    assert line in err.splitlines(), err[-3000:]
+    assert not list(tmp_path.rglob(f"{command}.*")) and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
 class _SignalInTheSecondEvaluation(SignalInEvaluation):
     """SIGTERM in the second held-out evaluation: `analyze forgetting`'s tuned model on the training task."""
 
