@@ -787,6 +787,23 @@ def test_population_sweep_matches_es_lightning_fit(tmp_path, capsys):
         sweep_command(recipe=str(tmp_path / "none.yaml"), out_dir=str(tmp_path))
 
 
+def test_population_sweep_saves_a_bf16_model_that_names_its_dtype_for_transformers_4_and_5(tmp_path):
+    """`analyze sweep --save_models` of a bf16 run wrote each model with transformers 5's `save_pretrained`, whose
+    config.json names the dtype as `dtype` alone: transformers 4 and older vLLM (which read `torch_dtype`) loaded it in
+    fp32. It is written as HFExport's and `analyze ablation`'s models are, with both keys."""
+    from transformers import AutoModelForCausalLM
+
+    report = sweep_command(recipe=str(ROOT / "recipes" / "es.yaml"), populations=[2], steps=1, batch_size=2,
+                           overrides=["--data.init_args.train_size", "16", "--model.init_args.max_new_tokens", "8",
+                                      "--model.init_args.dtype", "bfloat16"],
+                           eval=replace(SWEEP_EVAL, num_problems=2, num_samples=2), save_models=True,
+                           out_dir=str(tmp_path / "sweep"), plot=False)
+    path = Path(report.rows[1]["path"])
+    config = json.loads((path / "config.json").read_text())
+    assert config["dtype"] == config["torch_dtype"] == "bfloat16"
+    assert AutoModelForCausalLM.from_pretrained(path).dtype == torch.bfloat16
+
+
 def test_builtin_evaluate_script_runs_on_the_shared_evaluation(tmp_path):
     from es_lightning.builtin.evaluate import main
 

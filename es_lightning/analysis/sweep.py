@@ -29,7 +29,7 @@ import lightning as L
 
 from es_lightning.analysis.output import check_out_dir, format_table, write_json
 from es_lightning.analysis.settings import SWEEP_EVAL, EvalSettings
-from es_lightning.policy import save_tokenizer
+from es_lightning.policy import save_model, save_tokenizer
 
 DEFAULT_POPULATIONS = (8, 16, 32, 64)
 
@@ -148,7 +148,7 @@ def population_sweep(
         if save_models:
             row["path"] = str(out / "models" / f"N{n}")
             now_doing(f"saving the model of N={n}", done, kept(done, row["path"]))
-            module.policy.model.save_pretrained(row["path"])
+            save_model(module.policy.model, row["path"])  # torch_dtype too: transformers 4 read a bf16 model as fp32
             save_tokenizer(module.policy.tokenizer, row["path"])
         rows.append(row)
         print(f"N={n}: reward {row['reward']:.3f}, pass@1 {row['pass@1']:.3f} ({seconds:.0f}s)", flush=True)
@@ -206,7 +206,7 @@ def sweep_command(
             recipe's max_new_tokens).
         reward_window: the reward column is the mean training reward of the last this many updates.
         out_dir: where sweep.json, sweep.png (and with save_models the final models) go.
-        save_models: write each run's final model (save_pretrained) under out_dir/models/N<n>.
+        save_models: write each run's final model (save_pretrained, both dtype keys) under out_dir/models/N<n>.
         plot: write sweep.png.
     """
     check_out_dir(out_dir)  # before any model loads or fit runs
