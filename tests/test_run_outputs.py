@@ -567,7 +567,7 @@ def test_slurm_requeue_signal_in_an_analysis_fit_stops_it_without_saving_or_requ
     out, err = capsys.readouterr()
     assert "seed 0 GRPO: pass@1" in out and "seed 0 ES:" not in out, out[-3000:]
     assert (f"es-lightning analyze compare: stopped by SLURM's requeue signal (SIGUSR1) at step 2 of the fit of ES, "
-            f"seed 0; GRPO, seed 0 finished before it (printed above); nothing was written to {tmp_path / 'out'} "
+            f"seed 0; GRPO, seed 0 finished (printed above); nothing was written to {tmp_path / 'out'} "
             "(compare.json and compare.md come once every run is done), so the same command starts over; the job was "
             "not requeued (it would start over and meet the same time limit): give it more time (#SBATCH --time) or "
             "fewer runs and submit it again") in err.splitlines(), err[-3000:]
@@ -588,7 +588,7 @@ def test_a_sigterm_in_an_analysis_fit_stops_it_with_one_line_and_status_143(tmp_
                   "--trainer.callbacks.init_args.signum, SIGTERM]"])
     assert stopped.value.code == 143
     err = capsys.readouterr().err
-    assert (f"es-lightning analyze sweep: stopped by SIGTERM at step 2 of the fit of N=4; no run finished before it; "
+    assert (f"es-lightning analyze sweep: stopped by SIGTERM at step 2 of the fit of N=4; no run had finished; "
             f"nothing was written to {tmp_path / 'out'} (sweep.json comes once every run is done), so the same command "
             "starts over") in err.splitlines(), err[-3000:]
     assert not list((tmp_path / "out").rglob("sweep.*"))
@@ -614,7 +614,7 @@ def test_a_signal_between_an_analysis_fits_stops_it_at_once_with_one_line(tmp_pa
     assert stopped.value.code == 128 + getattr(signal, signum)
     out, err = capsys.readouterr()
     by = "SLURM's requeue signal (SIGUSR1)" if signum == "SIGUSR1" else "SIGTERM"
-    line = (f"es-lightning analyze sweep: stopped by {by} while evaluating N=4; no run finished before it; nothing was "
+    line = (f"es-lightning analyze sweep: stopped by {by} while evaluating N=4; no run had finished; nothing was "
             f"written to {tmp_path / 'out'} (sweep.json comes once every run is done), so the same command starts over")
     if signum == "SIGUSR1":
         line += ("; the job was not requeued (it would start over and meet the same time limit): give it more time "
@@ -654,7 +654,7 @@ def test_a_sigterm_while_analyze_sweep_saves_a_model_stops_it_with_one_line(tmp_
                   "--save_models", "true", "--out_dir", str(out_dir), "--overrides", "[--data.init_args.train_size, '16']"])
     assert stopped.value.code == 143 and saved == ["N4", "N8"]
     out, err = capsys.readouterr()
-    line = (f"es-lightning analyze sweep: stopped by SIGTERM while saving the model of N=8; N=4 finished before it "
+    line = (f"es-lightning analyze sweep: stopped by SIGTERM while saving the model of N=8; N=4 finished "
             f"(printed above); the models of N=4 are in {out_dir / 'models'}, {out_dir / 'models' / 'N8'} may be "
             "incomplete, nothing else was written (sweep.json comes once every run is done), so the same command starts "
             "over")
@@ -662,6 +662,36 @@ def test_a_sigterm_while_analyze_sweep_saves_a_model_stops_it_with_one_line(tmp_
     assert "N=4: reward" in out and "N=8: reward" not in out and not list(tmp_path.rglob("sweep.*"))
     assert load_policy(str(out_dir / "models" / "N4")).tokenizer("c:3 5").input_ids
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+def test_a_sigterm_while_analyze_sweep_releases_a_finished_run_says_what_it_was_doing(tmp_path, monkeypatch, capsys):
+    """A SIGTERM in the moment after a sweep's run has been evaluated (its model being released before the next): the
+    line says "while releasing the model of N=4" — it said "while after N=4" — names the run as finished, and exits
+    143. The signal is sent from inside that release (sweep's gc.collect)."""
+    import gc
+    import signal
+
+    from es_lightning.analysis import sweep
+
+    class SignalInCollect:
+        def collect(self, *args):
+            if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+                raise AssertionError("nothing handles SIGTERM while analyze sweep releases a run")
+            os.kill(os.getpid(), signal.SIGTERM)
+            return gc.collect(*args)
+
+    monkeypatch.setattr(sweep, "gc", SignalInCollect())
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stopped:
+        cli_main(["analyze", "sweep", "--recipe", str(ROOT / "recipes" / "es.yaml"), "--populations", "[4, 8]",
+                  "--steps", "1", "--batch_size", "2", "--eval.num_problems", "3", "--eval.num_samples", "4",
+                  "--out_dir", str(tmp_path / "out"), "--overrides", "[--data.init_args.train_size, '16']"])
+    assert stopped.value.code == 143
+    out, err = capsys.readouterr()
+    line = [text for text in err.splitlines() if text.startswith("es-lightning analyze sweep: stopped by SIGTERM")]
+    assert len(line) == 1 and line[0].startswith("es-lightning analyze sweep: stopped by SIGTERM while releasing the "
+                                                 "model of N=4; N=4 finished"), err[-3000:]
+    assert "N=4: reward" in out and "N=8: reward" not in out and not list(tmp_path.rglob("sweep.*"))
 
 
 @pytest.mark.parametrize(("command", "at"), [("compare", "init"), ("compare", "setup"), ("sweep", "init"),
@@ -689,8 +719,8 @@ def test_a_sigterm_while_an_analysis_sets_up_a_fit_names_that_fit(tmp_path, monk
         cli_main([*args, "--out_dir", str(out_dir)])
     assert stopped.value.code == 143
     err = capsys.readouterr().err
-    line = (f"es-lightning analyze {command}: stopped by SIGTERM while setting up the fit of {run}; no run finished "
-            f"before it; nothing was written to {out_dir} ({written} once every run is done), so the same command "
+    line = (f"es-lightning analyze {command}: stopped by SIGTERM while setting up the fit of {run}; no run had "
+            f"finished; nothing was written to {out_dir} ({written} once every run is done), so the same command "
             "starts over")
     assert line in err.splitlines(), err[-3000:]
     assert not list(tmp_path.rglob(f"{command}.*")) and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL

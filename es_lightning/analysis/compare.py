@@ -245,7 +245,7 @@ def compare_methods(
             print(f"seed {seed} {method}: " + _summary(results[int(seed)][method])
                   + f" ({time.perf_counter() - start:.0f}s)", flush=True)
             finished.append(run)
-            now_doing(f"after {run}", finished, kept)
+            now_doing(f"releasing the model of {run}", finished, kept)
             del module
             gc.collect()
     run_settings = dict(seeds=list(seeds), steps=steps, budget=budget, overrides=list(overrides),

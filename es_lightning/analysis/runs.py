@@ -63,8 +63,8 @@ def _stopped(signum: signal.Signals, requeue: bool, where: str, finished: Sequen
     ``where`` ("at step 3 of the fit of N=4", "while evaluating N=4"); ``finished``: the runs done before it (``None``:
     an analysis without runs says nothing of them); ``less``: what the job could do less of, with its time ("": nothing to name)."""
     by = f"SLURM's requeue signal ({signum.name})" if requeue else "SIGTERM"
-    done = ("" if finished is None else f"{', '.join(finished)} finished before it (printed above); " if finished
-            else "no run finished before it; ")
+    done = ("" if finished is None else f"{', '.join(finished)} finished (printed above); " if finished
+            else "no run had finished; ")
     line = f"stopped by {by} {where}; {done}{kept}, so the same command starts over"
     if requeue:
         line += ("; the job was not requeued (it would start over and meet the same time limit): give it more time "

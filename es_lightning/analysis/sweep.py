@@ -152,7 +152,7 @@ def population_sweep(
             save_tokenizer(module.policy.tokenizer, row["path"])
         rows.append(row)
         print(f"N={n}: reward {row['reward']:.3f}, pass@1 {row['pass@1']:.3f} ({seconds:.0f}s)", flush=True)
-        now_doing(f"after N={n}", [*done, f"N={n}"], kept([*done, f"N={n}"]))
+        now_doing(f"releasing the model of N={n}", [*done, f"N={n}"], kept([*done, f"N={n}"]))
         del cli, module, trainer
         gc.collect()
     for row in rows:
