@@ -87,6 +87,41 @@ def test_stage_progress_bar_counts_optimizer_steps_without_v_num(tmp_path):
     assert "v_num" not in bar.get_metrics(trainer, trainer.lightning_module)
 
 
+def test_progress_lines_print_a_modules_line_in_one_write(tmp_path, monkeypatch):
+    """`self.print(...)` of a module under ProgressLines (the command's progress when stdout is a log file, as under
+    SLURM) raised AttributeError (Lightning reads the bar's `is_enabled`, which it lacked); now it prints, in one write
+    (print wrote the text and its newline apart, and with unbuffered streams another rank's line could land between
+    them). sep / end / file are print's."""
+    import io
+
+    from es_lightning.callbacks.progress import ProgressLines
+
+    class Writes(io.StringIO):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def write(self, text):
+            self.calls.append(text)
+            return super().write(text)
+
+    class Printing(_Regression):
+        def training_step(self, batch, batch_idx):
+            self.print("step", batch_idx, sep="=")
+            self.print("to a file", file=errors, end="!\n")
+            return super().training_step(batch, batch_idx)
+
+    out, errors = Writes(), Writes()
+    monkeypatch.setattr(sys, "stdout", out)
+    x = torch.linspace(-1, 1, 8).unsqueeze(1)
+    trainer = L.Trainer(max_steps=2, callbacks=[ProgressLines(every_seconds=1e9)], logger=False, enable_checkpointing=False,
+                        accelerator="cpu", enable_model_summary=False, default_root_dir=tmp_path)
+    trainer.fit(Printing(), DataLoader(TensorDataset(x, 3 * x), batch_size=4))
+    monkeypatch.undo()
+    assert [c for c in out.calls if c.startswith("step=")] == ["step=0\n", "step=1\n"], out.calls
+    assert "\n" not in [c for c in out.calls] and errors.calls == ["to a file!\n"] * 2
+
+
 def test_bad_interval_is_refused():
     with pytest.raises(ValueError, match="every_n_train_steps must be >= 1"):
         RunCheckpoint(every_n_train_steps=0)

@@ -100,15 +100,29 @@ class ProgressLines(ProgressBar):
         self._first_step = 0
         self._stage: str | None = None
 
+    @property
+    def is_enabled(self) -> bool:
+        """Lightning's progress bar property, which ``LightningModule.print`` reads (without it, any ``self.print``
+        under these lines raised AttributeError)."""
+        return self._enabled
+
+    @property
+    def is_disabled(self) -> bool:
+        return not self._enabled
+
     def disable(self) -> None:
         self._enabled = False
 
     def enable(self) -> None:
         self._enabled = True
 
-    def print(self, *args: Any, **kwargs: Any) -> None:
+    def print(self, *args: Any, sep: str | None = " ", end: str | None = "\n", file: Any = None, **kwargs: Any) -> None:
+        """``LightningModule.print``'s text in one write (``print`` writes the text and its newline apart: with
+        unbuffered streams another rank's line could land between them)."""
         if self._enabled:
-            print(*args, **kwargs, flush=True)
+            stream = sys.stdout if file is None else file
+            stream.write((" " if sep is None else sep).join(map(str, args)) + ("\n" if end is None else end))
+            stream.flush()
 
     def _write(self, text: str) -> None:
         if self._enabled and self.trainer.is_global_zero:
