@@ -253,6 +253,8 @@ def explain(exc: BaseException) -> str | None:
         if line:
             return line
         building = any(getattr(x, "raised_while_building", False) for x in chain)
+        if building and isinstance(e, RuntimeError) and (line := _same_state_key(str(e))):
+            return line
         if type(e).__name__ == "MisconfigurationException" or (building and isinstance(e, ValueError)):
             line = _squash(str(e))
             if "No supported gpu backend found" in line:  # a GPU trainer fragment on a machine without one
@@ -260,6 +262,16 @@ def explain(exc: BaseException) -> str | None:
                          " (or --trainer.accelerator cpu; FSDP2 on CPUs: configs/trainer/fsdp2_cpu.yaml)")
             return line
     return None
+
+
+def _same_state_key(message: str) -> str | None:
+    """Lightning's refusal of two callbacks that keep their state under one key, as one line with the fix."""
+    m = re.match(r"Found more than one stateful callback of type `(\w+)`", message)
+    if m is None:
+        return None
+    fix = ("give each its own init_args.prefix (their figures are logged as prefix/pass@k, and kept by it in checkpoints)"
+           if m.group(1) == "PassAtKCallback" else "drop the extra one, or give them settings that tell them apart")
+    return f"trainer.callbacks: two {m.group(1)} callbacks would keep their state under the same name; {fix}"
 
 
 def _relocated(message: str, argv: Sequence[str]) -> str:

@@ -576,3 +576,20 @@ def test_each_error_line_is_written_in_one_call(monkeypatch):
         monkeypatch.undo()
         calls = [text for text in stream.calls if text]
         assert exit.value.code == 2 and len(calls) == 1 and calls[0].endswith("\n") and "error:" in calls[0], (argv, calls)
+
+
+def test_a_second_pass_at_k_evaluation_with_the_same_prefix_is_one_line(capsys):
+    """es.yaml has a PassAtKCallback (prefix val); one more with the same prefix was Lightning's RuntimeError and its
+    traceback ("Found more than one stateful callback ... HINT: The `callback.state_key` must be unique"), which names
+    no setting of ours. Now one line naming the fix; one with its own prefix is accepted (tests/test_callback_cadence.py
+    trains with two)."""
+    from es_lightning.cli import cli_main
+
+    with pytest.raises(SystemExit) as exit:
+        cli_main(["fit", "--config", str(RECIPES / "es.yaml"), "--trainer.max_steps", "0",
+                  "--trainer.callbacks+=es_lightning.PassAtKCallback"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exit.value.code == 2 and err == (
+        "es-lightning: error: trainer.callbacks: two PassAtKCallback callbacks would keep their state under the same "
+        "name; give each its own init_args.prefix (their figures are logged as prefix/pass@k, and kept by it in "
+        "checkpoints)"), err

@@ -50,6 +50,7 @@ class PassAtKCallback(L.Callback):
             differs is said once; set ``data.val_batch_size`` for memory).
         seed: base seed of the evaluation samples.
         prefix: logged names are ``{prefix}/pass@k``, ``{prefix}/maj@k``, ``{prefix}/entropy``, ``{prefix}/reward_mean``.
+            Several evaluations in one fit (a greedy one beside the sampled one) each take their own prefix.
     """
 
     def __init__(
@@ -96,6 +97,14 @@ class PassAtKCallback(L.Callback):
         #: ``[(global_step, {name: value})]`` of every evaluation, for plots and tables
         self.history: list[tuple[int, dict[str, float]]] = []
         self._cadence = StepCadence()
+
+    @property
+    def state_key(self) -> str:
+        """Where a checkpoint keeps this callback's history: one per ``prefix``, so that several evaluations (a greedy
+        one beside the sampled one, say) train and resume together — Lightning refused a second instance at
+        ``Trainer(...)`` ("more than one stateful callback"). The default prefix keeps the class name, the key of
+        checkpoints written before."""
+        return type(self).__qualname__ if self.prefix == "val" else self._generate_state_key(prefix=self.prefix)
 
     # ------------------------------------------------------------------ the shared evaluation
     def _params(self, pl_module) -> SamplingParams:
