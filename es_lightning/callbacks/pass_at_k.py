@@ -184,6 +184,9 @@ class PassAtKCallback(L.Callback):
                 return metrics
         metrics = self.evaluate(trainer, pl_module)
         self.history.append((step, metrics))
+        # what EarlyStopping / ModelCheckpoint(monitor="val/pass@1") read: without a validation loop (limit_val_batches
+        # 0, as the GRPO recipes) these figures went to the loggers alone, and a monitor of them raised or never saved
+        trainer.callback_metrics.update({k: torch.tensor(v) for k, v in metrics.items()})
         if trainer.is_global_zero:  # straight to the loggers: valid in any hook, on_fit_end included
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)

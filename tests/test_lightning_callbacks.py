@@ -1,0 +1,28 @@
+"""Lightning's own callbacks and trainer flags beside the project's modules and callbacks: what a Lightning user adds to
+a fit (EarlyStopping, ModelCheckpoint on a metric, fast_dev_run, ...) does what Lightning says it does."""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+from test_grpo import _data, _module
+
+from es_lightning import PassAtKCallback
+
+
+def test_monitors_see_the_training_time_pass_at_k(tiny_model_dir, tmp_path):
+    """`EarlyStopping(monitor="val/pass@1")` / `ModelCheckpoint(monitor="val/pass@1")` in a fit whose Pass@K comes from
+    `PassAtKCallback(every_n_train_steps=...)` with no validation loop (recipes/grpo.yaml: limit_val_batches 0): the
+    figures went to the loggers alone, so EarlyStopping raised "metric `val/pass@1` which is not available" at the
+    epoch's end and ModelCheckpoint saved no top-k checkpoint (a warning each step)."""
+    top_k = ModelCheckpoint(dirpath=tmp_path / "top", monitor="val/pass@1", mode="max", save_top_k=2,
+                            every_n_train_steps=1, filename="{step}")
+    early = EarlyStopping(monitor="val/pass@1", mode="max", patience=100)
+    trainer = L.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=tmp_path,
+                        callbacks=[PassAtKCallback(num_samples=2, ks=(1,), every_n_train_steps=1), top_k, early])
+    trainer.fit(_module(tiny_model_dir, group_size=2), datamodule=_data())
+    assert "val/pass@1" in trainer.callback_metrics
+    assert len(top_k.best_k_models) == 2 and len(list((tmp_path / "top").iterdir())) == 2, top_k.best_k_models
+    assert torch.isfinite(early.best_score), early.best_score  # it compared the figures (inf: it never saw one)
