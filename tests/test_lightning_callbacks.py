@@ -26,3 +26,18 @@ def test_monitors_see_the_training_time_pass_at_k(tiny_model_dir, tmp_path):
     assert "val/pass@1" in trainer.callback_metrics
     assert len(top_k.best_k_models) == 2 and len(list((tmp_path / "top").iterdir())) == 2, top_k.best_k_models
     assert torch.isfinite(early.best_score), early.best_score  # it compared the figures (inf: it never saw one)
+
+
+def test_fast_dev_run_writes_no_report_and_no_export(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """`fast_dev_run` ("logging and checkpointing is suppressed": no logger, no log directory) wrote TrainingReport's
+    report.json / report.png and HFExport's whole model into the working directory; the table is still printed."""
+    from es_lightning import HFExport, TrainingReport
+
+    monkeypatch.chdir(tmp_path)
+    trainer = L.Trainer(fast_dev_run=True, accelerator="cpu", enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[PassAtKCallback(num_samples=2, ks=(1,)), TrainingReport(), HFExport()])
+    trainer.fit(_module(tiny_model_dir, group_size=2), datamodule=_data())
+    assert trainer.global_step == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == [], list(tmp_path.iterdir())
+    out = capsys.readouterr().out
+    assert "base (step 0)" in out and "final (step 1)" in out and "report: not written (fast_dev_run)" in out, out

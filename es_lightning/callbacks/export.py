@@ -38,6 +38,7 @@ class HFExport(L.Callback):
     zero writes them — the export is the whole model, never a rank's shard. Under single-device and DDP training rank
     zero already holds the whole model. The weights are written in the dtype the model holds (bf16 under
     ``bf16-true``, as Qwen's own checkpoints); fp32 master weights are optimizer state and stay in the checkpoints.
+    Under ``fast_dev_run`` nothing is written, as Lightning writes no checkpoint.
 
     Args:
         dirpath: the directory to (re)write; default ``<log_dir>/export``, inside the run's own directory (e.g.
@@ -68,6 +69,8 @@ class HFExport(L.Callback):
         self._cadence = StepCadence()
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if trainer.fast_dev_run:  # nothing is written (as Lightning's checkpoints): no directory to check or recover
+            return
         if self.dirpath is None:
             self.dirpath = Path(trainer.log_dir or trainer.default_root_dir) / "export"
         refused = None
@@ -88,12 +91,17 @@ class HFExport(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
+        if trainer.fast_dev_run:
+            return
         if self.every_n_train_steps and self._cadence.due(trainer, self.every_n_train_steps):  # GRPO may step past one
             if step != self._last_exported_step:  # with gradient accumulation several batches end on one step
                 self.export(pl_module)
                 self._last_exported_step = step
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.fast_dev_run:  # "logging and checkpointing is suppressed": it wrote a model into the working directory
+            rank_zero_info("HFExport: fast_dev_run, no export written")
+            return
         if trainer.global_step == 0:
             rank_zero_info("HFExport: nothing was trained (step 0), no export written")
             return

@@ -4,7 +4,7 @@ It evaluates the starting weights before the first update, the weights at a :cla
 end of the first stage), and the final weights, all with the run's :class:`PassAtKCallback` settings (same problems,
 same number of samples, same seeds: the rows differ only by the weights). It then prints a side-by-side table and
 writes ``report.json`` and ``report.png`` (Pass@1, Pass@K and token entropy against the step, the switch marked) into
-the trainer's log directory.
+the trainer's log directory (under ``fast_dev_run``, which has none, the table alone).
 """
 
 from __future__ import annotations
@@ -78,9 +78,12 @@ class TrainingReport(L.Callback):
     # ------------------------------------------------------------------ output
     @rank_zero_only
     def _write(self, trainer: L.Trainer) -> None:
+        print("\n" + format_table(self.rows))
+        if trainer.fast_dev_run:  # Lightning's "logging is suppressed": the files landed in the working directory
+            print("report: not written (fast_dev_run)")
+            return
         out = Path(self.dirpath or run_log_dir(trainer))  # not trainer.log_dir: a collective, and only rank 0 is here
         out.mkdir(parents=True, exist_ok=True)
-        print("\n" + format_table(self.rows))
         seq = self._sequential(trainer)
         history = self._evaluator(trainer).history
         payload = {
