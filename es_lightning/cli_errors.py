@@ -260,6 +260,7 @@ def explain(exc: BaseException) -> str | None:
             if "No supported gpu backend found" in line:  # a GPU trainer fragment on a machine without one
                 line += (" — this machine has no GPU that torch can use; on CPUs use --config configs/trainer/cpu.yaml"
                          " (or --trainer.accelerator cpu; FSDP2 on CPUs: configs/trainer/fsdp2_cpu.yaml)")
+            line += next((hint for words, hint in _MANUAL_OPTIMIZATION_HINTS.items() if words in line), "")
             return line
     return None
 
@@ -272,6 +273,19 @@ def _same_state_key(message: str) -> str | None:
     fix = ("give each its own init_args.prefix (their figures are logged as prefix/pass@k, and kept by it in checkpoints)"
            if m.group(1) == "PassAtKCallback" else "drop the extra one, or give them settings that tell them apart")
     return f"trainer.callbacks: two {m.group(1)} callbacks would keep their state under the same name; {fix}"
+
+
+#: Lightning's refusals of trainer flags under manual optimization ("... or switch to automatic optimization", which the
+#: project's modules cannot) → the module options that do the same
+_MANUAL_OPTIMIZATION_HINTS = {
+    "Automatic gradient clipping is not supported for manual optimization": (
+        " — es-lightning's modules optimize manually: GRPO clips the gradient norm itself "
+        "(--model.init_args.max_grad_norm, 1.0 in the recipes); ES takes no gradient, nothing to clip"),
+    "Automatic gradient accumulation is not supported for manual optimization": (
+        " — es-lightning's modules optimize manually: GRPO accumulates gradients over mini-batches of one step's "
+        "completions (--model.init_args.mini_batch_size); ES takes no gradient (more prompts a step: "
+        "--data.init_args.batch_size)"),
+}
 
 
 def _relocated(message: str, argv: Sequence[str]) -> str:

@@ -593,3 +593,21 @@ def test_a_second_pass_at_k_evaluation_with_the_same_prefix_is_one_line(capsys):
         "es-lightning: error: trainer.callbacks: two PassAtKCallback callbacks would keep their state under the same "
         "name; give each its own init_args.prefix (their figures are logged as prefix/pass@k, and kept by it in "
         "checkpoints)"), err
+
+
+@pytest.mark.parametrize("flag, option", [("--trainer.gradient_clip_val", "--model.init_args.max_grad_norm"),
+                                          ("--trainer.accumulate_grad_batches", "--model.init_args.mini_batch_size")])
+def test_a_trainer_flag_manual_optimization_refuses_names_the_modules_option(flag, option, tmp_path, monkeypatch, capsys):
+    """Lightning refuses gradient_clip_val / accumulate_grad_batches under manual optimization with "... or switch to
+    automatic optimization", which the project's modules cannot; the line now names the GRPO option that does it."""
+    from es_lightning.cli import cli_main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit:
+        cli_main(["fit", "--config", str(RECIPES / "grpo.yaml"), flag, "2", "--trainer.max_steps", "1",
+                  "--data.init_args.train_size", "8", "--data.init_args.val_size", "2", "--data.init_args.batch_size", "2"])
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("es-lightning")]  # Lightning: INFO
+    assert exit.value.code == 2 and len(lines) == 1, lines
+    err = lines[0]
+    assert err.startswith("es-lightning: error: ") and "not supported for manual optimization" in err, err
+    assert option in err and "ES takes no gradient" in err, err
