@@ -8,7 +8,7 @@ never ``cli``. ``tests/test_imports.py`` keeps the whole package free of import 
 from __future__ import annotations
 
 import lightning as L
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningCLI
 
 __all__ = ["ESLightningCLI", "check_config"]
@@ -33,6 +33,9 @@ class ESLightningCLI(LightningCLI):
         if trainer.get("enable_checkpointing") is False and isinstance(trainer.get("callbacks"), list):
             # `--trainer.enable_checkpointing false` also turns off a recipe's RunCheckpoint (Lightning would refuse both)
             trainer["callbacks"] = [cb for cb in trainer["callbacks"] if not isinstance(cb, ModelCheckpoint)]
+        if trainer.get("enable_progress_bar") is False and isinstance(trainer.get("callbacks"), list):
+            # the same for `--trainer.enable_progress_bar false` and a recipe's StageProgressBar (grpo_es.yaml)
+            trainer["callbacks"] = [cb for cb in trainer["callbacks"] if not isinstance(cb, ProgressBar)]
         try:
             return super().instantiate_trainer(**kwargs)
         except ValueError as err:  # Lightning's FSDPStrategy refuses CPUs: say what does shard on one

@@ -350,6 +350,17 @@ def test_enable_checkpointing_false_turns_a_recipes_checkpoint_off(tmp_path):
     assert cli.trainer.checkpoint_callback is None
 
 
+def test_enable_progress_bar_false_turns_a_recipes_progress_bar_off(tmp_path):
+    """recipes/grpo_es.yaml lists a StageProgressBar: `--trainer.enable_progress_bar false` was refused by Lightning
+    ("Trainer was configured with `enable_progress_bar=False` but found `StageProgressBar` in callbacks list")."""
+    from lightning.pytorch.callbacks import ProgressBar
+
+    cli = ESLightningCLI(args=["--config", str(ROOT / "recipes" / "grpo_es.yaml"), "--trainer.enable_progress_bar", "false",
+                               "--trainer.default_root_dir", str(tmp_path)], run=False)
+    assert cli.trainer.progress_bar_callback is None
+    assert not any(isinstance(cb, ProgressBar) for cb in cli.trainer.callbacks), cli.trainer.callbacks
+
+
 # ---------------------------------------------------------------------- the command
 def test_help_lists_every_analysis_command_and_no_predict(capsys):
     with pytest.raises(SystemExit) as done:
