@@ -12,6 +12,8 @@ make the command a user runs (``class CommandCLI(CommandMixin, ESLightningCLI)``
   SLURM's requeue signal, which it then saves and requeues (:mod:`es_lightning.callbacks.sigterm`); a
   ``validate`` / ``test`` on either stops every process after the same batch, saying nothing was saved (nor requeued);
 - shows a step bar on a terminal and progress lines in a log (:mod:`es_lightning.console`);
+- ``validate`` runs every validation batch when the recipe turns the validation loop off for its fit
+  (``limit_val_batches: 0`` in the GRPO recipes, whose ``PassAtKCallback`` evaluates during training);
 - after a fit, says where everything went — or that nothing was trained; after a failure, removes the run directory
   it had just created if nothing but its startup files landed there;
 - does not offer ``predict`` (a reasoning module has no prediction loop; ``es-lightning eval`` samples completions and
@@ -176,6 +178,14 @@ class CommandMixin:
         if self.subcommand in ("fit", "validate", "test") and given == "last":
             run_dirs.resolve_last(config, self.subcommand)
             run_dirs.check_ckpt_path(config, fitting=self.subcommand == "fit")  # the run it found: a sharded one too
+        trainer = config.get("trainer")
+        if self.subcommand == "validate" and trainer is not None and trainer.get("limit_val_batches") == 0:
+            # the GRPO recipes turn Lightning's validation loop off for fit (PassAtKCallback evaluates during training):
+            # `validate` ran no batch, said nothing and exited 0
+            trainer["limit_val_batches"] = 1.0
+            if rank_zero_only.rank == 0:
+                console.say("es-lightning validate: trainer.limit_val_batches 0 turns the validation loop off during a "
+                            "fit (PassAtKCallback evaluates); validate runs every validation batch (1.0)")
         if given is not None and str(given) not in ("best", "hpc"):  # each process's own; compared at setup
             self._record.checkpoint = (str(given), run_dirs.checkpoint_identity(config.get("ckpt_path")))
         run_dirs.check_writable(config)

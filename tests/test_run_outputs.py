@@ -362,6 +362,18 @@ def test_enable_progress_bar_false_turns_a_recipes_progress_bar_off(tmp_path):
 
 
 # ---------------------------------------------------------------------- the command
+def test_validate_with_a_grpo_recipe_evaluates(tmp_path, monkeypatch, capsys):
+    """`es-lightning validate --config recipes/grpo.yaml` (README: validate / test with --ckpt_path last evaluate a run's
+    checkpoint) ran no batch — the recipe's `limit_val_batches: 0` turns the loop off during fit — printed nothing and
+    exited 0; it evaluates every validation batch and says why the setting was not taken."""
+    monkeypatch.chdir(tmp_path)
+    cli_main(["validate", "--config", str(ROOT / "recipes" / "grpo.yaml"), "--data.init_args.val_size", "4",
+              "--data.init_args.val_batch_size", "4"])
+    captured = capsys.readouterr()
+    assert "step 0 validation: pass@1" in captured.out, captured.out
+    assert "es-lightning validate: trainer.limit_val_batches 0 turns the validation loop off" in captured.err, captured.err
+
+
 def test_help_lists_every_analysis_command_and_no_predict(capsys):
     with pytest.raises(SystemExit) as done:
         cli_main(["--help"])
