@@ -41,3 +41,30 @@ def test_fast_dev_run_writes_no_report_and_no_export(tiny_model_dir, tmp_path, m
     assert sorted(p.name for p in tmp_path.iterdir()) == [], list(tmp_path.iterdir())
     out = capsys.readouterr().out
     assert "base (step 0)" in out and "final (step 1)" in out and "report: not written (fast_dev_run)" in out, out
+
+
+def test_learning_rate_monitor_logs_weight_decay_of_the_es_optimizer(tiny_model_dir, tmp_path):
+    """`LearningRateMonitor(log_weight_decay=True)` read the ES optimizer's `weight_decay` (every torch optimizer's group
+    has one) and ended an ES fit — or a GRPO→ES fit at the switch — with KeyError: 'weight_decay'. A checkpoint of an
+    older version (groups without it) gets it when loaded."""
+    from lightning.pytorch.callbacks import LearningRateMonitor
+    from lightning.pytorch.loggers import CSVLogger
+
+    from es_lightning import ESModule
+
+    module = ESModule(model=tiny_model_dir, population_size=4, members_per_batch=4, max_new_tokens=8)
+    trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=CSVLogger(tmp_path), enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, log_every_n_steps=1,
+                        enable_checkpointing=False,
+                        callbacks=[PassAtKCallback(num_samples=2, ks=(1,)),
+                                   LearningRateMonitor(log_momentum=True, log_weight_decay=True)])
+    trainer.fit(module, datamodule=_data())
+    assert trainer.global_step == 2
+    header = (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert "lr-ESOptimizer" in header and "lr-ESOptimizer-weight_decay" in header, header
+    optimizer = trainer.optimizers[0]
+    old = optimizer.state_dict()
+    for group in old["param_groups"]:
+        del group["weight_decay"]
+    optimizer.load_state_dict(old)
+    assert all(group["weight_decay"] == 0.0 for group in optimizer.param_groups)

@@ -82,7 +82,9 @@ class ESOptimizer(MasterState, torch.optim.Optimizer):
             raise ValueError(f"update scale must be 'alpha' or 'textbook', got {scale!r}")
         self.names = [n for n, _ in named_params]
         self.master_dtype = master_dtype
-        super().__init__([p for _, p in named_params], dict(lr=lr, sigma=sigma, scale=scale))
+        # weight_decay 0 (ES has none): every torch optimizer's group carries one, and Lightning's LearningRateMonitor
+        # (log_weight_decay=True) read it with a KeyError
+        super().__init__([p for _, p in named_params], dict(lr=lr, sigma=sigma, scale=scale, weight_decay=0.0))
         self._pending: tuple[int, int, Tensor, Tensor] | None = None
         self._noise_cache: dict[tuple[int, str], Tensor] = {}
         self.last_update_norm = 0.0
@@ -112,6 +114,8 @@ class ESOptimizer(MasterState, torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
         self._masters_from_model = False  # the checkpoint's masters are the centre
+        for group in self.param_groups:  # a checkpoint of an older version: its groups had no weight_decay
+            group.setdefault("weight_decay", 0.0)
 
     def _master_pairs(self):
         """Through the shard views, so an FSDP1 parameter's shard segment pairs with its master."""
