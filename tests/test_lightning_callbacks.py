@@ -4,6 +4,7 @@ a fit (EarlyStopping, ModelCheckpoint on a metric, fast_dev_run, ...) does what 
 from __future__ import annotations
 
 import lightning as L
+import pytest
 import torch
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from test_grpo import _data, _module
@@ -68,3 +69,32 @@ def test_learning_rate_monitor_logs_weight_decay_of_the_es_optimizer(tiny_model_
         del group["weight_decay"]
     optimizer.load_state_dict(old)
     assert all(group["weight_decay"] == 0.0 for group in optimizer.param_groups)
+
+
+@pytest.mark.parametrize("flags, batches", [(dict(fast_dev_run=2), 2), (dict(max_steps=2, limit_val_batches=1), 1),
+                                            (dict(max_steps=2, limit_val_batches=0.5), 1)])
+def test_training_time_evaluations_take_the_validation_loops_batches(flags, batches, tiny_model_dir, tmp_path,
+                                                                     monkeypatch):
+    """A limit on the validation loop — `limit_val_batches` (an int or a fraction), or `fast_dev_run=N` (N batches of
+    each loop, a smoke test) — left the training-time evaluations (eval_at_start, TrainingReport's base and final rows)
+    on every validation problem: the report compared a base on all the problems with a validation on some (and under
+    fast_dev_run sampled every problem, minutes on a real model). They take the validation loop's batches."""
+    from es_lightning import TrainingReport
+
+    class Counting(PassAtKCallback):
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            self.sizes = []
+
+        def _update(self, pl_module, examples, batch_idx):
+            self.sizes.append(len(examples))
+            return super()._update(pl_module, examples, batch_idx)
+
+    monkeypatch.chdir(tmp_path)
+    counting = Counting(num_samples=2, ks=(1,), eval_at_start=True)
+    trainer = L.Trainer(accelerator="cpu", enable_progress_bar=False, enable_model_summary=False, logger=False,
+                        enable_checkpointing=False, num_sanity_val_steps=0, val_check_interval=2,
+                        check_val_every_n_epoch=None, callbacks=[counting, TrainingReport(plot=False)], **flags)
+    trainer.fit(_module(tiny_model_dir, group_size=2), datamodule=_data(val_size=6, val_batch_size=2))
+    # the start, then the validation loop after step 2 (the final row reuses it): `batches` batches of 2 problems each
+    assert counting.sizes == [2] * batches * 2, counting.sizes

@@ -42,7 +42,9 @@ class PassAtKCallback(L.Callback):
         every_n_train_steps: also evaluate on the validation problems every this many training steps (0 = only at
             validation runs).
         eval_at_start: evaluate the starting weights before the first training step (logged at step 0).
-        num_problems: evaluate on at most this many validation problems during training (``None`` = all).
+        num_problems: evaluate on at most this many validation problems during training (``None`` = all; a
+            ``trainer.limit_val_batches`` — or ``fast_dev_run=N``, which sets it to N — limits them as it limits the
+            validation loop, except ``0``, which turns the loop off).
         batch_size: problems per generation call of an evaluation outside a fit (``es-lightning eval``, the
             analyses; default 64). Within a fit every evaluation — at start, every N steps, at validation — takes the
             datamodule's validation batches (``val_batch_size``), so that all of them draw the same random numbers
@@ -146,6 +148,7 @@ class PassAtKCallback(L.Callback):
             rank_zero_warn(f"PassAtKCallback(batch_size={self.batch_size}) applies outside a fit: a fit's evaluations "
                            f"take data.val_batch_size={size} (the validation loop's batches, the same random numbers); "
                            "set data.val_batch_size to change it")
+        examples = examples[: _loop_limit(trainer, len(examples), size)]
         mine = examples[trainer.global_rank :: trainer.world_size]
         if trainer.world_size > 1 and getattr(pl_module, "sharded", False):
             # sharded forwards are collectives: every rank makes as many generate calls as the busiest one (rank 0),
@@ -254,6 +257,18 @@ class PassAtKCallback(L.Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.history = list(state_dict.get("history", []))
+
+
+def _loop_limit(trainer: L.Trainer, problems: int, size: int) -> int:
+    """How many of ``problems`` the validation loop evaluates under ``trainer.limit_val_batches`` (``fast_dev_run=N``
+    sets it to N) — on every rank together, its ``DistributedSampler`` striding them — so that a training-time
+    evaluation compares with it. ``0`` turns the loop off (the GRPO recipes: this callback evaluates): no limit."""
+    limit = trainer.limit_val_batches
+    per_rank = math.ceil(math.ceil(problems / trainer.world_size) / size)  # batches each rank's loop would make
+    if not limit or (isinstance(limit, float) and limit >= 1.0):
+        return problems
+    batches = min(per_rank, limit) if isinstance(limit, int) else max(1, int(per_rank * limit))
+    return min(problems, batches * size * trainer.world_size)
 
 
 def _unpadded(trainer: L.Trainer, size: int, batch_idx: int, dataloader_idx: int) -> int:
