@@ -13,7 +13,8 @@ make the command a user runs (``class CommandCLI(CommandMixin, ESLightningCLI)``
   ``validate`` / ``test`` on either stops every process after the same batch, saying nothing was saved (nor requeued);
 - shows a step bar on a terminal and progress lines in a log (:mod:`es_lightning.console`);
 - ``validate`` runs every validation batch when the recipe turns the validation loop off for its fit
-  (``limit_val_batches: 0`` in the GRPO recipes, whose ``PassAtKCallback`` evaluates during training);
+  (``limit_val_batches: 0`` in the GRPO recipes, whose ``PassAtKCallback`` evaluates during training), and says
+  that a ``--trainer.val_check_interval`` given to such a fit runs no validation;
 - after a fit, says where everything went — or that nothing was trained; after a failure, removes the run directory
   it had just created if nothing but its startup files landed there;
 - does not offer ``predict`` (a reasoning module has no prediction loop; ``es-lightning eval`` samples completions and
@@ -186,6 +187,13 @@ class CommandMixin:
             if rank_zero_only.rank == 0:
                 console.say("es-lightning validate: trainer.limit_val_batches 0 turns the validation loop off during a "
                             "fit (PassAtKCallback evaluates); validate runs every validation batch (1.0)")
+        interval = trainer.get("val_check_interval") if trainer is not None else None
+        if (self.subcommand == "fit" and interval is not None and trainer.get("limit_val_batches") == 0
+                and not (isinstance(interval, float) and interval == 1.0) and rank_zero_only.rank == 0):
+            # Lightning says "validation will run after every N batches" and runs none: the GRPO recipes turn it off
+            console.say(f"es-lightning fit: trainer.val_check_interval {interval} runs no validation: "
+                        "trainer.limit_val_batches is 0 (the recipe's PassAtKCallback evaluates every_n_train_steps); "
+                        "add --trainer.limit_val_batches 1.0 to validate on that interval too")
         if given is not None and str(given) not in ("best", "hpc"):  # each process's own; compared at setup
             self._record.checkpoint = (str(given), run_dirs.checkpoint_identity(config.get("ckpt_path")))
         run_dirs.check_writable(config)

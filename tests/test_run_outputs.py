@@ -362,6 +362,19 @@ def test_enable_progress_bar_false_turns_a_recipes_progress_bar_off(tmp_path):
 
 
 # ---------------------------------------------------------------------- the command
+@pytest.mark.parametrize("interval, said", [("2", True), ("1", True), ("1.0", False)])
+def test_a_val_check_interval_the_recipe_turns_off_is_said(interval, said, tmp_path, monkeypatch, capsys):
+    """`--trainer.val_check_interval 2` on recipes/grpo.yaml: Lightning said "validation will run" every 2 batches and
+    ran none (the recipe's `limit_val_batches: 0`); one line says so and how to validate too."""
+    monkeypatch.chdir(tmp_path)
+    cli_main(["fit", "--config", str(ROOT / "recipes" / "grpo.yaml"), "--trainer.val_check_interval", interval,
+              "--trainer.max_steps", "0", "--trainer.logger", "false", "--trainer.enable_checkpointing", "false",
+              "--data.init_args.val_size", "2", "--data.init_args.train_size", "8", "--data.init_args.batch_size", "2"])
+    err = capsys.readouterr().err
+    line = f"es-lightning fit: trainer.val_check_interval {interval} runs no validation: trainer.limit_val_batches is 0"
+    assert (line in err) == said and ("add --trainer.limit_val_batches 1.0" in err) == said, err
+
+
 def test_validate_with_a_grpo_recipe_evaluates(tmp_path, monkeypatch, capsys):
     """`es-lightning validate --config recipes/grpo.yaml` (README: validate / test with --ckpt_path last evaluate a run's
     checkpoint) ran no batch — the recipe's `limit_val_batches: 0` turns the loop off during fit — printed nothing and
