@@ -103,9 +103,14 @@ def choose_progress_bar(callbacks: list) -> None:
     terminal = sys.stdout.isatty()
     bars = [i for i, cb in enumerate(callbacks) if isinstance(cb, ProgressBar)]
     for i in bars:
-        if not terminal and isinstance(callbacks[i], (TQDMProgressBar, RichProgressBar)):
+        given = callbacks[i]
+        if not terminal and isinstance(given, (TQDMProgressBar, RichProgressBar)):
             callbacks[i] = ProgressLines(progress_every_seconds())
-        elif terminal and type(callbacks[i]) in (TQDMProgressBar, RichProgressBar):
-            callbacks[i] = StageProgressBar()
+        elif terminal and type(given) in (TQDMProgressBar, RichProgressBar):  # the bar's own settings carried over
+            callbacks[i] = StageProgressBar(refresh_rate=given.refresh_rate, leave=given._leave)
+        else:
+            continue
+        if not given.is_enabled:  # refresh_rate 0: no progress display wanted (it showed one anyway)
+            callbacks[i].disable()
     if not bars:
         callbacks.append(StageProgressBar() if terminal else ProgressLines(progress_every_seconds()))

@@ -362,6 +362,34 @@ def test_enable_progress_bar_false_turns_a_recipes_progress_bar_off(tmp_path):
 
 
 # ---------------------------------------------------------------------- the command
+@pytest.mark.parametrize("terminal", [True, False])
+def test_a_progress_bar_given_keeps_its_refresh_rate(terminal, tmp_path, monkeypatch):
+    """`--trainer.callbacks+=TQDMProgressBar --trainer.callbacks.refresh_rate 0` (no bar) or `10`: the command swaps
+    Lightning's bars for its own (a step bar on a terminal, lines in a log) and dropped the settings — a bar refreshed
+    every batch, and progress shown where none was asked for. The step bar keeps refresh_rate, leave; 0 stays off."""
+    import io
+
+    from lightning.pytorch.callbacks import TQDMProgressBar
+
+    from es_lightning import console
+    from es_lightning.callbacks.progress import ProgressLines, StageProgressBar
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return terminal
+
+    monkeypatch.setattr(sys, "stdout", Terminal())
+    for rate in (10, 0):
+        cli = ESLightningCLI(args=["--config", str(ROOT / "recipes" / "es.yaml"), "--trainer.default_root_dir", str(tmp_path),
+                                   "--trainer.logger", "false", "--trainer.callbacks+=lightning.pytorch.callbacks.TQDMProgressBar",
+                                   "--trainer.callbacks.refresh_rate", str(rate), "--trainer.callbacks.leave", "true"], run=False)
+        console.choose_progress_bar(cli.trainer.callbacks)  # what the command does with the trainer it builds
+        bar = cli.trainer.progress_bar_callback
+        assert isinstance(bar, StageProgressBar if terminal else ProgressLines), bar
+        assert not isinstance(bar, TQDMProgressBar) or (bar.refresh_rate, bar._leave) == (rate, True), bar.refresh_rate
+        assert bar.is_enabled == (rate != 0), (rate, bar.is_enabled)
+
+
 @pytest.mark.parametrize("interval, said", [("2", True), ("1", True), ("1.0", False)])
 def test_a_val_check_interval_the_recipe_turns_off_is_said(interval, said, tmp_path, monkeypatch, capsys):
     """`--trainer.val_check_interval 2` on recipes/grpo.yaml: Lightning said "validation will run" every 2 batches and
