@@ -558,7 +558,8 @@ class ReasoningDataModule(L.LightningDataModule):
                            + (f" (to continue its stream, resume with its {was})" if was else ""))
 
     def train_dataloader(self) -> DataLoader:
-        """A resumable stream of batches (see :class:`EpochBatches`), positioned at the trainer's batch count."""
+        """A resumable stream of batches (see :class:`EpochBatches`), positioned at the trainer's batch count (at the
+        start every epoch under ``overfit_batches``, which trains on the same first batches)."""
         if not self.splits:
             self.setup()
         trainer = self.trainer
@@ -566,6 +567,8 @@ class ReasoningDataModule(L.LightningDataModule):
         shared = True
         if trainer is not None:
             def start() -> int:  # read when iteration starts: after a resume the count is final only then
+                if trainer.overfit_batches:  # Lightning's overfit_batches: the same first batches every epoch
+                    return 0
                 return trainer.fit_loop.epoch_loop.batch_progress.total.completed
 
             rank, world = trainer.global_rank, trainer.world_size

@@ -98,3 +98,22 @@ def test_training_time_evaluations_take_the_validation_loops_batches(flags, batc
     trainer.fit(_module(tiny_model_dir, group_size=2), datamodule=_data(val_size=6, val_batch_size=2))
     # the start, then the validation loop after step 2 (the final row reuses it): `batches` batches of 2 problems each
     assert counting.sizes == [2] * batches * 2, counting.sizes
+
+
+def test_overfit_batches_trains_on_the_same_batches(tiny_model_dir, tmp_path):
+    """`overfit_batches=1` (Lightning: train on the same first batch every epoch, a debugging habit) trained on a new
+    batch each epoch: the prompt stream went on from the trainer's batch count."""
+
+    class Seen(L.Callback):
+        def __init__(self):
+            self.batches = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.batches.append([example["nums"] for example in batch])
+
+    seen = Seen()
+    trainer = L.Trainer(max_steps=3, overfit_batches=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        default_root_dir=tmp_path, callbacks=[PassAtKCallback(num_samples=2, ks=(1,)), seen])
+    trainer.fit(_module(tiny_model_dir, group_size=2), datamodule=_data())
+    assert len(seen.batches) == 3 and seen.batches[0] == seen.batches[1] == seen.batches[2], seen.batches
