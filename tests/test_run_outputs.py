@@ -362,6 +362,23 @@ def test_enable_progress_bar_false_turns_a_recipes_progress_bar_off(tmp_path):
 
 
 # ---------------------------------------------------------------------- the command
+def test_a_model_checkpoint_every_n_steps_brings_no_pre_optimization_advice(tmp_path, monkeypatch):
+    """`--trainer.callbacks+=ModelCheckpoint --trainer.callbacks.every_n_train_steps 1`: Lightning warned, in 12 lines,
+    to keep the pre-step weights of a `self.layer` in training_step — advice for another kind of module; the weights
+    after the step are the ones to save (RunCheckpoint saves them too). The command leaves it out."""
+    import warnings
+
+    monkeypatch.chdir(tmp_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cli_main(["fit", "--config", str(ROOT / "recipes" / "grpo.yaml"), "--trainer.max_steps", "1",
+                  "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+                  "--trainer.callbacks.every_n_train_steps", "1", "--data.init_args.val_size", "2",
+                  "--data.init_args.train_size", "8", "--data.init_args.batch_size", "2", "--model.init_args.group_size", "2"])
+    assert list((tmp_path / "lightning_logs" / "grpo" / "version_0" / "checkpoints").glob("*step=1.ckpt"))
+    assert not [w for w in caught if "pre-optimization state" in str(w.message)], [str(w.message)[:80] for w in caught]
+
+
 @pytest.mark.parametrize("terminal", [True, False])
 def test_a_progress_bar_given_keeps_its_refresh_rate(terminal, tmp_path, monkeypatch):
     """`--trainer.callbacks+=TQDMProgressBar --trainer.callbacks.refresh_rate 0` (no bar) or `10`: the command swaps
