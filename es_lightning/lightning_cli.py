@@ -36,6 +36,11 @@ class ESLightningCLI(LightningCLI):
         if trainer.get("enable_progress_bar") is False and isinstance(trainer.get("callbacks"), list):
             # the same for `--trainer.enable_progress_bar false` and a recipe's StageProgressBar (grpo_es.yaml)
             trainer["callbacks"] = [cb for cb in trainer["callbacks"] if not isinstance(cb, ProgressBar)]
+        elif isinstance(trainer.get("callbacks"), list):
+            # a bar added on the command line (`--trainer.callbacks+=...RichProgressBar`) beside a recipe's: the last
+            # one given is kept (Lightning refuses two, and a list entry cannot be removed from the command line)
+            bars = [cb for cb in trainer["callbacks"] if isinstance(cb, ProgressBar)]
+            trainer["callbacks"] = [cb for cb in trainer["callbacks"] if not isinstance(cb, ProgressBar) or cb is bars[-1]]
         try:
             return super().instantiate_trainer(**kwargs)
         except ValueError as err:  # Lightning's FSDPStrategy refuses CPUs: say what does shard on one

@@ -350,6 +350,18 @@ def test_enable_checkpointing_false_turns_a_recipes_checkpoint_off(tmp_path):
     assert cli.trainer.checkpoint_callback is None
 
 
+def test_a_progress_bar_added_to_a_recipes_replaces_it(tmp_path):
+    """recipes/grpo_es.yaml lists a StageProgressBar: `--trainer.callbacks+=...TQDMProgressBar` was refused by Lightning
+    ("only one progress bar is supported"), and the recipe's entry cannot be removed from the command line."""
+    from lightning.pytorch.callbacks import ProgressBar, TQDMProgressBar
+
+    cli = ESLightningCLI(args=["--config", str(ROOT / "recipes" / "grpo_es.yaml"), "--trainer.default_root_dir", str(tmp_path),
+                               "--trainer.callbacks+=lightning.pytorch.callbacks.TQDMProgressBar",
+                               "--trainer.callbacks.refresh_rate", "5"], run=False)
+    bars = [cb for cb in cli.trainer.callbacks if isinstance(cb, ProgressBar)]
+    assert len(bars) == 1 and type(bars[0]) is TQDMProgressBar and bars[0].refresh_rate == 5, bars
+
+
 def test_enable_progress_bar_false_turns_a_recipes_progress_bar_off(tmp_path):
     """recipes/grpo_es.yaml lists a StageProgressBar: `--trainer.enable_progress_bar false` was refused by Lightning
     ("Trainer was configured with `enable_progress_bar=False` but found `StageProgressBar` in callbacks list")."""
