@@ -117,3 +117,17 @@ def test_overfit_batches_trains_on_the_same_batches(tiny_model_dir, tmp_path):
                         default_root_dir=tmp_path, callbacks=[PassAtKCallback(num_samples=2, ks=(1,)), seen])
     trainer.fit(_module(tiny_model_dir, group_size=2), datamodule=_data())
     assert len(seen.batches) == 3 and seen.batches[0] == seen.batches[1] == seen.batches[2], seen.batches
+
+
+def test_fast_dev_run_with_several_steps_a_batch_is_not_told_to_change_max_steps(tiny_model_dir, tmp_path):
+    """`fast_dev_run` with GRPO `num_iterations=2`: the module warned "trainer.max_steps=1 is not reachable ... use a
+    max_steps 2 steps apart" — a max_steps the user never set (fast_dev_run runs N batches and sets it itself)."""
+    import warnings
+
+    trainer = L.Trainer(fast_dev_run=True, accelerator="cpu", enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=tmp_path, callbacks=[PassAtKCallback(num_samples=2, ks=(1,))])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(_module(tiny_model_dir, group_size=2, num_iterations=2), datamodule=_data())
+    assert trainer.global_step == 2  # the one batch's two optimizer steps
+    assert not [w for w in caught if "is not reachable" in str(w.message)], [str(w.message) for w in caught]

@@ -519,6 +519,8 @@ class ReasoningModule(L.LightningModule):
         a :class:`~es_lightning.SequentialStrategy` switches to another algorithm before it (that stage ends the fit)."""
         from es_lightning.callbacks.sequential import SequentialStrategy
 
+        if self.trainer.fast_dev_run:  # it runs N batches, whatever steps they make: the max_steps it sets is its own
+            return
         k, step, limit = self.algorithm.steps_per_batch, self.trainer.global_step, self.trainer.max_steps
         switching = any(isinstance(cb, SequentialStrategy) and cb.target != self.algorithm.name and cb.switch_step < limit
                         for cb in self.trainer.callbacks)
