@@ -189,6 +189,15 @@ def test_a_switch_the_fit_never_reaches_is_said(tmp_path, tiny_model_dir):
         trainer.fit(_grpo(tiny_model_dir), _dm())
 
 
+def test_a_switch_a_fast_dev_run_never_reaches_names_fast_dev_run(tmp_path, tiny_model_dir):
+    """Under `fast_dev_run` the max_steps is Lightning's: the line said "raise max_steps", which the user never set."""
+    trainer = L.Trainer(fast_dev_run=True, accelerator="cpu", enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=tmp_path, callbacks=[SequentialStrategy(switch_step=1, es=ES)])
+    with pytest.warns(UserWarning, match=r"never reaches ES; fast_dev_run runs 1 batch\(es\): give --trainer.fast_dev_run "
+                                         r"2 or lower switch_step"):
+        trainer.fit(_grpo(tiny_model_dir), _dm())
+
+
 def test_a_module_already_in_the_second_stage_is_refused(tmp_path, tiny_model_dir):
     module = ESModule(model=tiny_model_dir, max_new_tokens=4, **ES)
     with pytest.raises(TypeError, match="already runs ES"):

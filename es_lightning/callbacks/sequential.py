@@ -109,9 +109,12 @@ class SequentialStrategy(L.Callback):
             get_algorithm(self.target)(copy.deepcopy(self.stage_settings)).check_generation(
                 pl_module.generation_backend, pl_module.generation_options)
         if first.name != self.target and 0 <= trainer.max_steps <= self.switch_step:
+            # under fast_dev_run=N the max_steps is Lightning's (N), not the user's: name the flag to raise
+            fix = (f"fast_dev_run runs {int(trainer.fast_dev_run)} batch(es): give --trainer.fast_dev_run "
+                   f"{self.switch_step // first.steps_per_batch + 1}" if trainer.fast_dev_run else "raise max_steps")
             rank_zero_warn(f"SequentialStrategy: switch_step={self.switch_step} is not below trainer.max_steps="
-                           f"{trainer.max_steps}, so this fit never reaches {self.target.upper()}; raise max_steps or "
-                           f"lower switch_step")
+                           f"{trainer.max_steps}, so this fit never reaches {self.target.upper()}; {fix} or lower "
+                           f"switch_step")
         k = first.steps_per_batch
         if first.name != self.target and self.switch_step % k:
             lower, upper = self.switch_step // k * k, (self.switch_step // k + 1) * k
