@@ -4,6 +4,7 @@ interpreter's teardown runs."""
 
 from __future__ import annotations
 
+import io
 import time
 from pathlib import Path
 
@@ -194,3 +195,16 @@ class SignalRankInEvaluation(L.Callback):
     def on_exception(self, trainer, module, exception):
         loop = trainer.test_loop if trainer.testing else trainer.validate_loop
         say_line(f"rank {trainer.global_rank} stopped after {loop.batch_progress.total.completed} evaluation batches")
+
+
+class Writes(io.StringIO):
+    """A text stream that records each ``write`` call (``calls``): what tells a line written whole from one written in
+    pieces (``print`` writes the text and its newline apart)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[str] = []
+
+    def write(self, text):
+        self.calls.append(text)
+        return super().write(text)

@@ -549,18 +549,9 @@ def test_each_error_line_is_written_in_one_call(monkeypatch):
     SLURM) `print` writes a line's text and its newline in two system calls, so another rank's line could land between
     them (CI saw two ranks' lines run together on stdout). Every one-line error of the command — an unknown analysis,
     a misspelt option, a bad value of an analysis, a fit's refused config — is one write() of the whole line."""
-    import io
+    from es_helpers import Writes
 
     from es_lightning.cli import cli_main
-
-    class Writes(io.StringIO):
-        def __init__(self):
-            super().__init__()
-            self.calls = []
-
-        def write(self, text):
-            self.calls.append(text)
-            return super().write(text)
 
     cases = [
         ["analyze", "nonsense"],

@@ -92,18 +92,9 @@ def test_progress_lines_print_a_modules_line_in_one_write(tmp_path, monkeypatch)
     SLURM) raised AttributeError (Lightning reads the bar's `is_enabled`, which it lacked); now it prints, in one write
     (print wrote the text and its newline apart, and with unbuffered streams another rank's line could land between
     them). sep / end / file are print's."""
-    import io
+    from es_helpers import Writes
 
     from es_lightning.callbacks.progress import ProgressLines
-
-    class Writes(io.StringIO):
-        def __init__(self):
-            super().__init__()
-            self.calls = []
-
-        def write(self, text):
-            self.calls.append(text)
-            return super().write(text)
 
     class Printing(_Regression):
         def training_step(self, batch, batch_idx):
