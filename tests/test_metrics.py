@@ -460,3 +460,43 @@ def test_metrics_sync_across_two_processes(tmp_path):
     for correct in parts[0]["correct"]:
         local.update(correct)
     assert any(not torch.allclose(local.compute()[k], single[k]) for k in local.compute())
+
+
+def test_every_metric_plots_as_torchmetrics_metrics_do():
+    """`metric.plot()` (torchmetrics' API: a result, or a list of results over time, into a matplotlib axis) raised an
+    empty NotImplementedError for every metric of the project. Each now draws a point per figure for one result and a
+    line per figure for a list; the drawn values are the computed ones."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from es_lightning.metrics import MajorityAtK, PassAtK, PopulationDiversity, TokenEntropy
+
+    correct = torch.tensor([[1, 0, 0, 1], [0, 0, 0, 0]], dtype=torch.bool)
+    cases = [
+        (PassAtK([1, 4]), (correct,), (torch.ones(1, 4, dtype=torch.bool),)),
+        (MajorityAtK([1, 4]), ([["1", "2", "2", "1"], ["3", "3", "3", "4"]], correct), ([["5"] * 4], torch.ones(1, 4, dtype=torch.bool))),
+        (TokenEntropy(), (torch.tensor([[0.5, 1.0, 2.0]]), torch.tensor([[1, 1, 0]])), (torch.tensor([[3.0]]),)),
+        (PopulationDiversity(), (torch.tensor([[1, 0], [0, 0], [1, 1]]),), (torch.tensor([[1, 1], [1, 1]]),)),
+    ]
+    for metric, first, second in cases:
+        metric.update(*first)
+        one = metric.compute()
+        metric.update(*second)
+        two = metric.compute()
+        values = one if isinstance(one, dict) else {type(metric).__name__: one}
+        fig, ax = metric.plot(one)
+        drawn = {line.get_label(): line.get_ydata().tolist() for line in ax.get_lines()}
+        assert drawn.keys() == values.keys() or len(values) == 1, (metric, drawn)
+        assert sorted(y for ys in drawn.values() for y in ys) == pytest.approx(sorted(float(v) for v in values.values()))
+        plt.close(fig)
+        fig, axis = plt.subplots()
+        assert metric.plot([one, two], ax=axis)[1] is axis  # drawn into the given axis (torchmetrics returns no figure)
+        series = sorted(line.get_ydata().tolist() for line in axis.get_lines())
+        later = two if isinstance(two, dict) else {type(metric).__name__: two}
+        expected = sorted([float(values[k]), float(later[k])] for k in values)
+        assert len(series) == len(expected) and all(a == pytest.approx(b) for a, b in zip(series, expected)), series
+        plt.close(fig)
+        metric.reset()
+        assert metric.plot()[1] is not None  # nothing seen: NaN figures, still a picture

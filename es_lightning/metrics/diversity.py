@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 from torchmetrics import Metric
 
+from es_lightning.metrics.plotting import Plottable
+
 __all__ = ["PopulationDiversity", "binary_entropy", "js_succ", "population_pass"]
 
 
@@ -84,7 +86,7 @@ def population_pass(success: torch.Tensor, per_prompt: bool = False) -> torch.Te
     return per_prompt_pass if per_prompt else per_prompt_pass.mean()
 
 
-class PopulationDiversity(Metric):
+class PopulationDiversity(Plottable, Metric):
     """Prompt-averaged ``js_succ`` and ``population_pass`` over every ES step seen since the last reset.
 
     ``update(success)`` takes one step's ``[num_members, num_prompts]`` success matrix (the population size may change

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torchmetrics import Metric
 
+from es_lightning.metrics.plotting import Plottable
+
 __all__ = ["TokenEntropy", "token_entropy"]
 
 
@@ -65,7 +67,7 @@ def _validate_mask(mask: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     return mask if mask.dtype == torch.bool else mask != 0
 
 
-class TokenEntropy(Metric):
+class TokenEntropy(Plottable, Metric):
     """Token-weighted mean entropy (nats) of the policy over generated tokens, synced as sums across processes.
 
     The entropy is the policy's next-token distribution's at the sampling temperature (T = 1 for a greedy evaluation,
@@ -86,6 +88,7 @@ class TokenEntropy(Metric):
     is_differentiable = False
     higher_is_better = None
     full_state_update = False
+    plot_lower_bound = 0.0
 
     entropy_sum: torch.Tensor
     num_tokens: torch.Tensor

@@ -33,6 +33,7 @@ import torch
 from torchmetrics import Metric
 
 from es_lightning.metrics.pass_at_k import _check_k_le_n, _validate_correctness, _validate_ks
+from es_lightning.metrics.plotting import Plottable
 
 __all__ = ["MajorityAtK", "majority_vote_correct"]
 
@@ -52,7 +53,7 @@ def majority_vote_correct(answers: Sequence[Hashable | None], correct: Sequence[
     return bool(correct[list(answers).index(winner)])
 
 
-class MajorityAtK(Metric):
+class MajorityAtK(Plottable, Metric):
     """Maj@k averaged over problems (self-consistency, Wang et al. 2023), with sum states that sync across processes.
 
     ``update(answers, correct)``: ``answers`` is a list with one entry per problem, each a list of the ``n`` votes
@@ -68,6 +69,8 @@ class MajorityAtK(Metric):
     is_differentiable = False
     higher_is_better = True
     full_state_update = False
+    plot_lower_bound = 0.0
+    plot_upper_bound = 1.0
 
     maj_at_k_sum: torch.Tensor
     num_problems: torch.Tensor

@@ -22,6 +22,8 @@ from collections.abc import Iterable, Sequence
 import torch
 from torchmetrics import Metric
 
+from es_lightning.metrics.plotting import Plottable
+
 __all__ = ["PassAtK", "pass_at_k"]
 
 
@@ -119,7 +121,7 @@ def _validate_correctness(correct: torch.Tensor, name: str = "correct") -> torch
     return correct.bool()
 
 
-class PassAtK(Metric):
+class PassAtK(Plottable, Metric):
     """Pass@k averaged over problems, with the unbiased estimator of Chen et al. 2021 (eq. 1).
 
     Each ``update`` takes the verifier's correctness matrix ``[num_problems, n]``; the per-problem estimate depends only
@@ -141,6 +143,8 @@ class PassAtK(Metric):
     is_differentiable = False
     higher_is_better = True
     full_state_update = False
+    plot_lower_bound = 0.0
+    plot_upper_bound = 1.0
 
     pass_at_k_sum: torch.Tensor
     num_problems: torch.Tensor
