@@ -91,7 +91,7 @@ def fit_summary(trainer: L.Trainer, start: int | None, log_dir: str | None) -> N
             step, metrics = history[-1]
             lines.append(format_table([("last evaluation", step, metrics)]))
     if log_dir is not None:
-        root = Path(log_dir)
+        root = Path(log_dir).expanduser()  # a logger's save_dir "~/runs" (Lightning's paths keep the "~")
         found = [name for name in ("config.yaml", "metrics.csv", "report.json", "report.png", "export") if (root / name).exists()]
         lines.append(f"run directory: {root}/ ({', '.join(found)})")
     checkpoint = trainer.checkpoint_callback

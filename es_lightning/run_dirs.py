@@ -369,7 +369,7 @@ def remove_if_empty(log_dir: str | os.PathLike | None, existed_before: bool) -> 
     files (no checkpoint, no metrics row)."""
     if log_dir is None or existed_before or not _is_global_zero():
         return
-    path = Path(log_dir)
+    path = Path(log_dir).expanduser()
     if not path.is_dir():
         return
     for f in path.rglob("*"):

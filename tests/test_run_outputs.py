@@ -1159,3 +1159,35 @@ def test_slurm_leftover_hpc_checkpoint_is_refused_not_resumed_silently(tmp_path,
     cli_main(["fit", *args, "--trainer.max_steps", "2", "--ckpt_path", str(leftover)])  # explicitly: resumed
     assert torch.load(tmp_path / "es" / "version_1" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 2
     assert str(leftover) in (tmp_path / "es" / "version_1" / "config.yaml").read_text()
+
+
+# ---------------------------------------------------------------------- a user's logger and output-directory habits
+def _tiny_fit(recipe: str = "es.yaml") -> list[str]:
+    """The command's arguments for a fit of ``recipe`` on the built-in model in seconds."""
+    sizes = (["--model.init_args.population_size", "4", "--model.init_args.members_per_batch", "4"] if recipe == "es.yaml"
+             else ["--model.init_args.group_size", "2"])
+    return ["fit", "--config", str(ROOT / "recipes" / recipe), *sizes, "--data.init_args.batch_size", "2",
+            "--data.init_args.train_size", "16", "--data.init_args.val_size", "4", "--data.init_args.test_size", "4",
+            "--data.init_args.val_batch_size", "4", "--trainer.enable_progress_bar", "false"]
+
+
+def test_a_save_dir_in_the_home_directory_keeps_the_run_there_and_resumes(tmp_path, monkeypatch, capsys):
+    """`--trainer.logger.init_args.save_dir ~/runs`: Lightning's paths keep the "~" (its fsspec writes expand it), so
+    RunCheckpoint's rename failed (FileNotFoundError) after the first save, and the report and export went to a
+    directory named "~" in the working directory."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    args = [*_tiny_fit(), "--trainer.logger.init_args.save_dir", "~/runs", "--trainer.callbacks+=es_lightning.HFExport"]
+    cli_main([*args, "--trainer.max_steps", "1"])
+    run = home / "runs" / "es" / "version_0"
+    assert {p.name for p in run.iterdir()} >= {"config.yaml", "metrics.csv", "checkpoints", "report.json", "export"}
+    assert (run / "checkpoints" / "last.ckpt").is_file() and not list(work.iterdir())
+    out = capsys.readouterr().out
+    assert f"run directory: {run}/ (config.yaml, metrics.csv, report.json, report.png, export)" in out, out[-1500:]
+    assert f"last checkpoint: {run / 'checkpoints' / 'last.ckpt'}" in out
+    cli_main([*args, "--trainer.max_steps", "2", "--ckpt_path", "last"])
+    resumed = home / "runs" / "es" / "version_1"
+    assert torch.load(resumed / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 2
+    assert (resumed / "export" / "config.json").is_file() and not list(work.iterdir())

@@ -218,6 +218,10 @@ class RunCheckpoint(ModelCheckpoint):
     # ------------------------------------------------------------------ when
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
+        if self.dirpath is not None and "://" not in str(self.dirpath):
+            # a logger's save_dir "~/runs": Lightning's default dirpath keeps the "~", which its fsspec saves expand and
+            # os.replace does not (FileNotFoundError at the first save)
+            self.dirpath = os.path.expanduser(self.dirpath)
         sigterm.install(trainer, stage)  # SIGTERM (several processes), SLURM requeue: all stop after the same step
         if trainer.is_global_zero and self.dirpath is not None:
             recover(self.dirpath)

@@ -57,7 +57,7 @@ class HFExport(L.Callback):
     ) -> None:
         if every_n_train_steps is not None and every_n_train_steps < 1:
             raise ValueError(f"every_n_train_steps must be a positive integer or None, got {every_n_train_steps}")
-        self.dirpath = Path(dirpath) if dirpath is not None else None
+        self.dirpath = Path(dirpath).expanduser() if dirpath is not None else None
         self.every_n_train_steps = every_n_train_steps
         self.keep_files = (keep_files,) if isinstance(keep_files, (str, os.PathLike)) else tuple(keep_files)
         for name in self.keep_files:  # a path would be read (and written) outside the export: SameFileError at the end
@@ -72,7 +72,7 @@ class HFExport(L.Callback):
         if trainer.fast_dev_run:  # nothing is written (as Lightning's checkpoints): no directory to check or recover
             return
         if self.dirpath is None:
-            self.dirpath = Path(trainer.log_dir or trainer.default_root_dir) / "export"
+            self.dirpath = Path(trainer.log_dir or trainer.default_root_dir).expanduser() / "export"  # save_dir "~/runs"
         refused = None
         if trainer.is_global_zero:  # an export a kill interrupted in this directory (a resume writes here again)
             try:

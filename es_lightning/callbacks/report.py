@@ -82,7 +82,7 @@ class TrainingReport(L.Callback):
         if trainer.fast_dev_run:  # Lightning's "logging is suppressed": the files landed in the working directory
             print("report: not written (fast_dev_run)")
             return
-        out = Path(self.dirpath or run_log_dir(trainer))  # not trainer.log_dir: a collective, and only rank 0 is here
+        out = Path(self.dirpath or run_log_dir(trainer)).expanduser()  # not trainer.log_dir: a collective (rank 0 only)
         out.mkdir(parents=True, exist_ok=True)
         seq = self._sequential(trainer)
         history = self._evaluator(trainer).history
