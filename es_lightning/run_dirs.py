@@ -52,7 +52,8 @@ def _is_global_zero() -> bool:
 
 
 def run_root(config: Any) -> Path | None:
-    """``<save_dir>/<name>`` of the first logger (where the recipe's run directories are), or ``None``."""
+    """``<save_dir>/<name>`` of the first logger (where the recipe's run directories are), or ``None``; without a
+    logger (``logger: false``) the directory whose ``checkpoints/`` the one run writes: ``trainer.default_root_dir``."""
     trainer = _get(config, "trainer")
     loggers = _loggers(trainer)
     if loggers:
@@ -61,13 +62,20 @@ def run_root(config: Any) -> Path | None:
         if save_dir is None:
             return None
         return Path(os.path.expanduser(str(save_dir))) / ("" if name in (None, "") else str(name))
+    root = Path(os.path.expanduser(str(_get(trainer, "default_root_dir") or os.getcwd())))
     if _get(trainer, "logger") is False:
-        return Path(_get(trainer, "default_root_dir") or os.getcwd())
+        return root
     return None
 
 
-def find_last_checkpoint(root: Path) -> Path | None:
-    """The most recently written ``last.ckpt`` of any run under ``root`` (a kill's leftovers are repaired first).
+def _without_logger(config: Any) -> bool:
+    """``trainer.logger: false``: the run's checkpoints are ``<default_root_dir>/checkpoints``, no run directories."""
+    return _get(_get(config, "trainer"), "logger") is False
+
+
+def find_last_checkpoint(root: Path, runs: bool = True) -> Path | None:
+    """The most recently written ``last.ckpt`` of any run under ``root`` (``root/*/checkpoints``; with ``runs`` false,
+    ``root/checkpoints`` of a fit without a logger), a kill's leftovers repaired first.
 
     Every process of a multi-process launch (``torchrun``, ``srun``) looks on its own, before any process group exists,
     while rank 0 repairs: a ``.last.ckpt.old`` whose ``last.ckpt`` is missing (a kill between the two renames of a
@@ -77,7 +85,12 @@ def find_last_checkpoint(root: Path) -> Path | None:
     (:func:`~es_lightning.callbacks.export.check_exports_recoverable`): none goes on to wait for rank 0."""
     if not root.is_dir():
         return None
-    dirs = [d for d in root.glob("*/checkpoints") if d.is_dir()] + ([root / "checkpoints"] if (root / "checkpoints").is_dir() else [])
+    # one level only: with a logger, <save_dir>/<name>/<version>/checkpoints; without one, <default_root_dir>/checkpoints,
+    # and the subdirectories there are other runs' (another recipe's default_root_dir inside this one)
+    if runs:
+        dirs = [d for d in root.glob("*/checkpoints") if d.is_dir()]
+    else:
+        dirs = [root / "checkpoints"] if (root / "checkpoints").is_dir() else []
     for d in dirs:
         if _is_global_zero():
             recover(d)
@@ -203,12 +216,14 @@ def resolve_last(config: Any, subcommand: str = "fit") -> None:
     root = run_root(config)
     if root is None:
         return  # another logger layout: Lightning's own "last" (the run's checkpoint directory)
-    found = find_last_checkpoint(root)
+    runs = not _without_logger(config)
+    found = find_last_checkpoint(root, runs=runs)
+    where = root / ("*" if runs else "") / "checkpoints"
     if found is None and subcommand != "fit":
-        raise UserError(f"--ckpt_path last: no last.ckpt under {root}/*/checkpoints, so there is nothing to {subcommand}; "
+        raise UserError(f"--ckpt_path last: no last.ckpt under {where}, so there is nothing to {subcommand}; "
                         "fit the recipe first, or pass --ckpt_path <file> (a checkpoint a fit wrote)")
     if found is None:
-        rank_zero_info(f"--ckpt_path last: no last.ckpt under {root}/*/checkpoints yet: starting a new run")
+        rank_zero_info(f"--ckpt_path last: no last.ckpt under {where} yet: starting a new run")
         config.ckpt_path = None
     else:
         rank_zero_info(f"--ckpt_path last: {'resuming from' if subcommand == 'fit' else 'evaluating'} {found}")

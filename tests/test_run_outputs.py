@@ -1191,3 +1191,21 @@ def test_a_save_dir_in_the_home_directory_keeps_the_run_there_and_resumes(tmp_pa
     resumed = home / "runs" / "es" / "version_1"
     assert torch.load(resumed / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 2
     assert (resumed / "export" / "config.json").is_file() and not list(work.iterdir())
+
+
+def test_ckpt_path_last_without_a_logger_resumes_this_directorys_run_not_a_subdirectorys(tmp_path, monkeypatch, capsys):
+    """`--trainer.logger false` writes `<default_root_dir>/checkpoints/last.ckpt`; `--ckpt_path last` also looked in
+    `<default_root_dir>/*/checkpoints` and resumed another recipe's fit whose default_root_dir lies inside it."""
+    monkeypatch.chdir(tmp_path)
+    cli_main([*_tiny_fit("es.yaml"), "--trainer.logger", "false", "--trainer.max_steps", "1",
+              "--trainer.default_root_dir", "elsewhere"])
+    assert (tmp_path / "elsewhere" / "checkpoints" / "last.ckpt").is_file()
+    capsys.readouterr()
+    grpo = [*_tiny_fit("grpo.yaml"), "--trainer.logger", "false", "--ckpt_path", "last"]
+    cli_main([*grpo, "--trainer.max_steps", "1"])  # a new run: it resumed the ES fit at step 1 and trained nothing
+    assert "nothing was trained" not in capsys.readouterr().out
+    state = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)
+    assert state["global_step"] == 1 and "group_size" in state["hyper_parameters"]
+    cli_main([*grpo, "--trainer.max_steps", "2"])  # its own run resumed
+    assert torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 2
+    assert torch.load(tmp_path / "elsewhere" / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 1
