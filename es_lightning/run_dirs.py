@@ -52,8 +52,9 @@ def _is_global_zero() -> bool:
 
 
 def run_root(config: Any) -> Path | None:
-    """``<save_dir>/<name>`` of the first logger (where the recipe's run directories are), or ``None``; without a
-    logger (``logger: false``) the directory whose ``checkpoints/`` the one run writes: ``trainer.default_root_dir``."""
+    """``<save_dir>/<name>`` of the first logger (where the recipe's run directories are; Lightning's default logger's,
+    ``<default_root_dir>/lightning_logs``, for ``logger: true`` or null), or ``None``; without a logger
+    (``logger: false``) the directory whose ``checkpoints/`` the one run writes: ``trainer.default_root_dir``."""
     trainer = _get(config, "trainer")
     loggers = _loggers(trainer)
     if loggers:
@@ -65,7 +66,8 @@ def run_root(config: Any) -> Path | None:
     root = Path(os.path.expanduser(str(_get(trainer, "default_root_dir") or os.getcwd())))
     if _get(trainer, "logger") is False:
         return root
-    return None
+    # `logger: true` or null: Lightning's default logger, <default_root_dir>/lightning_logs/version_N
+    return root / "lightning_logs"
 
 
 def _without_logger(config: Any) -> bool:

@@ -12,6 +12,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+import yaml
 from es_helpers import SignalInEvaluation
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -1209,3 +1210,22 @@ def test_ckpt_path_last_without_a_logger_resumes_this_directorys_run_not_a_subdi
     cli_main([*grpo, "--trainer.max_steps", "2"])  # its own run resumed
     assert torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 2
     assert torch.load(tmp_path / "elsewhere" / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 1
+
+
+@pytest.mark.parametrize("logger", ["true", "null"])
+def test_ckpt_path_last_with_lightnings_default_logger_resumes_the_newest_run(logger, tmp_path, monkeypatch, capsys):
+    """`--trainer.logger true` (or null: Lightning's default logger, `<default_root_dir>/lightning_logs/version_N`):
+    `--ckpt_path last` was left to Lightning, which looks only in the new run's empty directory, so the fit started
+    over from step 0 (a warning among the startup lines) though the closing line had said it resumes."""
+    pytest.importorskip("tensorboard")
+    monkeypatch.chdir(tmp_path)
+    args = [*_tiny_fit(), "--trainer.logger", logger, "--trainer.default_root_dir", "out", "--ckpt_path", "last"]
+    cli_main([*args, "--trainer.max_steps", "1"])
+    runs = tmp_path / "out" / "lightning_logs"
+    assert "resume: add --ckpt_path last to the same command" in capsys.readouterr().out
+    for steps in (2, 3):  # resumed, and the resumed run resumed
+        cli_main([*args, "--trainer.max_steps", str(steps)])
+        run = runs / f"version_{steps - 1}"
+        assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == steps
+        started = yaml.safe_load((run / "config.yaml").read_text())["ckpt_path"]  # the checkpoint it started from
+        assert started == f"out/lightning_logs/version_{steps - 2}/checkpoints/last.ckpt", started
