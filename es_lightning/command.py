@@ -28,6 +28,7 @@ from pathlib import Path
 
 import lightning as L
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -149,6 +150,22 @@ def stopped_status(trainer: L.Trainer) -> int:
     return SIGTERM_STATUS if cut is None else 128 + int(cut)
 
 
+def _say_metrics_replaced(trainer: L.Trainer, subcommand: str) -> None:
+    """One line when a CSV logger reopens a directory holding a previous run's ``metrics.csv`` (a ``version`` given,
+    ``my_run`` or ``0``: the same directory every time): Lightning's CSVLogger deletes that file when it starts writing,
+    and its warning, which every run directory also triggers once its ``config.yaml`` is written, is silenced in the
+    command (:mod:`es_lightning.console`)."""
+    for logger in trainer.loggers:
+        if not isinstance(logger, CSVLogger) or logger.log_dir is None:
+            continue
+        metrics = Path(logger.log_dir).expanduser() / "metrics.csv"
+        if metrics.is_file():
+            console.say(f"es-lightning {subcommand}: {metrics} of a previous run is replaced by this {subcommand}'s "
+                        f"metrics (Lightning's CSVLogger starts it afresh in the directory trainer.logger version "
+                        f"{logger.version!r} names every time; config.yaml is rewritten too); leave the version unset "
+                        "for a new version_N directory per run, or copy the file now")
+
+
 class CommandMixin:
     """The ``es-lightning`` command's additions to a LightningCLI (see the module docstring)."""
 
@@ -220,7 +237,9 @@ class CommandMixin:
                 + (" (--ckpt_path last resumes the recipe's newest run)" if subcommand == "fit" else "")
             )
         log_dir = self.trainer.log_dir
-        existed = log_dir is not None and Path(log_dir).exists()
+        existed = log_dir is not None and Path(log_dir).expanduser().exists()
+        if rank_zero_only.rank == 0:
+            _say_metrics_replaced(self.trainer, subcommand)
         try:
             super()._run_subcommand(subcommand)
         except BaseException as error:

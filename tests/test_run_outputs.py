@@ -1229,3 +1229,21 @@ def test_ckpt_path_last_with_lightnings_default_logger_resumes_the_newest_run(lo
         assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == steps
         started = yaml.safe_load((run / "config.yaml").read_text())["ckpt_path"]  # the checkpoint it started from
         assert started == f"out/lightning_logs/version_{steps - 2}/checkpoints/last.ckpt", started
+
+
+def test_a_run_that_reopens_a_versions_directory_says_its_metrics_csv_is_replaced(tmp_path, monkeypatch, capsys):
+    """`--trainer.logger.init_args.version my_run` names one directory for every run: a resume there (or a validate)
+    makes Lightning's CSVLogger delete the previous run's metrics.csv, and its warning was silenced in the command."""
+    monkeypatch.chdir(tmp_path)
+    args = [*_tiny_fit(), "--trainer.logger.init_args.version", "my_run"]
+    cli_main([*args, "--trainer.max_steps", "1"])
+    metrics = Path("lightning_logs") / "es" / "my_run" / "metrics.csv"
+    assert "replaced" not in capsys.readouterr().err  # a new directory: nothing to say
+    line = (f"es-lightning fit: {metrics} of a previous run is replaced by this fit's metrics (Lightning's CSVLogger "
+            "starts it afresh in the directory trainer.logger version 'my_run' names every time; config.yaml is "
+            "rewritten too); leave the version unset for a new version_N directory per run, or copy the file now")
+    cli_main([*args, "--trainer.max_steps", "2", "--ckpt_path", "last"])
+    assert line in capsys.readouterr().err.splitlines()
+    assert torch.load(metrics.parent / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 2  # resumed
+    cli_main(["validate", *args[1:], "--ckpt_path", "last"])
+    assert line.replace("fit", "validate") in capsys.readouterr().err.splitlines()
