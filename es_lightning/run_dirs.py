@@ -60,6 +60,10 @@ def run_root(config: Any) -> Path | None:
     if loggers:
         args = _get(loggers[0], "init_args") or {}
         save_dir, name = _get(args, "save_dir"), _get(args, "name")
+        if str(_get(loggers[0], "class_path") or "").endswith("WandbLogger"):
+            # Lightning's checkpoints of a W&B run: <save_dir>/<project>/<run id>/checkpoints (its `name` is the run's)
+            save_dir = save_dir if save_dir is not None else _get(args, "dir")
+            name = _get(args, "project") or os.environ.get("WANDB_PROJECT", "lightning_logs")
         if save_dir is None:
             return None
         return Path(os.path.expanduser(str(save_dir))) / ("" if name in (None, "") else str(name))

@@ -1247,3 +1247,25 @@ def test_a_run_that_reopens_a_versions_directory_says_its_metrics_csv_is_replace
     assert torch.load(metrics.parent / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 2  # resumed
     cli_main(["validate", *args[1:], "--ckpt_path", "last"])
     assert line.replace("fit", "validate") in capsys.readouterr().err.splitlines()
+
+
+def test_ckpt_path_last_with_a_wandb_logger_resumes_the_newest_run(tmp_path, monkeypatch):
+    """`--trainer.logger WandbLogger` (the recipe's save_dir and name carried over: the W&B run is named `es`):
+    Lightning writes the checkpoints to `<save_dir>/<project>/<run id>/checkpoints`, and `--ckpt_path last` looked in
+    `<save_dir>/<name>/*/checkpoints`, found none and started over from step 0."""
+    wandb = pytest.importorskip("wandb")
+    for key, value in {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("WANDB_PROJECT", raising=False)
+    monkeypatch.chdir(tmp_path)
+    args = [*_tiny_fit(), "--trainer.logger", "lightning.pytorch.loggers.WandbLogger", "--trainer.logger.init_args.project",
+            "proj", "--ckpt_path", "last"]
+    cli_main([*args, "--trainer.max_steps", "1"])
+    (first,) = (tmp_path / "lightning_logs" / "proj").glob("*/checkpoints/last.ckpt")
+    wandb.finish()  # a new W&B run, as a new process would start (one process: the logger would join the active run)
+    cli_main([*args, "--trainer.max_steps", "2"])
+    wandb.finish()
+    (second,) = set((tmp_path / "lightning_logs" / "proj").glob("*/checkpoints/last.ckpt")) - {first}
+    assert torch.load(second, weights_only=True)["global_step"] == 2
+    started = yaml.safe_load((tmp_path / "lightning_logs" / "config.yaml").read_text())["ckpt_path"]  # W&B's log_dir
+    assert started == str(first.relative_to(tmp_path)), started
