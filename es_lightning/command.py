@@ -35,6 +35,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from es_lightning import cli_errors, console, run_dirs
 from es_lightning.callbacks import PassAtKCallback, TrainingReport, sigterm
+from es_lightning.callbacks.log_dir import run_log_dir
 from es_lightning.callbacks.report import format_table
 
 
@@ -92,8 +93,11 @@ def fit_summary(trainer: L.Trainer, start: int | None, log_dir: str | None) -> N
             step, metrics = history[-1]
             lines.append(format_table([("last evaluation", step, metrics)]))
     if log_dir is not None:
-        root = Path(log_dir).expanduser()  # a logger's save_dir "~/runs" (Lightning's paths keep the "~")
+        root = Path(run_log_dir(trainer)).expanduser()  # a logger's save_dir "~/runs" (Lightning's paths keep the "~")
         found = [name for name in ("config.yaml", "metrics.csv", "report.json", "report.png", "export") if (root / name).exists()]
+        config = Path(log_dir).expanduser() / "config.yaml"  # Lightning's trainer.log_dir: a W&B logger's save_dir
+        if "config.yaml" not in found and config.is_file():
+            found.append(f"config.yaml: {config}")
         lines.append(f"run directory: {root}/ ({', '.join(found)})")
     checkpoint = trainer.checkpoint_callback
     if checkpoint is not None and getattr(checkpoint, "last_model_path", ""):

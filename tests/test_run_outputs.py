@@ -1269,3 +1269,25 @@ def test_ckpt_path_last_with_a_wandb_logger_resumes_the_newest_run(tmp_path, mon
     assert torch.load(second, weights_only=True)["global_step"] == 2
     started = yaml.safe_load((tmp_path / "lightning_logs" / "config.yaml").read_text())["ckpt_path"]  # W&B's log_dir
     assert started == str(first.relative_to(tmp_path)), started
+
+
+def test_a_wandb_runs_report_and_export_go_into_its_own_run_directory(tmp_path, monkeypatch, capsys):
+    """A W&B logger first: Lightning's `trainer.log_dir` is its `save_dir`, which every run shares, so each run's
+    `report.json` and `export/` replaced the previous run's (another recipe's too); they go beside the run's
+    checkpoints, `<save_dir>/<project>/<run id>/`, which the closing line names."""
+    wandb = pytest.importorskip("wandb")
+    for key, value in {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.chdir(tmp_path)
+    logger = ["--trainer.logger", "lightning.pytorch.loggers.WandbLogger", "--trainer.logger.init_args.project", "proj",
+              "--trainer.max_steps", "1", "--trainer.callbacks+=es_lightning.HFExport"]
+    runs = []
+    for recipe in ("es.yaml", "grpo.yaml"):
+        cli_main([*_tiny_fit(recipe), *logger])
+        wandb.finish()
+        (run,) = {p.parent.parent for p in (tmp_path / "lightning_logs" / "proj").glob("*/checkpoints/last.ckpt")} - set(runs)
+        runs.append(run)
+        assert (run / "report.json").is_file() and (run / "export" / "config.json").is_file()
+        out = capsys.readouterr().out
+        assert f"run directory: {run.relative_to(tmp_path)}/ (report.json, report.png, export, config.yaml: " in out, out[-800:]
+    assert not (tmp_path / "lightning_logs" / "export").exists() and (runs[0] / "export" / "config.json").is_file()

@@ -19,6 +19,7 @@ import lightning as L
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 
 from es_lightning.callbacks.cadence import StepCadence
+from es_lightning.callbacks.log_dir import run_log_dir
 from es_lightning.es.sharding import is_dtensor, is_sharded
 from es_lightning.policy import save_model, save_tokenizer
 
@@ -72,7 +73,8 @@ class HFExport(L.Callback):
         if trainer.fast_dev_run:  # nothing is written (as Lightning's checkpoints): no directory to check or recover
             return
         if self.dirpath is None:
-            self.dirpath = Path(trainer.log_dir or trainer.default_root_dir).expanduser() / "export"  # save_dir "~/runs"
+            # rank 0's run directory (a W&B run's, beside its checkpoints); "~/runs" expanded
+            self.dirpath = Path(trainer.strategy.broadcast(run_log_dir(trainer))).expanduser() / "export"
         refused = None
         if trainer.is_global_zero:  # an export a kill interrupted in this directory (a resume writes here again)
             try:

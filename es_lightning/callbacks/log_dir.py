@@ -7,15 +7,24 @@ fails once they have exited. This is the same value read locally — rank 0's ow
 
 from __future__ import annotations
 
+import os
+
 import lightning as L
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 
 def run_log_dir(trainer: L.Trainer) -> str:
-    """``trainer.log_dir`` as this process computes it (the first logger's directory, else ``default_root_dir``)."""
+    """``trainer.log_dir`` as this process computes it (the first logger's directory, else ``default_root_dir``) —
+    except for another kind of logger (W&B): the run's own directory, ``<save_dir>/<name>/<version>``, where Lightning
+    puts its checkpoints, not ``save_dir``, which every run shares (``trainer.log_dir``, where ``config.yaml`` goes)."""
     if trainer.loggers:
         logger = trainer.loggers[0]
-        path = logger.log_dir if isinstance(logger, (TensorBoardLogger, CSVLogger)) else logger.save_dir
+        if isinstance(logger, (TensorBoardLogger, CSVLogger)):
+            path = logger.log_dir
+        else:
+            path, version = logger.save_dir, logger.version
+            if path is not None and logger.name is not None and version is not None:
+                path = os.path.join(path, str(logger.name), version if isinstance(version, str) else f"version_{version}")
         if path is not None:
             return str(path)
     return str(trainer.default_root_dir)
