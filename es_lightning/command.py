@@ -28,7 +28,7 @@ from pathlib import Path
 
 import lightning as L
 from lightning.pytorch.cli import LightningCLI
-from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -98,7 +98,13 @@ def fit_summary(trainer: L.Trainer, start: int | None, log_dir: str | None) -> N
         config = Path(log_dir).expanduser() / "config.yaml"  # Lightning's trainer.log_dir: a W&B logger's save_dir
         if "config.yaml" not in found and config.is_file():
             found.append(f"config.yaml: {config}")
+        if any(root.glob("events.out.tfevents.*")):  # a TensorBoardLogger's metrics
+            found.insert(1, "TensorBoard events")
         lines.append(f"run directory: {root}/ ({', '.join(found)})")
+        others = [f"{type(lg).__name__}: {lg.log_dir}/" for lg in trainer.loggers[1:] if isinstance(lg, (CSVLogger, TensorBoardLogger))
+                  and lg.log_dir is not None and Path(lg.log_dir).expanduser() != root and Path(lg.log_dir).expanduser().is_dir()]
+        if others:  # each logger numbers its own versions: one that started later took the next one
+            lines.append(f"other loggers' directories: {', '.join(others)}")
     checkpoint = trainer.checkpoint_callback
     if checkpoint is not None and getattr(checkpoint, "last_model_path", ""):
         how = ("weights only: it evaluates, it does not resume" if getattr(checkpoint, "save_weights_only", False) else

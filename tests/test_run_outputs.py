@@ -1291,3 +1291,24 @@ def test_a_wandb_runs_report_and_export_go_into_its_own_run_directory(tmp_path, 
         out = capsys.readouterr().out
         assert f"run directory: {run.relative_to(tmp_path)}/ (report.json, report.png, export, config.yaml: " in out, out[-800:]
     assert not (tmp_path / "lightning_logs" / "export").exists() and (runs[0] / "export" / "config.json").is_file()
+
+
+def test_the_closing_lines_name_tensorboards_metrics_and_a_second_loggers_directory(tmp_path, monkeypatch, capsys):
+    """A TensorBoard logger's metrics (its events file) were not among the run directory's files the closing line
+    lists; a second logger given the recipe's save_dir and name numbers its own version (CSV version_0, TensorBoard
+    version_1: Lightning's loggers each take the next free one) and its directory was not named at all."""
+    pytest.importorskip("tensorboard")
+    monkeypatch.chdir(tmp_path)
+    cli_main([*_tiny_fit(), "--trainer.max_steps", "1", "--trainer.logger", "lightning.pytorch.loggers.TensorBoardLogger"])
+    run = Path("lightning_logs") / "es" / "version_0"
+    assert f"run directory: {run}/ (config.yaml, TensorBoard events, report.json, report.png)" in capsys.readouterr().out
+    two = tmp_path / "two.yaml"
+    two.write_text("trainer:\n  logger:\n" + "".join(
+        f"    - class_path: lightning.pytorch.loggers.{cls}\n      init_args: {{save_dir: lightning_logs, name: es}}\n"
+        for cls in ("CSVLogger", "TensorBoardLogger")))
+    cli_main([*_tiny_fit(), "--trainer.max_steps", "1", "--config", str(two)])
+    out = capsys.readouterr().out
+    (csv_dir,) = {p.parent for p in Path("lightning_logs/es").glob("*/metrics.csv")}
+    (tb_dir,) = {p.parent for p in Path("lightning_logs/es").glob("*/events.out.tfevents.*")} - {run}
+    assert csv_dir != tb_dir and f"run directory: {csv_dir}/ (config.yaml, metrics.csv, report.json" in out, out[-800:]
+    assert f"other loggers' directories: TensorBoardLogger: {tb_dir}/" in out.splitlines(), out[-800:]
