@@ -93,7 +93,7 @@ def fit_summary(trainer: L.Trainer, start: int | None, log_dir: str | None) -> N
             step, metrics = history[-1]
             lines.append(format_table([("last evaluation", step, metrics)]))
     if log_dir is not None:
-        root = Path(run_log_dir(trainer)).expanduser()  # a logger's save_dir "~/runs" (Lightning's paths keep the "~")
+        root = Path(run_log_dir(trainer))
         found = [name for name in ("config.yaml", "metrics.csv", "report.json", "report.png", "export") if (root / name).exists()]
         config = Path(log_dir).expanduser() / "config.yaml"  # Lightning's trainer.log_dir: a W&B logger's save_dir
         if "config.yaml" not in found and config.is_file():

@@ -73,8 +73,8 @@ class HFExport(L.Callback):
         if trainer.fast_dev_run:  # nothing is written (as Lightning's checkpoints): no directory to check or recover
             return
         if self.dirpath is None:
-            # rank 0's run directory (a W&B run's, beside its checkpoints); "~/runs" expanded
-            self.dirpath = Path(trainer.strategy.broadcast(run_log_dir(trainer))).expanduser() / "export"
+            # rank 0's run directory (a W&B run's, beside its checkpoints)
+            self.dirpath = Path(trainer.strategy.broadcast(run_log_dir(trainer))) / "export"
         refused = None
         if trainer.is_global_zero:  # an export a kill interrupted in this directory (a resume writes here again)
             try:

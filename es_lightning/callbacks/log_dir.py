@@ -16,7 +16,8 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 def run_log_dir(trainer: L.Trainer) -> str:
     """``trainer.log_dir`` as this process computes it (the first logger's directory, else ``default_root_dir``) —
     except for another kind of logger (W&B): the run's own directory, ``<save_dir>/<name>/<version>``, where Lightning
-    puts its checkpoints, not ``save_dir``, which every run shares (``trainer.log_dir``, where ``config.yaml`` goes)."""
+    puts its checkpoints, not ``save_dir``, which every run shares (``trainer.log_dir``, where ``config.yaml`` goes). A
+    ``~`` (a logger's ``save_dir: ~/runs``, which Lightning's paths keep) is expanded."""
     if trainer.loggers:
         logger = trainer.loggers[0]
         if isinstance(logger, (TensorBoardLogger, CSVLogger)):
@@ -26,5 +27,5 @@ def run_log_dir(trainer: L.Trainer) -> str:
             if path is not None and logger.name is not None and version is not None:
                 path = os.path.join(path, str(logger.name), version if isinstance(version, str) else f"version_{version}")
         if path is not None:
-            return str(path)
-    return str(trainer.default_root_dir)
+            return os.path.expanduser(str(path))
+    return os.path.expanduser(str(trainer.default_root_dir))
