@@ -179,6 +179,14 @@ def child(args) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- the parent
+def _model_config(model: str):
+    """The model's ``config.json`` (a directory, or ``builtin:<name>``) for the memory-model line."""
+    from transformers import AutoConfig
+
+    sys.path.insert(0, ROOT)
+    from es_lightning.policy import resolve_model_path
+
+    return AutoConfig.from_pretrained(resolve_model_path(model))
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="HF directory (default: build the Qwen-like fixture)")
@@ -222,19 +230,17 @@ def main() -> None:
                     sys.exit(f"{variant} failed:\n{proc.stderr[-3000:]}")
                 peaks[variant].append(json.loads(proc.stdout.strip().splitlines()[-1])["peak_bytes"] / 2**20)
                 print(f"round {r + 1} {variant}: {peaks[variant][-1]:.1f} MB", flush=True)
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(args.model) if os.path.isdir(args.model) else None
+        # read while the built fixture's directory still exists (it goes with the temporary directory)
+        config = _model_config(args.model)
     old, new = statistics.median(peaks["old"]), statistics.median(peaks["new"])
     K = args.rows * args.completion
     print(f"\nmicro-step: {args.rows} rows x ({args.prompt} prompt + {args.completion} completion) tokens, "
           f"{args.dtype} on {args.device}, chunk {args.chunk_size}")
     print(f"peak memory  old (full logits + log_softmax): {old:9.1f} MB   new (chunked, selective): {new:9.1f} MB   "
           f"old/new = {old / max(new, 1e-9):.1f}x")
-    if config is not None:
-        V = config.vocab_size
-        print(f"memory model, logits only: old ~{30 * V * K / 2**20:.0f} MB (30 V per completion token), "
-              f"new ~{18 * V * min(K, args.chunk_size) / 2**20:.0f} MB (18 V per token of one chunk)")
+    V = config.vocab_size
+    print(f"memory model, logits only: old ~{30 * V * K / 2**20:.0f} MB (30 V per completion token), "
+          f"new ~{18 * V * min(K, args.chunk_size) / 2**20:.0f} MB (18 V per token of one chunk)")
 
 
 if __name__ == "__main__":
