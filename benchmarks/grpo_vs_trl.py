@@ -28,8 +28,10 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import queue as queue_module
 import resource
 import statistics
+import sys
 import tempfile
 import time
 import warnings
@@ -164,6 +166,21 @@ def _report(name, times, args, rss_before, device, last_reward) -> dict:
     return report
 
 
+def _result(target, proc, queue) -> dict:
+    """The side's report; a side whose process ends without one (its traceback is above) ends the benchmark with its
+    exit code instead of leaving it waiting on the queue for ever."""
+    while True:
+        try:
+            return queue.get(timeout=1.0)
+        except queue_module.Empty:
+            if proc.is_alive():
+                continue
+        try:  # ended: a report put just before the end may still be in the pipe
+            return queue.get(timeout=1.0)
+        except queue_module.Empty:
+            sys.exit(f"{target.__name__} failed (exit code {proc.exitcode}): no result; its error is printed above")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="builtin:countdown-tiny")
@@ -185,7 +202,7 @@ def main() -> None:
             queue = ctx.Queue()
             proc = ctx.Process(target=target, args=(args, queue))
             proc.start()
-            result = queue.get()
+            result = _result(target, proc, queue)
             proc.join()
             runs.setdefault(result["name"], []).append(result)
 

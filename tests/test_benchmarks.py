@@ -28,3 +28,12 @@ def test_grpo_memory_prints_the_memory_model_beside_the_measurement():
     assert "old/new =" in proc.stdout
     assert "memory model, logits only: old ~" in proc.stdout, proc.stdout
 
+
+def test_grpo_vs_trl_side_that_fails_ends_the_benchmark():
+    """A side whose process dies (here: a model path that does not exist) ends the run with an error, not a wait on
+    its result queue for ever."""
+    proc = _run("grpo_vs_trl.py", "--model", "/nonexistent/model", "--steps", "1", "--warmup", "0", "--rounds", "1",
+                "--threads", "1", timeout=120)
+    assert proc.returncode != 0
+    assert "does not exist" in proc.stderr
+    assert "run_ours failed" in proc.stderr
