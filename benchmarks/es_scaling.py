@@ -29,6 +29,8 @@ import sys
 import tempfile
 import time
 
+from _args import at_least  # benchmarks/_args.py: the script's own directory is on sys.path
+
 
 def run_one(args) -> None:
     """One configuration, in this process (and its DDP/FSDP siblings): writes rank 0's timing to ``args.out``."""
@@ -77,11 +79,11 @@ def run_one(args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="builtin:countdown-tiny")
-    parser.add_argument("--population", type=int, default=8, help="ES members per step (N)")
-    parser.add_argument("--batch", type=int, default=8, help="prompts per step (B)")
-    parser.add_argument("--max-new-tokens", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up step)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    parser.add_argument("--population", type=at_least(2), default=8, help="ES members per step (N)")
+    parser.add_argument("--batch", type=at_least(1), default=8, help="prompts per step (B)")
+    parser.add_argument("--max-new-tokens", type=at_least(1), default=16)
+    parser.add_argument("--steps", type=at_least(1), default=3, help="timed steps (after one warm-up step)")
+    parser.add_argument("--threads", type=at_least(1), default=1, help="torch threads per process")
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--strategies", nargs="+", default=["ddp", "fsdp2"], choices=["ddp", "fsdp", "fsdp2"])
     parser.add_argument("--config", help=argparse.SUPPRESS)  # internal: run one configuration

@@ -56,6 +56,8 @@ import subprocess
 import sys
 import time
 
+from _args import at_least  # benchmarks/_args.py: the script's own directory is on sys.path
+
 
 def _rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -386,13 +388,13 @@ VARIANTS = {
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="builtin:countdown-tiny")
-    parser.add_argument("--population", type=int, default=16)
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--max-new-tokens", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per variant (the first is a warm-up)")
-    parser.add_argument("--members-per-batch", type=int, default=0,
+    parser.add_argument("--population", type=at_least(2), default=16)
+    parser.add_argument("--batch", type=at_least(1), default=32)
+    parser.add_argument("--max-new-tokens", type=at_least(1), default=16)
+    parser.add_argument("--steps", type=at_least(2), default=3, help="timed steps per variant (the first is a warm-up)")
+    parser.add_argument("--members-per-batch", type=at_least(0), default=0,
                         help="ESModule(members_per_batch=...) for (a); 0 = the whole population in one batch")
-    parser.add_argument("--threads", type=int, default=1,
+    parser.add_argument("--threads", type=at_least(1), default=1,
                         help="torch threads per variant (1: steadier figures on a shared machine)")
     parser.add_argument("--variant", choices=sorted(VARIANTS))
     parser.add_argument("--lowrank", action="store_true",
@@ -400,15 +402,20 @@ def main() -> None:
     parser.add_argument("--lowrank-models", default="builtin,qwen-like",
                         help="--lowrank: builtin (= --model) and/or qwen-like (the fixture, V=151,936), comma-separated")
     parser.add_argument("--modes", default="l,a,a1", help="--lowrank: which ES modes (l, a, a1), comma-separated")
-    parser.add_argument("--rank", type=int, default=1, help="--lowrank: noise rank of (l) (EGGROLL learns from rank 1)")
-    parser.add_argument("--rounds", type=int, default=5, help="--lowrank: timed steps per mode (+1 warm-up)")
+    parser.add_argument("--rank", type=at_least(1), default=1, help="--lowrank: noise rank of (l) (EGGROLL learns from rank 1)")
+    parser.add_argument("--rounds", type=at_least(1), default=5, help="--lowrank: timed steps per mode (+1 warm-up)")
     parser.add_argument("--dtype", default=None, help="--lowrank: model dtype (default fp32 built-in, bf16 Qwen-like)")
-    parser.add_argument("--samples", type=int, default=1, help="--lowrank: samples_per_member n")
+    parser.add_argument("--samples", type=at_least(1), default=1, help="--lowrank: samples_per_member n")
     parser.add_argument("--temperature", type=float, default=0.0, help="--lowrank: 0 = greedy (Ba et al.)")
     parser.add_argument("--sigma", type=float, default=5e-3, help="--lowrank: noise scale")
     parser.add_argument("--accelerator", default="cpu", help="--lowrank: cpu or gpu (peak memory: CUDA allocator)")
     parser.add_argument("--qwen-like", action="store_true", help=argparse.SUPPRESS)  # set by --lowrank for its child
     args = parser.parse_args()
+    for option, given, known in (("--modes", args.modes, MODES), ("--lowrank-models", args.lowrank_models,
+                                                                    ("builtin", "qwen-like"))):
+        unknown = [v for v in given.split(",") if v not in known]
+        if unknown:
+            parser.error(f"{option}: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(known)}")
     if args.variant:
         import torch
 

@@ -26,6 +26,8 @@ import sys
 import tempfile
 import time
 
+from _args import at_least  # benchmarks/_args.py: the script's own directory is on sys.path
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
@@ -36,11 +38,11 @@ def main() -> None:
     parser.add_argument("--vocab-size", type=int, default=151_936, help="vocabulary of the built fixture")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--samples", type=int, default=4, help="completions per prompt")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--prompts", type=at_least(1), default=8)
+    parser.add_argument("--samples", type=at_least(1), default=4, help="completions per prompt")
+    parser.add_argument("--max-new-tokens", type=at_least(1), default=64)
+    parser.add_argument("--rounds", type=at_least(1), default=5)
+    parser.add_argument("--threads", type=at_least(1), default=1)
     args = parser.parse_args()
 
     import torch

@@ -32,6 +32,8 @@ import subprocess
 import sys
 import tempfile
 
+from _args import at_least  # benchmarks/_args.py: the script's own directory is on sys.path
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -193,14 +195,14 @@ def main() -> None:
     parser.add_argument("--vocab-size", type=int, default=151_936, help="vocabulary of the built fixture")
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPE_BYTES))
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--rows", type=int, default=8, help="completions in the micro-batch (mini_batch_size)")
-    parser.add_argument("--group", type=int, default=4, help="completions per prompt (G)")
-    parser.add_argument("--prompt", type=int, default=64, help="prompt tokens")
-    parser.add_argument("--completion", type=int, default=128, help="completion tokens, all real")
-    parser.add_argument("--chunk-size", type=int, default=128,
+    parser.add_argument("--rows", type=at_least(1), default=8, help="completions in the micro-batch (mini_batch_size)")
+    parser.add_argument("--group", type=at_least(1), default=4, help="completions per prompt (G)")
+    parser.add_argument("--prompt", type=at_least(1), default=64, help="prompt tokens")
+    parser.add_argument("--completion", type=at_least(1), default=128, help="completion tokens, all real")
+    parser.add_argument("--chunk-size", type=at_least(1), default=128,
                         help="tokens per vocabulary projection (new path; the library's default is 512)")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rounds", type=at_least(1), default=3)
+    parser.add_argument("--threads", type=at_least(1), default=1)
     parser.add_argument("--memory-model", action="store_true", help="print the memory model of the Qwen recipes")
     parser.add_argument("--variant", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -36,6 +36,8 @@ import tempfile
 import time
 import warnings
 
+from _args import at_least  # benchmarks/_args.py: the script's own directory is on sys.path
+
 
 def _rss_mb() -> float:
     with open("/proc/self/statm") as f:
@@ -184,15 +186,15 @@ def _result(target, proc, queue) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="builtin:countdown-tiny")
-    parser.add_argument("--steps", type=int, default=20, help="timed optimizer steps per side")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
-    parser.add_argument("--batch-size", type=int, default=8, help="prompts per step")
-    parser.add_argument("--group-size", type=int, default=8, help="completions per prompt (G)")
-    parser.add_argument("--max-new-tokens", type=int, default=24)
+    parser.add_argument("--steps", type=at_least(1), default=20, help="timed optimizer steps per side")
+    parser.add_argument("--warmup", type=at_least(0), default=2, help="untimed steps first")
+    parser.add_argument("--batch-size", type=at_least(1), default=8, help="prompts per step")
+    parser.add_argument("--group-size", type=at_least(2), default=8, help="completions per prompt (G)")
+    parser.add_argument("--max-new-tokens", type=at_least(1), default=24)
     parser.add_argument("--lr", type=float, default=1e-4)
-    parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1), help="torch threads per side")
+    parser.add_argument("--threads", type=at_least(1), default=min(2, os.cpu_count() or 1), help="torch threads per side")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    parser.add_argument("--rounds", type=int, default=2, help="alternating runs per side (medians are reported)")
+    parser.add_argument("--rounds", type=at_least(1), default=2, help="alternating runs per side (medians are reported)")
     args = parser.parse_args()
 
     ctx = mp.get_context("spawn")

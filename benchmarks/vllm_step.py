@@ -37,6 +37,7 @@ import tempfile
 import time
 
 import torch
+from _args import at_least  # benchmarks/_args.py: the script's own directory is on sys.path
 
 BLOCKS = r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$"
 
@@ -221,18 +222,23 @@ def print_tables(steps: list, members: list) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="a smoke run: 1 round, 2 prompts, 4 tokens, population 2")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--prompts", type=int, default=16, help="prompts per ES step / GRPO batch")
-    parser.add_argument("--population", type=int, default=8, help="ES members per step")
-    parser.add_argument("--group-size", type=int, default=4, help="GRPO samples per prompt")
-    parser.add_argument("--noise-rank", type=int, default=4, help="rank of the low-rank ES rows (0 = none)")
-    parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--max-model-len", type=int, default=512)
+    parser.add_argument("--rounds", type=at_least(1), default=5)
+    parser.add_argument("--prompts", type=at_least(1), default=16, help="prompts per ES step / GRPO batch")
+    parser.add_argument("--population", type=at_least(2), default=8, help="ES members per step")
+    parser.add_argument("--group-size", type=at_least(1), default=4, help="GRPO samples per prompt")
+    parser.add_argument("--noise-rank", type=at_least(0), default=4, help="rank of the low-rank ES rows (0 = none)")
+    parser.add_argument("--max-new-tokens", type=at_least(1), default=32)
+    parser.add_argument("--max-model-len", type=at_least(1), default=512)
     parser.add_argument("--sigma", type=float, default=1e-3)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     parser.add_argument("--models", default="builtin,qwen-like", help="comma-separated: builtin, qwen-like")
     parser.add_argument("--tables", default="steps,members", help="comma-separated: steps, members")
     args = parser.parse_args()
+    for option, given, known in (("--models", args.models, ("builtin", "qwen-like")),
+                                 ("--tables", args.tables, ("steps", "members"))):
+        unknown = [v for v in given.split(",") if v not in known]
+        if unknown:
+            parser.error(f"{option}: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(known)}")
     if args.tiny:
         args.rounds, args.prompts, args.group_size, args.max_new_tokens, args.population = 1, 2, 2, 4, 2
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))

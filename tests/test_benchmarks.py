@@ -37,3 +37,23 @@ def test_grpo_vs_trl_side_that_fails_ends_the_benchmark():
     assert proc.returncode != 0
     assert "does not exist" in proc.stderr
     assert "run_ours failed" in proc.stderr
+
+
+@pytest.mark.parametrize("script, argv, message", [
+    ("es_step.py", ["--steps", "1"], "argument --steps: must be at least 2, got 1"),
+    ("es_step.py", ["--lowrank", "--lowrank-models", "qwen"], "--lowrank-models: unknown 'qwen'"),
+    ("es_step.py", ["--lowrank", "--modes", "l,b"], "--modes: unknown 'b'"),
+    ("es_scaling.py", ["--steps", "0"], "argument --steps: must be at least 1, got 0"),
+    ("generate_overhead.py", ["--rounds", "0"], "argument --rounds: must be at least 1, got 0"),
+    ("grpo_memory.py", ["--rounds", "0"], "argument --rounds: must be at least 1, got 0"),
+    ("grpo_vs_trl.py", ["--rounds", "0"], "argument --rounds: must be at least 1, got 0"),
+    ("grpo_vs_trl.py", ["--group-size", "1"], "argument --group-size: must be at least 2, got 1"),
+    ("vllm_step.py", ["--tables", "step"], "--tables: unknown 'step'; choose from steps, members"),
+])
+def test_benchmark_refuses_a_bad_setting_in_one_line_before_it_runs(script, argv, message):
+    """A count below its minimum or an unknown name ends in argparse's one line naming the option (exit 2), before
+    anything loads: it ended in a traceback after the runs (a median of no rounds, a ratio over no timed steps), or
+    (an unknown --lowrank-models name) ran the built-in model under that name."""
+    proc = _run(script, *argv, timeout=60)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert message in proc.stderr
