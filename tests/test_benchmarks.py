@@ -4,6 +4,9 @@ script in its own process; the vLLM benchmark's smoke run is in tests/vllm_backe
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -11,6 +14,17 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCHMARKS = os.path.join(ROOT, "benchmarks")
+
+
+def _script(name: str):
+    """A benchmark script imported as a module (its directory on sys.path, for benchmarks/_args.py)."""
+    if BENCHMARKS not in sys.path:
+        sys.path.insert(0, BENCHMARKS)
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", os.path.join(BENCHMARKS, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _run(script: str, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
@@ -57,3 +71,61 @@ def test_benchmark_refuses_a_bad_setting_in_one_line_before_it_runs(script, argv
     proc = _run(script, *argv, timeout=60)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert message in proc.stderr
+
+
+# ------------------------------------------------------------------------------- smoke: each benchmark's library calls
+# In process, at the smallest sizes (a few seconds in all): what a library change can break is the benchmarks' calls
+# into es_lightning, transformers and TRL, which their parents run in child processes.
+
+
+def test_es_step_variants_and_population_modes_run(qwen_like_small_dir):
+    es_step = _script("es_step")
+    args = argparse.Namespace(model="builtin:countdown-tiny", population=2, batch=2, max_new_tokens=2, steps=2,
+                              members_per_batch=0, threads=1)
+    for name in ("a", "a1", "b", "c", "d", "e"):
+        result = es_step.VARIANTS[name](args)
+        assert result["s_per_step"] > 0, name
+    modes = dict(population=2, batch=2, max_new_tokens=2, rank=1, threads=1, samples=1, temperature=0.0, sigma=5e-3,
+                 modes="l,a,a1", accelerator="cpu", rounds=1)
+    for model, dtype, qwen in (("builtin:countdown-tiny", "float32", False), (qwen_like_small_dir, "bfloat16", True)):
+        out = es_step.modes_child(argparse.Namespace(model=model, dtype=dtype, qwen_like=qwen, **modes))
+        assert set(out) == {"l", "a", "a1"}
+        assert all(r["step_over_d"] > 0 and r["generate_over_d"] > 0 for r in out.values())
+
+
+def test_es_scaling_one_process_configuration_runs(tmp_path):
+    es_scaling = _script("es_scaling")
+    out = tmp_path / "1.json"
+    es_scaling.run_one(argparse.Namespace(config="1", out=str(out), model="builtin:countdown-tiny", population=2,
+                                          batch=2, max_new_tokens=2, steps=1, threads=1, accelerator="cpu"))
+    assert json.loads(out.read_text())["steps"] == 1
+
+
+def test_generate_overhead_runs_on_the_qwen_like_fixture(monkeypatch, capsys):
+    generate_overhead = _script("generate_overhead")
+    monkeypatch.setattr(sys, "argv", ["generate_overhead.py", "--vocab-size", "1024", "--prompts", "2", "--samples", "2",
+                                      "--max-new-tokens", "4", "--rounds", "1"])
+    generate_overhead.main()
+    assert "HFGenerator / plain generate = " in capsys.readouterr().out
+
+
+def test_grpo_memory_both_paths_run_on_the_qwen_like_fixture(qwen_like_small_dir, capsys):
+    grpo_memory = _script("grpo_memory")
+    for variant in ("old", "new"):
+        grpo_memory.child(argparse.Namespace(model=qwen_like_small_dir, dtype="bfloat16", device="cpu", rows=2, group=2,
+                                             prompt=4, completion=4, chunk_size=4, threads=1, variant=variant))
+        assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["variant"] == variant
+
+
+class _Queue(list):
+    put = list.append
+
+
+def test_grpo_vs_trl_both_sides_run():
+    grpo_vs_trl = _script("grpo_vs_trl")
+    args = argparse.Namespace(model="builtin:countdown-tiny", steps=1, warmup=0, batch_size=2, group_size=2,
+                              max_new_tokens=2, lr=1e-4, threads=1, device="cpu", rounds=1)
+    for side in (grpo_vs_trl.run_ours, grpo_vs_trl.run_trl):
+        queue = _Queue()
+        side(args, queue)
+        assert queue[0]["steps"] == 1 and queue[0]["s_per_step"] > 0, side.__name__
