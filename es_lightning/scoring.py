@@ -18,7 +18,8 @@ Every training rollout and every evaluation is scored through :func:`score_compl
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,7 +68,8 @@ def score_completions(
             "must not raise: score a malformed completion 0 (see Task.reward)"
         ) from err
     n = len(completions)
-    if not isinstance(rewards, Iterable) or isinstance(rewards, (str, bytes)):
+    if not isinstance(rewards, Iterable) or isinstance(rewards, (str, bytes, Mapping, AbstractSet)):
+        # a dict or a set has no completion order (list() of a dict is its keys: they would train as rewards)
         raise RewardError(f"{where}: the reward function returned {_shown(rewards)}, not a list of rewards; return one "
                           "float per completion, in order")
     rewards = list(rewards)  # a tensor or an array of rewards is read as its elements
@@ -76,7 +78,7 @@ def score_completions(
             raise RewardError(f"{where}: grade() returned {len(values)} {what} for {n} completions; return one per "
                               "completion, in order")
     try:
-        values = [float(r) for r in rewards]
+        values = [_number(r) for r in rewards]
     except (TypeError, ValueError) as err:
         bad = next(r for r in rewards if not _is_number(r))
         raise RewardError(f"{where}: reward {_shown(bad)} is not a number; return one float per completion (0.0 "
@@ -97,9 +99,16 @@ def check_some_kept(kept: int, total: int, unit: str, step: int) -> None:
         )
 
 
+def _number(value: Any) -> float:
+    """``float(value)``, but a string is no number: ``float("12")`` would train on an answer text returned by mistake."""
+    if isinstance(value, (str, bytes)):
+        raise TypeError(f"{value!r} is text")
+    return float(value)
+
+
 def _is_number(value: Any) -> bool:
     try:
-        float(value)
+        _number(value)
     except (TypeError, ValueError):
         return False
     return True

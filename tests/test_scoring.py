@@ -164,3 +164,28 @@ def test_grpo_drops_the_group_with_a_non_finite_reward(tiny_model_dir):
     for name, p in module.model.named_parameters():
         assert torch.equal(p, before[name]), name
     assert float(trainer.logged_metrics["train/reward_mean"]) == 0.5  # the dropped group is not in the statistics
+
+
+def test_a_reward_given_as_text_or_without_an_order_is_refused():
+    """Rewards as strings (an answer list returned by mistake: ``float("12")`` is 12.0) and a dict or a set of rewards
+    (``list()`` of a dict is its keys: completion indices trained as rewards) were taken silently; each stops now."""
+    examples = [{"nums": [1, 2], "target": 3}] * 2
+
+    class AnswersAsRewards(CountdownTask):
+        def reward(self, completions, examples):
+            return [str(len(c)) for c in completions]
+
+    class RewardsByIndex(CountdownTask):
+        def reward(self, completions, examples):
+            return {i: 1.0 for i in range(len(completions))}
+
+    class RewardSet(CountdownTask):
+        def reward(self, completions, examples):
+            return {1.0}
+
+    with pytest.raises(RewardError, match=r"AnswersAsRewards: reward '3' is not a number"):
+        score_completions(AnswersAsRewards(), ["1+2", "x"], examples)
+    with pytest.raises(RewardError, match=r"RewardsByIndex: the reward function returned \{0: 1.0, 1: 1.0\}, not a list"):
+        score_completions(RewardsByIndex(), ["1+2", "x"], examples)
+    with pytest.raises(RewardError, match=r"RewardSet: the reward function returned \{1.0\}, not a list"):
+        score_completions(RewardSet(), ["1+2", "x"], examples)

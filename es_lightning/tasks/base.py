@@ -13,7 +13,8 @@ the size of what they read (``max_completion_chars``).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any, ClassVar
 
 from es_lightning.signatures import accepted_options
@@ -146,7 +147,9 @@ class Task(ABC):
         correct = self._verdicts(completions, examples, correct)
         if type(self).reward is not Task.reward:  # as returned: the scorer checks it, naming a value that is no number
             rewards = self.reward(completions, examples)
-            rewards = list(rewards) if isinstance(rewards, Iterable) and not isinstance(rewards, (str, bytes)) else rewards
+            # a dict or a set is left as it is, for the scorer to refuse (list() of a dict is its keys)
+            listable = isinstance(rewards, Iterable) and not isinstance(rewards, (str, bytes, Mapping, AbstractSet))
+            rewards = list(rewards) if listable else rewards
         else:
             rewards = self._rewards(answers, correct)
         return answers, correct, rewards
