@@ -18,6 +18,7 @@ Every training rollout and every evaluation is scored through :func:`score_compl
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
@@ -60,6 +61,7 @@ def score_completions(
     Non-finite rewards are returned as they are (the caller drops their member / group, see the module docstring).
     """
     where = f"{type(task).__name__}" + (f" at step {step}" if step is not None else "")
+    _check_reward_signature(task, where)
     try:
         answers, correct, rewards = task.grade(completions, examples)
     except Exception as err:
@@ -88,6 +90,34 @@ def score_completions(
         correct=torch.tensor([bool(c) for c in correct], dtype=torch.bool),
         rewards=torch.tensor(values, dtype=torch.float32),
     )
+
+
+def _check_reward_signature(task: Task, where: str) -> None:
+    """An overridden ``reward`` must take ``(completions, examples)``. One written the TRL way —
+    ``reward(prompts, completions, **kwargs)`` — would be handed the completions as ``prompts`` and the examples as
+    ``completions`` and score the wrong thing silently, and ``reward(completions, **kwargs)`` would raise a TypeError
+    reported as a raising reward; both are named here with the signature to write."""
+    reward = getattr(type(task), "reward", None)
+    if reward is None or reward is Task.reward:
+        return
+    try:
+        signature = inspect.signature(task.reward)
+    except (TypeError, ValueError):  # a builtin or C callable: nothing to check
+        return
+    positional = [p.name for p in signature.parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    try:
+        signature.bind(["completion"], [{}])
+        fits = not positional or positional[0] != "prompts"
+    except TypeError:
+        fits = False
+    if not fits:
+        raise RewardError(
+            f"{where}: {type(task).__name__}.reward{signature} cannot be called as reward(completions, examples); a "
+            "task's reward is reward(self, completions, examples) -> list[float]: the completion texts and one example "
+            "(the row's fields as a dict) per completion, one float per completion in order (TRL's reward_funcs "
+            "signature (prompts, completions, **kwargs) is not this one: read a row's columns from its example)"
+        )
 
 
 def check_some_kept(kept: int, total: int, unit: str, step: int) -> None:

@@ -189,3 +189,29 @@ def test_a_reward_given_as_text_or_without_an_order_is_refused():
         score_completions(RewardsByIndex(), ["1+2", "x"], examples)
     with pytest.raises(RewardError, match=r"RewardSet: the reward function returned \{1.0\}, not a list"):
         score_completions(RewardSet(), ["1+2", "x"], examples)
+
+
+def test_a_reward_written_with_trls_signature_is_named_with_the_signature_to_write():
+    """TRL habits: ``reward(self, prompts, completions, **kwargs)`` was handed (completions, examples) and scored the
+    examples as completions silently; ``reward(self, completions, **kwargs)`` raised a TypeError reported as "a reward
+    function must not raise". Both name the signature to write; one that fits it is taken as it is."""
+    examples = [{"nums": [1, 2], "target": 3}] * 2
+
+    class TRLStyle(CountdownTask):
+        def reward(self, prompts, completions, **kwargs):
+            return [float(len(c)) for c in completions]
+
+    class CompletionsOnly(CountdownTask):
+        def reward(self, completions, **kwargs):
+            return [1.0] * len(completions)
+
+    class Fits(CountdownTask):
+        def reward(self, completions, examples, **kwargs):
+            return [float(len(c)) for c in completions]
+
+    fix = r"cannot be called as reward\(completions, examples\); a task's reward is reward\(self, completions, examples\)"
+    with pytest.raises(RewardError, match=r"TRLStyle at step 3: TRLStyle.reward\(prompts, completions, \*\*kwargs\) " + fix):
+        score_completions(TRLStyle(), ["1+2", "x"], examples, step=3)
+    with pytest.raises(RewardError, match=r"CompletionsOnly.reward\(completions, \*\*kwargs\) " + fix):
+        score_completions(CompletionsOnly(), ["1+2", "x"], examples)
+    assert score_completions(Fits(), ["1+2", "x"], examples).rewards.tolist() == [3.0, 1.0]
