@@ -19,6 +19,9 @@ Every training rollout and every evaluation is scored through :func:`score_compl
 from __future__ import annotations
 
 import inspect
+import os
+import sys
+import traceback
 from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
@@ -66,8 +69,8 @@ def score_completions(
         answers, correct, rewards = task.grade(completions, examples)
     except Exception as err:
         raise RewardError(
-            f"{where}: scoring {len(completions)} completions raised {type(err).__name__}: {err}. A reward function "
-            "must not raise: score a malformed completion 0 (see Task.reward)"
+            f"{where}: scoring {len(completions)} completions raised {type(err).__name__}: {err}{_raised_at(err)}. A "
+            "reward function must not raise: score a malformed completion 0 (see Task.reward)"
         ) from err
     n = len(completions)
     if not isinstance(rewards, Iterable) or isinstance(rewards, (str, bytes, Mapping, AbstractSet)):
@@ -90,6 +93,20 @@ def score_completions(
         correct=torch.tensor([bool(c) for c in correct], dtype=torch.bool),
         rewards=torch.tensor(values, dtype=torch.float32),
     )
+
+
+def _raised_at(err: BaseException) -> str:
+    """`` (in reward, my_tasks.py:12)``: the innermost frame of the task's own code that raised — outside this package
+    and the installed libraries (a library frame deep inside sympy says less), else the innermost frame. The command
+    shows one line, without the traceback."""
+    frames = traceback.extract_tb(err.__traceback__)
+    if not frames:
+        return ""
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    libraries = tuple({os.path.abspath(p) + os.sep for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)})
+    own = [f for f in frames if not os.path.abspath(f.filename).startswith((package, *libraries))]
+    frame = (own or frames)[-1]
+    return f" (in {frame.name}, {os.path.basename(frame.filename)}:{frame.lineno})"
 
 
 def _check_reward_signature(task: Task, where: str) -> None:

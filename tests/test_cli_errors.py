@@ -428,7 +428,7 @@ def test_a_task_breaking_the_scoring_contract_is_one_line():
 
     example = {"a": 1, "b": 2}
     for task, expected in ((Raising(), r"Raising at step 3: scoring 2 completions raised ZeroDivisionError: division by "
-                                       r"zero\. .* \(--debug for the traceback\)$"),
+                                       r"zero \(in grade, test_cli_errors\.py:\d+\)\. .* \(--debug for the traceback\)$"),
                            (Short(), r"Short at step 3: grade\(\) returned 1 answers for 2 completions; return one per "
                                      r"completion, in order$")):
         with pytest.raises(RewardError) as err:

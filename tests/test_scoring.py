@@ -215,3 +215,21 @@ def test_a_reward_written_with_trls_signature_is_named_with_the_signature_to_wri
     with pytest.raises(RewardError, match=r"CompletionsOnly.reward\(completions, \*\*kwargs\) " + fix):
         score_completions(CompletionsOnly(), ["1+2", "x"], examples)
     assert score_completions(Fits(), ["1+2", "x"], examples).rewards.tolist() == [3.0, 1.0]
+
+
+def test_a_raising_reward_is_located_in_the_tasks_own_code():
+    """The command shows the RewardError in one line, without the traceback: it names the function and line of the
+    task's own code that raised, not a frame of the library it called (here: the standard library's ``json``)."""
+    import json
+
+    examples = [{"nums": [1, 2], "target": 3}] * 2
+
+    class ParsesJSON(CountdownTask):
+        def reward(self, completions, examples):
+            return [float(json.loads(c)) for c in completions]
+
+    # Python 3.11 runs a list comprehension in a frame of its own (<listcomp>); 3.12 inlines it into reward
+    with pytest.raises(RewardError, match=r"raised JSONDecodeError: .*\(in (reward|<listcomp>), test_scoring.py:\d+\)\."):
+        score_completions(ParsesJSON(), ["1+2", "x"], examples, step=2)
+    with pytest.raises(RewardError, match=r"raised ZeroDivisionError: division by zero \(in reward, test_scoring.py:\d+\)"):
+        score_completions(_Raises(), ["1+2", "x"], examples)
