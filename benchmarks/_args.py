@@ -1,6 +1,6 @@
-"""Argument types the benchmarks share: a count below its minimum is refused by argparse in one line naming the option
-(``argument --rounds: must be at least 1, got 0``) before anything loads, instead of a traceback after the runs (a
-median of no rounds, a ratio over no timed steps)."""
+"""What the benchmarks share: argument types — a count below its minimum is refused by argparse in one line naming the
+option (``argument --rounds: must be at least 1, got 0``) before anything loads, instead of a traceback after the runs
+(a median of no rounds, a ratio over no timed steps) — and the order of a round's sides."""
 
 from __future__ import annotations
 
@@ -20,3 +20,10 @@ def at_least(minimum: int):
         return value
 
     return count
+
+
+def round_order(sides: list, round_index: int) -> list:
+    """The sides of round ``round_index`` in the order they run: reversed on odd rounds, so that no side always runs
+    first (on a machine getting busier, or right after the other side's process) — the project's rule that rounds
+    alternate."""
+    return list(sides) if round_index % 2 == 0 else list(sides)[::-1]

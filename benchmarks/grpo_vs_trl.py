@@ -36,7 +36,7 @@ import tempfile
 import time
 import warnings
 
-from _args import at_least  # benchmarks/_args.py: the script's own directory is on sys.path
+from _args import at_least, round_order  # benchmarks/_args.py: the script's own directory is on sys.path
 
 
 def _rss_mb() -> float:
@@ -199,8 +199,8 @@ def main() -> None:
 
     ctx = mp.get_context("spawn")
     runs: dict[str, list[dict]] = {}
-    for _ in range(args.rounds):  # alternate the sides so that a busy machine slows both alike
-        for target in (run_ours, run_trl):
+    for r in range(args.rounds):  # alternate the sides so that a busy machine slows both alike
+        for target in round_order([run_ours, run_trl], r):
             queue = ctx.Queue()
             proc = ctx.Process(target=target, args=(args, queue))
             proc.start()

@@ -37,7 +37,7 @@ import tempfile
 import time
 
 import torch
-from _args import at_least  # benchmarks/_args.py: the script's own directory is on sys.path
+from _args import at_least, round_order  # benchmarks/_args.py: the script's own directory is on sys.path
 
 BLOCKS = r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$"
 
@@ -114,7 +114,7 @@ def module_steps(name: str, path: str, args, device: str = "cpu", dtype: str = "
             self.seconds = time.perf_counter() - self.t0
 
     for r in range(args.rounds + 1):  # round 0 builds the engines and warms every path up; not counted
-        for what, (module, set_options) in paths.items():
+        for what, (module, set_options) in round_order(list(paths.items()), r):
             module = module if module is not None else paths["es / vllm engine-side"][0]
             module.generation_options.update(set_options)
             timer = Timer()

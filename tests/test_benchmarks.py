@@ -129,3 +129,44 @@ def test_grpo_vs_trl_both_sides_run():
         queue = _Queue()
         side(args, queue)
         assert queue[0]["steps"] == 1 and queue[0]["s_per_step"] > 0, side.__name__
+
+
+def test_grpo_vs_trl_rounds_alternate_which_side_runs_first(monkeypatch, capsys):
+    """The project's rule for a headline ratio: rounds alternate. Ours ran first in every round."""
+    import queue
+
+    grpo_vs_trl = _script("grpo_vs_trl")
+    order = []
+
+    def side(name):
+        def run(args, result_queue):
+            order.append(name)
+            result_queue.put({"name": name, "steps": 1, "s_per_step": 1.0, "s_per_step_mean": 1.0, "s_per_step_min": 1.0,
+                              "peak_rss_mb": 1.0, "train_delta_rss_mb": 1.0, "last_reward_mean": 0.0})
+        return run
+
+    class InProcess:  # the side runs in this process: the order is what is under test
+        def __init__(self, target, args):
+            self.target, self.args, self.exitcode = target, args, 0
+
+        def start(self):
+            self.target(*self.args)
+
+        def join(self):
+            pass
+
+        def is_alive(self):
+            return False
+
+    class Context:
+        Process = InProcess
+        Queue = queue.Queue
+
+    monkeypatch.setattr(grpo_vs_trl, "run_ours", side("es-lightning GRPOModule"))
+    monkeypatch.setattr(grpo_vs_trl, "run_trl", side("TRL GRPOTrainer"))
+    monkeypatch.setattr(grpo_vs_trl.mp, "get_context", lambda method: Context())
+    monkeypatch.setattr(sys, "argv", ["grpo_vs_trl.py", "--rounds", "3"])
+    grpo_vs_trl.main()
+    assert order == ["es-lightning GRPOModule", "TRL GRPOTrainer", "TRL GRPOTrainer", "es-lightning GRPOModule",
+                     "es-lightning GRPOModule", "TRL GRPOTrainer"]
+    assert "ratio ours/TRL: median s/step 1.00" in capsys.readouterr().out
