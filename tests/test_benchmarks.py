@@ -170,3 +170,26 @@ def test_grpo_vs_trl_rounds_alternate_which_side_runs_first(monkeypatch, capsys)
     assert order == ["es-lightning GRPOModule", "TRL GRPOTrainer", "TRL GRPOTrainer", "es-lightning GRPOModule",
                      "es-lightning GRPOModule", "TRL GRPOTrainer"]
     assert "ratio ours/TRL: median s/step 1.00" in capsys.readouterr().out
+
+
+def test_gpu_check_rehearsal_with_vllm_rehearses_the_vllm_checks(monkeypatch, tmp_path):
+    """``gpu_check.py --cpu-rehearsal --vllm`` skipped the vLLM checks in silence and said "all checks passed"; it runs
+    gpu_check_vllm.py's own rehearsal now (the sharding checks' fits are stood in for here: only the wiring is tested)."""
+    gpu_check = _script("gpu_check")
+    commands = []
+
+    def fit(tmp, name, **kw):
+        if kw.get("checkpoints"):
+            os.makedirs(kw["checkpoints"], exist_ok=True)
+        return {"weights": {"1": {"w": [0.0]}, "2": {"w": [0.0]}}, "sharded": True, "grad_norm": 1.0}
+
+    def run(cmd, **kw):
+        commands.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(gpu_check, "_fit", fit)
+    monkeypatch.setattr(gpu_check.subprocess, "run", run)
+    monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--cpu-rehearsal", "--vllm"])
+    with pytest.raises(SystemExit):
+        gpu_check.main()
+    assert [cmd[1:] for cmd in commands] == [[os.path.join(BENCHMARKS, "gpu_check_vllm.py"), "--cpu-rehearsal"]]
