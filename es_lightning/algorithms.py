@@ -253,6 +253,10 @@ def check_types(owner: str, values: Mapping[str, Any], hints: Mapping[str, Any])
             fix = "; pass a number, not a string" if hint in (int, float) else ""
         elif hint is str and isinstance(value, os.PathLike):
             fix = f"; pass {name}=str(path)"
+        elif name == "task" and callable(value) and not isinstance(value, type):  # a TRL reward function
+            from es_lightning.tasks.base import REWARD_FUNCTION_FIX
+
+            fix = f"; {REWARD_FUNCTION_FIX}"
         raise TypeError(f"{owner}: {name} must be {expected}, got {value!r} ({type(value).__name__}){fix}")
 
 

@@ -233,3 +233,24 @@ def test_a_raising_reward_is_located_in_the_tasks_own_code():
         score_completions(ParsesJSON(), ["1+2", "x"], examples, step=2)
     with pytest.raises(RewardError, match=r"raised ZeroDivisionError: division by zero \(in reward, test_scoring.py:\d+\)"):
         score_completions(_Raises(), ["1+2", "x"], examples)
+
+
+def test_trls_reward_funcs_habits_are_answered_with_the_task_reward_to_write():
+    """A TRL user's first tries — ``reward_funcs=[f]``, a bare function as the task — were refused without the way to
+    give a reward here (an unknown keyword's list of accepted ones; "get_task expects ... got function")."""
+    from es_lightning.tasks import get_task
+
+    def my_reward(prompts, completions, **kwargs):
+        return [1.0] * len(completions)
+
+    fix = r"subclass a task \(e.g. CountdownTask\) and override reward\(self, completions, examples\) -> list\[float\]"
+    with pytest.raises(TypeError, match=r"GRPOModule: reward_funcs is TRL's GRPOTrainer argument, not ours; .*" + fix):
+        GRPOModule(reward_funcs=[my_reward])
+    with pytest.raises(TypeError, match=r"ESModule: reward_funcs and reward_weights are TRL's GRPOTrainer arguments"):
+        ESModule(reward_funcs=[my_reward], reward_weights=[1.0])
+    with pytest.raises(TypeError, match=r"GRPOModule: task must be .*\(function\); .*" + fix):
+        GRPOModule(task=my_reward)
+    with pytest.raises(TypeError, match=r"got function my_reward; .*" + fix):
+        ReasoningDataModule(task=my_reward)
+    with pytest.raises(TypeError, match=r"got function my_reward; .*" + fix):
+        get_task(my_reward)

@@ -51,6 +51,13 @@ def build_module_init(cls: type, base_cls: type, algorithm: type[Algorithm]) -> 
             bound = signature.bind(self, *args, **kwargs)
         except TypeError as err:  # an unknown or misspelt keyword
             accepted = [p.name for p in params[1:]]
+            trl = [k for k in ("reward_funcs", "reward_weights") if k in kwargs]
+            if trl:  # TRL's GRPOTrainer arguments: the reward is the task's here
+                from es_lightning.tasks.base import REWARD_FUNCTION_FIX
+
+                what = "is TRL's GRPOTrainer argument" if len(trl) == 1 else "are TRL's GRPOTrainer arguments"
+                raise TypeError(f"{type(self).__name__}: {' and '.join(trl)} {what}, not ours; "
+                                f"{REWARD_FUNCTION_FIX}") from None
             raise TypeError(f"{type(self).__name__}: {err}; accepted: {accepted}") from None
         bound.apply_defaults()
         values = {k: v for k, v in bound.arguments.items() if k != "self"}

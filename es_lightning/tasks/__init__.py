@@ -16,7 +16,7 @@ import importlib
 from typing import Any
 
 from es_lightning.tasks.arithmetic import AdditionTask, SortTask
-from es_lightning.tasks.base import Task
+from es_lightning.tasks.base import REWARD_FUNCTION_FIX, Task
 from es_lightning.tasks.countdown import CountdownTask
 from es_lightning.tasks.gsm8k import GSM8KTask
 from es_lightning.tasks.math import MathTask
@@ -48,7 +48,9 @@ def get_task(name_or_task: str | Task | type[Task], **kwargs: Any) -> Task:
     if isinstance(name_or_task, type) and issubclass(name_or_task, Task):
         return name_or_task(**kwargs)
     if not isinstance(name_or_task, str):
-        raise TypeError(f"get_task expects a task name, a Task subclass or instance, got {type(name_or_task).__name__}")
+        fix = f" {getattr(name_or_task, '__name__', '')}; {REWARD_FUNCTION_FIX}" if callable(name_or_task) else ""
+        raise TypeError(f"get_task expects a task name, a Task subclass or instance, got "
+                        f"{type(name_or_task).__name__}{fix}")
     key = name_or_task.strip().lower()
     if key in TASKS:
         return TASKS[key](**kwargs)

@@ -23,6 +23,11 @@ from es_lightning.signatures import accepted_options
 TASK_KEY = "es_lightning_task"
 
 
+#: the fix named wherever a TRL-style reward function (``reward_funcs``, a bare function as the task) is handed in
+REWARD_FUNCTION_FIX = ("a reward function is a task's method here: subclass a task (e.g. CountdownTask) and override "
+                       "reward(self, completions, examples) -> list[float] (one float per completion, in order), then "
+                       "pass task=MyTask() (README \"Pointing at a real model and dataset\")")
+
 class Task(ABC):
     """Base class of all tasks. Subclasses set ``name``/``required_columns`` and implement three methods.
 
