@@ -31,6 +31,14 @@ import time
 
 from _args import at_least  # benchmarks/_args.py: the script's own directory is on sys.path
 
+#: what one process of each configuration does in a step (the module docstring's list)
+CONFIGS = {
+    "1": "all {n} members on all {b} prompts (the reference)",
+    "ddp": "DDP: half the members on all {b} prompts, full weights",
+    "fsdp2": "FSDP2 (ModelParallelStrategy): all {n} members on half the prompts, weights sharded",
+    "fsdp": "FSDP1 (FSDPStrategy): all {n} members on half the prompts, weights sharded",
+}
+
 
 def run_one(args) -> None:
     """One configuration, in this process (and its DDP/FSDP siblings): writes rank 0's timing to ``args.out``."""
@@ -111,11 +119,13 @@ def main() -> None:
           f"{args.threads} thread(s) per process, {args.accelerator}; {os.cpu_count()} cores, load average "
           f"{load_before:.1f} before / {os.getloadavg()[0]:.1f} after (other work competes for the cores)")
     base = results.get("1", {}).get("steps_per_s")
-    print(f"{'config':<10}{'processes':>10}{'steps/s':>10}{'speed-up':>10}{'efficiency':>12}")
+    print(f"{'config':<10}{'processes':>10}{'steps/s':>10}{'speed-up':>10}{'efficiency':>12}  what each process does")
     for config, r in results.items():
         procs = 1 if config == "1" else 2
         speedup = r["steps_per_s"] / base if base else float("nan")
-        print(f"{config:<10}{procs:>10}{r['steps_per_s']:>10.3f}{speedup:>10.2f}{speedup / procs:>12.2f}")
+        print(f"{config:<10}{procs:>10}{r['steps_per_s']:>10.3f}{speedup:>10.2f}{speedup / procs:>12.2f}  "
+              + CONFIGS[config].format(n=args.population, b=args.batch))
+    print("efficiency = speed-up / processes (1.00: perfect scaling)")
 
 
 if __name__ == "__main__":

@@ -193,3 +193,23 @@ def test_gpu_check_rehearsal_with_vllm_rehearses_the_vllm_checks(monkeypatch, tm
     with pytest.raises(SystemExit):
         gpu_check.main()
     assert [cmd[1:] for cmd in commands] == [[os.path.join(BENCHMARKS, "gpu_check_vllm.py"), "--cpu-rehearsal"]]
+
+
+def test_es_scaling_table_says_what_each_configuration_does(monkeypatch, capsys):
+    """The table named its rows "1", "ddp", "fsdp2" alone: what is split across the processes (members or prompts)
+    is what the efficiency is about. (The configurations' fits are stood in for: only the table is tested here.)"""
+    es_scaling = _script("es_scaling")
+
+    def run(cmd, **kw):
+        out = cmd[cmd.index("--out") + 1]
+        with open(out, "w") as f:
+            json.dump({"steps": 1, "seconds": 1.0, "steps_per_s": 1.0}, f)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(es_scaling.subprocess, "run", run)
+    monkeypatch.setattr(sys, "argv", ["es_scaling.py", "--population", "4", "--batch", "6"])
+    es_scaling.main()
+    out = capsys.readouterr().out
+    assert "all 4 members on all 6 prompts (the reference)" in out
+    assert "DDP: half the members on all 6 prompts, full weights" in out
+    assert "FSDP2 (ModelParallelStrategy): all 4 members on half the prompts, weights sharded" in out
