@@ -19,6 +19,8 @@ model is loaded) is its own:
 (e) one AdamW GRPO-style training step (forward + backward over the B×N sampled sequences, AdamW update).
 
 Prints a/b, a/c, a/d (and a1/b, a1/c) and each variant's peak memory; targets: a/c ≤ 1.15, a/b ≤ 0.8, ES memory ≤ 0.5 × (e).
+A variant's time is the median of its ``--steps`` steps after the first; ``--rounds R`` runs the six variants R times,
+the order reversed on odd rounds (a machine getting busier then slows them alike), and prints the medians.
 
 Population modes, ``--lowrank`` (issue 14: EGGROLL low-rank members, :mod:`es_lightning.es.lowrank`)::
 
@@ -56,11 +58,18 @@ import subprocess
 import sys
 import time
 
-from _args import at_least  # benchmarks/_args.py: the script's own directory is on sys.path
+from _args import at_least, round_order  # benchmarks/_args.py: the script's own directory is on sys.path
 
 
 def _rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _median_after_warmup(times: list[float]) -> float:
+    """The median step time, the first step (a warm-up: thread pools, lazy initialisation) left out."""
+    import statistics
+
+    return statistics.median(times[1:])
 
 
 def _setup(args):
@@ -112,7 +121,7 @@ def variant_a(args, members_per_batch=None):
                         limit_val_batches=0, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[timer, ParameterDrift(every_n_steps=0)])  # the step alone, no drift
     trainer.fit(module, dm)
-    return {"s_per_step": sum(timer.times[1:]) / max(1, len(timer.times) - 1), "peak_mb": _rss_mb() - base}
+    return {"s_per_step": _median_after_warmup(timer.times), "peak_mb": _rss_mb() - base}
 
 
 def variant_b(args):
@@ -140,7 +149,7 @@ def variant_b(args):
                 for p in model.parameters():
                     p.add_(lr / n * z[member] * torch.randn_like(p))
             times.append(time.perf_counter() - t)
-    return {"s_per_step": sum(times[1:]) / max(1, len(times) - 1), "peak_mb": _rss_mb() - base}
+    return {"s_per_step": _median_after_warmup(times), "peak_mb": _rss_mb() - base}
 
 
 def variant_c(args, one_batch=False):
@@ -156,7 +165,7 @@ def variant_c(args, one_batch=False):
                 for _ in range(args.population):
                     _hf_generate(policy, prompts, args.max_new_tokens)
             times.append(time.perf_counter() - t)
-    return {"s_per_step": sum(times[1:]) / max(1, len(times) - 1), "peak_mb": _rss_mb() - base}
+    return {"s_per_step": _median_after_warmup(times), "peak_mb": _rss_mb() - base}
 
 
 def variant_e(args):
@@ -178,7 +187,7 @@ def variant_e(args):
         opt.step()
         opt.zero_grad()
         times.append(time.perf_counter() - t)
-    return {"s_per_step": sum(times[1:]) / max(1, len(times) - 1), "peak_mb": _rss_mb() - base}
+    return {"s_per_step": _median_after_warmup(times), "peak_mb": _rss_mb() - base}
 
 
 # ---------------------------------------------------------------------------------------------------- population modes
@@ -403,7 +412,9 @@ def main() -> None:
                         help="--lowrank: builtin (= --model) and/or qwen-like (the fixture, V=151,936), comma-separated")
     parser.add_argument("--modes", default="l,a,a1", help="--lowrank: which ES modes (l, a, a1), comma-separated")
     parser.add_argument("--rank", type=at_least(1), default=1, help="--lowrank: noise rank of (l) (EGGROLL learns from rank 1)")
-    parser.add_argument("--rounds", type=at_least(1), default=5, help="--lowrank: timed steps per mode (+1 warm-up)")
+    parser.add_argument("--rounds", type=at_least(1), default=None,
+                        help="--lowrank: timed steps per mode (+1 warm-up; default 5); otherwise: rounds of the six "
+                             "variants, each a fresh process, the order reversed on odd rounds (default 1; medians)")
     parser.add_argument("--dtype", default=None, help="--lowrank: model dtype (default fp32 built-in, bf16 Qwen-like)")
     parser.add_argument("--samples", type=at_least(1), default=1, help="--lowrank: samples_per_member n")
     parser.add_argument("--temperature", type=float, default=0.0, help="--lowrank: 0 = greedy (Ba et al.)")
@@ -423,21 +434,31 @@ def main() -> None:
         print(json.dumps(VARIANTS[args.variant](args)))
         return
     if args.lowrank:
+        args.rounds = args.rounds or 5
         return lowrank_main(args)
-    results = {}
-    for name in ("a", "a1", "b", "c", "d", "e"):  # the --lowrank variants run in lowrank_main
-        cmd = [sys.executable, __file__, "--variant", name] + [
-            f"--model={args.model}", f"--population={args.population}", f"--batch={args.batch}",
-            f"--max-new-tokens={args.max_new_tokens}", f"--steps={args.steps}",
-            f"--members-per-batch={args.members_per_batch}", f"--threads={args.threads}",
-        ]
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
-        results[name] = json.loads(out)
-        print(f"({name}) {results[name]['s_per_step']:.3f} s/step, peak +{results[name]['peak_mb']:.1f} MB", flush=True)
+    import statistics
+
+    rounds = args.rounds or 1
+    runs: dict[str, list[dict]] = {}
+    for r in range(rounds):  # the --lowrank variants run in lowrank_main
+        for name in round_order(["a", "a1", "b", "c", "d", "e"], r):
+            cmd = [sys.executable, __file__, "--variant", name] + [
+                f"--model={args.model}", f"--population={args.population}", f"--batch={args.batch}",
+                f"--max-new-tokens={args.max_new_tokens}", f"--steps={args.steps}",
+                f"--members-per-batch={args.members_per_batch}", f"--threads={args.threads}",
+            ]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode:
+                sys.exit(f"variant ({name}) failed:\n{proc.stderr[-3000:]}")
+            runs.setdefault(name, []).append(json.loads(proc.stdout.strip().splitlines()[-1]))
+            last = runs[name][-1]
+            print(f"round {r + 1} ({name}) {last['s_per_step']:.3f} s/step, peak +{last['peak_mb']:.1f} MB", flush=True)
+    results = {name: {key: statistics.median(run[key] for run in rs) for key in rs[0]} for name, rs in runs.items()}
     a, a1, b, c, d, e = (results[k] for k in ("a", "a1", "b", "c", "d", "e"))
     k = args.members_per_batch or args.population
     print(f"\nN={args.population} B={args.batch} max_new_tokens={args.max_new_tokens} model={args.model} "
-          f"(a: members_per_batch={k}; a1: members_per_batch=1)")
+          f"(a: members_per_batch={k}; a1: members_per_batch=1); medians of {rounds} round(s) of alternating order, "
+          f"each the median of {args.steps - 1} timed step(s)")
     print(f"a/b (ESModule / plain ES loop)        = {a['s_per_step'] / b['s_per_step']:.2f}   target <= 0.80")
     print(f"a/c (ESModule / inference, N calls)   = {a['s_per_step'] / c['s_per_step']:.2f}   target <= 1.15")
     print(f"a/d (ESModule / inference, one batch) = {a['s_per_step'] / d['s_per_step']:.2f}   reported")

@@ -213,3 +213,32 @@ def test_es_scaling_table_says_what_each_configuration_does(monkeypatch, capsys)
     assert "all 4 members on all 6 prompts (the reference)" in out
     assert "DDP: half the members on all 6 prompts, full weights" in out
     assert "FSDP2 (ModelParallelStrategy): all 4 members on half the prompts, weights sharded" in out
+
+
+def test_es_step_table_alternates_its_rounds_and_takes_medians(monkeypatch, capsys):
+    """The default table ran each variant once, (a) first, and a variant's time was the mean of its steps; its rounds
+    now alternate and the ratios are of medians. A failed variant says why (it raised CalledProcessError without the
+    child's error). (The variants' processes are stood in for: the plumbing is tested here.)"""
+    es_step = _script("es_step")
+    order = []
+    seconds = {"a": [1.0, 9.0, 1.0], "b": [2.0, 2.0, 2.0]}  # (a)'s second round disturbed: the median ignores it
+
+    def run(cmd, **kw):
+        name = cmd[cmd.index("--variant") + 1]
+        order.append(name)
+        s = seconds.get(name, [1.0] * 3)[sum(n == name for n in order) - 1]
+        return subprocess.CompletedProcess(cmd, 0, json.dumps({"s_per_step": s, "peak_mb": 1.0}) + "\n", "")
+
+    monkeypatch.setattr(es_step.subprocess, "run", run)
+    monkeypatch.setattr(sys, "argv", ["es_step.py", "--rounds", "3"])
+    es_step.main()
+    assert order == ["a", "a1", "b", "c", "d", "e", "e", "d", "c", "b", "a1", "a", "a", "a1", "b", "c", "d", "e"]
+    assert "a/b (ESModule / plain ES loop)        = 0.50" in capsys.readouterr().out
+
+    def fails(cmd, **kw):
+        return subprocess.CompletedProcess(cmd, 1, "", "Traceback ...\nValueError: the child's own error")
+
+    monkeypatch.setattr(es_step.subprocess, "run", fails)
+    with pytest.raises(SystemExit, match="(?s)variant \\(a\\) failed:\n.*the child's own error"):
+        es_step.main()
+    assert es_step._median_after_warmup([5.0, 1.0, 3.0, 2.0]) == 2.0
