@@ -219,9 +219,14 @@ def print_tables(steps: list, members: list) -> None:
             print(f"{what:<{width}} {seconds:>9.4f} {n:>7}")
 
 
-def main() -> None:
+#: --tiny's sizes: defaults, so that an option given beside --tiny still counts (``--tiny --rounds 3``)
+TINY = dict(rounds=1, prompts=2, group_size=2, max_new_tokens=4, population=2)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tiny", action="store_true", help="a smoke run: 1 round, 2 prompts, 4 tokens, population 2")
+    parser.add_argument("--tiny", action="store_true",
+                        help="a smoke run: 1 round, 2 prompts, 4 tokens, population 2 (options given beside it win)")
     parser.add_argument("--rounds", type=at_least(1), default=5)
     parser.add_argument("--prompts", type=at_least(1), default=16, help="prompts per ES step / GRPO batch")
     parser.add_argument("--population", type=at_least(2), default=8, help="ES members per step")
@@ -233,14 +238,19 @@ def main() -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     parser.add_argument("--models", default="builtin,qwen-like", help="comma-separated: builtin, qwen-like")
     parser.add_argument("--tables", default="steps,members", help="comma-separated: steps, members")
-    args = parser.parse_args()
+    if parser.parse_known_args(argv)[0].tiny:
+        parser.set_defaults(**TINY)
+    args = parser.parse_args(argv)
     for option, given, known in (("--models", args.models, ("builtin", "qwen-like")),
                                  ("--tables", args.tables, ("steps", "members"))):
         unknown = [v for v in given.split(",") if v not in known]
         if unknown:
             parser.error(f"{option}: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(known)}")
-    if args.tiny:
-        args.rounds, args.prompts, args.group_size, args.max_new_tokens, args.population = 1, 2, 2, 4, 2
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     from es_lightning.policy import resolve_model_path
 

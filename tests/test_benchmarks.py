@@ -250,3 +250,11 @@ def test_es_step_table_alternates_its_rounds_and_takes_medians(monkeypatch, caps
     with pytest.raises(SystemExit, match="(?s)variant \\(a\\) failed:\n.*the child's own error"):
         es_step.main()
     assert es_step._median_after_warmup([5.0, 1.0, 3.0, 2.0]) == 2.0
+
+
+def test_vllm_step_tiny_sets_defaults_that_options_beside_it_override():
+    """``--tiny --rounds 3`` ran one round: --tiny overwrote every size after parsing, whatever else was given."""
+    vllm_step = _script("vllm_step")
+    args = vllm_step.parse_args(["--tiny", "--rounds", "3", "--population", "4"])
+    assert (args.rounds, args.population, args.prompts, args.group_size, args.max_new_tokens) == (3, 4, 2, 2, 4)
+    assert vllm_step.parse_args([]).rounds == 5 and vllm_step.parse_args(["--tiny"]).rounds == 1
