@@ -32,7 +32,7 @@ from torch import Tensor
 
 from es_lightning.tasks import Task
 
-__all__ = ["RewardError", "Scores", "check_some_kept", "score_completions"]
+__all__ = ["RewardError", "Scores", "check_reward_signature", "check_some_kept", "score_completions"]
 
 
 class RewardError(RuntimeError):
@@ -64,7 +64,7 @@ def score_completions(
     Non-finite rewards are returned as they are (the caller drops their member / group, see the module docstring).
     """
     where = f"{type(task).__name__}" + (f" at step {step}" if step is not None else "")
-    _check_reward_signature(task, where)
+    check_reward_signature(task, where)
     try:
         answers, correct, rewards = task.grade(completions, examples)
     except Exception as err:
@@ -109,8 +109,9 @@ def _raised_at(err: BaseException) -> str:
     return f" (in {frame.name}, {os.path.basename(frame.filename)}:{frame.lineno})"
 
 
-def _check_reward_signature(task: Task, where: str) -> None:
-    """An overridden ``reward`` must take ``(completions, examples)``. One written the TRL way —
+def check_reward_signature(task: Task, where: str | None = None) -> None:
+    """An overridden ``reward`` must take ``(completions, examples)`` (checked at every scoring, and by the module's
+    ``setup`` before the model loads and the first rollouts are generated). One written the TRL way —
     ``reward(prompts, completions, **kwargs)`` — would be handed the completions as ``prompts`` and the examples as
     ``completions`` and score the wrong thing silently, and ``reward(completions, **kwargs)`` would raise a TypeError
     reported as a raising reward; both are named here with the signature to write."""
@@ -130,7 +131,7 @@ def _check_reward_signature(task: Task, where: str) -> None:
         fits = False
     if not fits:
         raise RewardError(
-            f"{where}: {type(task).__name__}.reward{signature} cannot be called as reward(completions, examples); a "
+            f"{where or type(task).__name__}: {type(task).__name__}.reward{signature} cannot be called as reward(completions, examples); a "
             "task's reward is reward(self, completions, examples) -> list[float]: the completion texts and one example "
             "(the row's fields as a dict) per completion, one float per completion in order (TRL's reward_funcs "
             "signature (prompts, completions, **kwargs) is not this one: read a row's columns from its example)"

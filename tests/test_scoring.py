@@ -254,3 +254,23 @@ def test_trls_reward_funcs_habits_are_answered_with_the_task_reward_to_write():
         ReasoningDataModule(task=my_reward)
     with pytest.raises(TypeError, match=r"got function my_reward; .*" + fix):
         get_task(my_reward)
+
+
+@pytest.mark.parametrize("module_cls", [ESModule, GRPOModule])
+def test_a_reward_with_trls_signature_is_refused_before_the_first_rollout(tiny_model_dir, module_cls):
+    """The signature was only checked when the first completions were scored — after a validation pass or a step's
+    rollouts (minutes on a real model). Here ``prompt`` raises, so any rollout would surface as that error."""
+
+    class TRLStyle(CountdownTask):
+        def reward(self, prompts, completions, **kwargs):
+            return [1.0] * len(completions)
+
+        def prompt(self, example):
+            raise AssertionError("a rollout started")
+
+    dm = ReasoningDataModule(task=TRLStyle(), train_size=8, val_size=4, test_size=4, batch_size=4)
+    module = module_cls(model=tiny_model_dir, max_new_tokens=2, **({"group_size": 2} if module_cls is GRPOModule else
+                                                                   {"population_size": 2}))
+    with pytest.raises(RewardError, match=r"^TRLStyle: TRLStyle.reward\(prompts, completions, \*\*kwargs\) cannot be"):
+        L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                  enable_model_summary=False).fit(module, dm)

@@ -48,7 +48,7 @@ from es_lightning.precision import (
     masters_from_weights,
     optimizer_parameter_names,
 )
-from es_lightning.scoring import Scores, score_completions
+from es_lightning.scoring import Scores, check_reward_signature, score_completions
 from es_lightning.tasks import Task, get_task
 from es_lightning.tasks.base import TASK_KEY, task_record
 
@@ -450,6 +450,10 @@ class ReasoningModule(L.LightningModule):
             from es_lightning.distributed import destroy_process_group_at_exit
 
             destroy_process_group_at_exit()
+        dm = getattr(self._trainer, "datamodule", None)
+        task = self._task if self._task is not None else getattr(dm, "task", None)
+        if isinstance(task, Task):  # a reward with TRL's signature: said now, not after the first rollouts
+            check_reward_signature(task)
         if stage == "fit" and self.algorithm is not None:
             batch_size = self.train_batch_size()
             if batch_size is not None:
