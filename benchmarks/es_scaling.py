@@ -126,6 +126,9 @@ def main() -> None:
         print(f"{config:<10}{procs:>10}{r['steps_per_s']:>10.3f}{speedup:>10.2f}{speedup / procs:>12.2f}  "
               + CONFIGS[config].format(n=args.population, b=args.batch))
     print("efficiency = speed-up / processes (1.00: perfect scaling)")
+    failed = [config for config in ["1", *args.strategies] if config not in results]
+    if failed:
+        sys.exit(f"failed: {', '.join(failed)} (the errors are above)")
 
 
 if __name__ == "__main__":

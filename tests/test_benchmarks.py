@@ -258,3 +258,23 @@ def test_vllm_step_tiny_sets_defaults_that_options_beside_it_override():
     args = vllm_step.parse_args(["--tiny", "--rounds", "3", "--population", "4"])
     assert (args.rounds, args.population, args.prompts, args.group_size, args.max_new_tokens) == (3, 4, 2, 2, 4)
     assert vllm_step.parse_args([]).rounds == 5 and vllm_step.parse_args(["--tiny"]).rounds == 1
+
+
+def test_es_scaling_exits_non_zero_when_a_configuration_fails(monkeypatch, capsys):
+    """A configuration that failed printed its error and was left out of the table, and the script exited 0 — a
+    table without its reference row ("1") read as a run that worked."""
+    es_scaling = _script("es_scaling")
+
+    def run(cmd, **kw):
+        config = cmd[cmd.index("--config") + 1]
+        if config == "ddp":
+            return subprocess.CompletedProcess(cmd, 1, "", "RuntimeError: the ddp run's own error")
+        with open(cmd[cmd.index("--out") + 1], "w") as f:
+            json.dump({"steps": 1, "seconds": 1.0, "steps_per_s": 1.0}, f)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(es_scaling.subprocess, "run", run)
+    monkeypatch.setattr(sys, "argv", ["es_scaling.py"])
+    with pytest.raises(SystemExit, match="failed: ddp"):
+        es_scaling.main()
+    assert "the ddp run's own error" in capsys.readouterr().err
