@@ -75,6 +75,7 @@ def run_ours(args, queue) -> None:
     warnings.filterwarnings("ignore")
     task, examples = _examples(args)
     times: list[float] = []
+    lengths: list[float] = []  # mean completion tokens of each step: the work a step's time is for
 
     class Timer(L.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
@@ -82,6 +83,7 @@ def run_ours(args, queue) -> None:
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             times.append(time.perf_counter() - self.t)
+            lengths.append(float(trainer.callback_metrics["train/completions/mean_length"]))
 
     data = ReasoningDataModule(task=task, train_size=len(examples), val_size=4, test_size=4,
                                batch_size=args.batch_size)
@@ -99,7 +101,7 @@ def run_ours(args, queue) -> None:
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     trainer.fit(module, data)
-    queue.put(_report("es-lightning GRPOModule", times, args, before, device,
+    queue.put(_report("es-lightning GRPOModule", times, lengths, args, before, device,
                       float(trainer.logged_metrics["train/reward_mean"])))
 
 
@@ -115,6 +117,7 @@ def run_trl(args, queue) -> None:
     warnings.filterwarnings("ignore")
     task, examples = _examples(args)
     times: list[float] = []
+    lengths: list[float] = []  # mean completion tokens of each step: the work a step's time is for
 
     class Timer(TrainerCallback):
         def on_step_begin(self, a, state, control, **kw):
@@ -122,6 +125,7 @@ def run_trl(args, queue) -> None:
 
         def on_step_end(self, a, state, control, **kw):
             times.append(time.perf_counter() - self.t)
+            lengths.append(float(self.trainer._metrics["train"]["completions/mean_length"][-1]))  # this step's
 
     def countdown_reward(completions, nums, target, **kw):
         return task.reward(completions, [{"nums": n, "target": t} for n, t in zip(nums, target)])
@@ -138,24 +142,28 @@ def run_trl(args, queue) -> None:
             temperature=1.0, save_strategy="no", logging_steps=10**6, bf16=False, gradient_checkpointing=False,
             shuffle_dataset=False, seed=0, dataloader_num_workers=0, disable_tqdm=True,
         )
+        timer = Timer()
         trainer = GRPOTrainer(model=policy.model, reward_funcs=countdown_reward, args=config,
                               train_dataset=Dataset.from_list(rows), processing_class=policy.tokenizer,
-                              callbacks=[Timer()])
+                              callbacks=[timer])
+        timer.trainer = trainer
         before = _rss_mb()
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         trainer.train()
     rewards = trainer._metrics["train"].get("reward", [float("nan")])
-    queue.put(_report("TRL GRPOTrainer", times, args, before, device, rewards[-1] if rewards else float("nan")))
+    queue.put(_report("TRL GRPOTrainer", times, lengths, args, before, device,
+                      rewards[-1] if rewards else float("nan")))
 
 
-def _report(name, times, args, rss_before, device, last_reward) -> dict:
+def _report(name, times, lengths, args, rss_before, device, last_reward) -> dict:
     import torch
 
     steady = times[args.warmup:] or times
     report = {
         "name": name,
         "steps": len(times),
+        "mean_length": statistics.fmean(lengths[args.warmup:] or lengths),
         "s_per_step": statistics.median(steady),
         "s_per_step_mean": statistics.fmean(steady),
         "s_per_step_min": min(steady),
@@ -212,7 +220,7 @@ def main() -> None:
           f"max_new_tokens={args.max_new_tokens} steps={args.steps} (+{args.warmup} warm-up) threads={args.threads} "
           f"rounds={args.rounds}")
     header = (f"{'':26}{'s/step (median)':>16}{'s/step (min)':>14}{'s/step (mean)':>15}{'peak RSS MB':>13}"
-              f"{'train ΔRSS MB':>15}")
+              f"{'train ΔRSS MB':>15}{'tokens/completion':>19}")
     cuda = "cuda_peak_mb" in next(iter(runs.values()))[0]
     print(header + (f"{'CUDA peak MB':>14}" if cuda else ""))
     summary = {}
@@ -220,13 +228,15 @@ def main() -> None:
         summary[name] = m = {k: statistics.median(r[k] for r in rs) for k in rs[0] if k != "name"}
         m["s_per_step_min"] = min(r["s_per_step_min"] for r in rs)
         line = (f"{name:26}{m['s_per_step']:>16.3f}{m['s_per_step_min']:>14.3f}{m['s_per_step_mean']:>15.3f}"
-                f"{m['peak_rss_mb']:>13.0f}{m['train_delta_rss_mb']:>15.0f}")
+                f"{m['peak_rss_mb']:>13.0f}{m['train_delta_rss_mb']:>15.0f}{m['mean_length']:>19.1f}")
         print(line + (f"{m['cuda_peak_mb']:>14.0f}" if cuda else ""))
         per_round = ", ".join(f"{r['s_per_step']:.3f}" for r in rs)
         print(f"{'':26}per round s/step: {per_round}")
     ours, trl = summary["es-lightning GRPOModule"], summary["TRL GRPOTrainer"]
     print(f"ratio ours/TRL: median s/step {ours['s_per_step'] / trl['s_per_step']:.2f}, fastest step "
           f"{ours['s_per_step_min'] / trl['s_per_step_min']:.2f}   (target <= 0.8)")
+    print(f"tokens per completion ours/TRL: {ours['mean_length'] / trl['mean_length']:.2f} (both sample to the same "
+          "cap and stop at EOS; far from 1, the sides generated different work and the s/step ratio is not like for like)")
 
 
 if __name__ == "__main__":

@@ -137,6 +137,7 @@ def test_grpo_vs_trl_both_sides_run():
         queue = _Queue()
         side(args, queue)
         assert queue[0]["steps"] == 1 and queue[0]["s_per_step"] > 0, side.__name__
+        assert 0 < queue[0]["mean_length"] <= args.max_new_tokens, side.__name__  # each side's tokens, side by side
 
 
 def test_grpo_vs_trl_rounds_alternate_which_side_runs_first(monkeypatch, capsys):
@@ -150,7 +151,8 @@ def test_grpo_vs_trl_rounds_alternate_which_side_runs_first(monkeypatch, capsys)
         def run(args, result_queue):
             order.append(name)
             result_queue.put({"name": name, "steps": 1, "s_per_step": 1.0, "s_per_step_mean": 1.0, "s_per_step_min": 1.0,
-                              "peak_rss_mb": 1.0, "train_delta_rss_mb": 1.0, "last_reward_mean": 0.0})
+                              "peak_rss_mb": 1.0, "train_delta_rss_mb": 1.0, "last_reward_mean": 0.0,
+                              "mean_length": 4.0})
         return run
 
     class InProcess:  # the side runs in this process: the order is what is under test
@@ -177,7 +179,9 @@ def test_grpo_vs_trl_rounds_alternate_which_side_runs_first(monkeypatch, capsys)
     grpo_vs_trl.main()
     assert order == ["es-lightning GRPOModule", "TRL GRPOTrainer", "TRL GRPOTrainer", "es-lightning GRPOModule",
                      "es-lightning GRPOModule", "TRL GRPOTrainer"]
-    assert "ratio ours/TRL: median s/step 1.00" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "ratio ours/TRL: median s/step 1.00" in out
+    assert "tokens per completion ours/TRL: 1.00" in out
 
 
 def test_gpu_check_rehearsal_with_vllm_rehearses_the_vllm_checks(monkeypatch, tmp_path):
