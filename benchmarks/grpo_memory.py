@@ -198,7 +198,8 @@ def main() -> None:
     parser.add_argument("--rows", type=at_least(1), default=8, help="completions in the micro-batch (mini_batch_size)")
     parser.add_argument("--group", type=at_least(1), default=4, help="completions per prompt (G)")
     parser.add_argument("--prompt", type=at_least(1), default=64, help="prompt tokens")
-    parser.add_argument("--completion", type=at_least(1), default=128, help="completion tokens, all real")
+    parser.add_argument("--completion", type=at_least(2), default=128,
+                        help="completion tokens, all real (the plain path feeds all but the first)")
     parser.add_argument("--chunk-size", type=at_least(1), default=128,
                         help="tokens per vocabulary projection (new path; the library's default is 512)")
     parser.add_argument("--rounds", type=at_least(1), default=3)

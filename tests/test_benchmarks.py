@@ -68,6 +68,7 @@ def test_grpo_vs_trl_side_that_fails_ends_the_benchmark():
     ("es_scaling.py", ["--steps", "0"], "argument --steps: must be at least 1, got 0"),
     ("generate_overhead.py", ["--rounds", "0"], "argument --rounds: must be at least 1, got 0"),
     ("grpo_memory.py", ["--rounds", "0"], "argument --rounds: must be at least 1, got 0"),
+    ("grpo_memory.py", ["--completion", "1"], "argument --completion: must be at least 2, got 1"),
     ("grpo_vs_trl.py", ["--rounds", "0"], "argument --rounds: must be at least 1, got 0"),
     ("grpo_vs_trl.py", ["--group-size", "1"], "argument --group-size: must be at least 2, got 1"),
     ("vllm_step.py", ["--tables", "step"], "--tables: unknown 'step'; choose from steps, members"),
