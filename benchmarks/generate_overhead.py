@@ -58,9 +58,12 @@ def main() -> None:
         path = args.model or build_qwen_like(os.path.join(tmp, "qwen-like"), vocab_size=args.vocab_size)
         policy = load_policy(path, dtype=args.dtype)
     model = policy.model.to(args.device).eval()
-    task = CountdownTask(prompt_format="r1", use_chat_template=True)
+    # the r1 prompt in the chat template (what a Qwen recipe sends); a model without a template (the built-in one,
+    # 128 positions) gets the compact prompt it was trained on
+    templated = getattr(policy.tokenizer, "chat_template", None) is not None
+    task = CountdownTask(prompt_format="r1", use_chat_template=True) if templated else CountdownTask(prompt_format="compact")
     prompts = policy.render_prompts([task.prompt(e) for e in procedural_split(task, "train", args.prompts, seed=0)],
-                                    use_chat_template=True)
+                                    use_chat_template=templated)
     enc = encode_prompts(policy.tokenizer, prompts)
     ids = enc["input_ids"].repeat_interleave(args.samples, 0).to(args.device)  # [B*n, P]
     mask = enc["attention_mask"].repeat_interleave(args.samples, 0).to(args.device)  # [B*n, P]

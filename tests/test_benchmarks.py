@@ -283,3 +283,17 @@ def test_es_scaling_exits_non_zero_when_a_configuration_fails(monkeypatch, capsy
     with pytest.raises(SystemExit, match="failed: ddp"):
         es_scaling.main()
     assert "the ddp run's own error" in capsys.readouterr().err
+
+
+def test_generate_overhead_runs_on_the_builtin_model(monkeypatch, capsys):
+    """The built-in model has no chat template and 128 positions: it was sent the 279-token r1 chat prompt, and the run
+    ended in "every row ended before 8 tokens ... raise --prompts/--samples". It gets its compact prompt now."""
+    generate_overhead = _script("generate_overhead")
+    monkeypatch.setattr(sys, "argv", ["generate_overhead.py", "--model", "builtin:countdown-tiny", "--prompts", "2",
+                                      "--samples", "2", "--max-new-tokens", "8", "--rounds", "1"])
+    generate_overhead.main()
+    out = capsys.readouterr().out
+    assert "HFGenerator / plain generate = " in out
+    import re
+
+    assert int(re.search(r"after (\d+)-token prompts", out).group(1)) < 128  # within the model's positions
