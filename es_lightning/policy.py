@@ -241,7 +241,16 @@ def load_policy(
         dtype: parameter dtype (``float32``, ``bfloat16``, ``float16`` or ``auto`` for the checkpoint's own).
         trust_remote_code: allow custom modelling code from the repository (off by default).
         attn_implementation: e.g. ``"sdpa"`` or ``"flash_attention_2"``; default lets transformers choose.
+        model_kwargs: more ``from_pretrained`` keywords. ``torch_dtype`` (transformers' older name, which TRL's
+            ``model_init_kwargs`` still carry) is read as ``dtype``: passed on beside our ``dtype``, the default
+            ``float32`` won and a ``torch_dtype=torch.bfloat16`` model was loaded in fp32 without a word.
     """
+    if "torch_dtype" in model_kwargs:
+        torch_dtype = model_kwargs.pop("torch_dtype")
+        if dtype != "float32" and resolve_dtype(dtype) != resolve_dtype(torch_dtype):
+            raise ValueError(f"load_policy got dtype={dtype!r} and torch_dtype={torch_dtype!r}; give one of them (dtype; "
+                             "torch_dtype is transformers' older name for it)")
+        dtype = torch_dtype
     path = resolve_model_path(name_or_path)
     # use_kernels=False: the plain PyTorch layers, as transformers < 5.25 loads them by default. With the `kernels`
     # package installed, 5.25 kernelizes models by default and re-kernelizes at every train()/eval(), which resets

@@ -24,6 +24,14 @@ def test_dtype_choice(tiny_model_dir):
         resolve_dtype("float8")
 
 
+def test_torch_dtype_is_read_as_dtype(tiny_model_dir):
+    """transformers' older name, as TRL's model_init_kwargs carry it: the default dtype float32 silently won."""
+    assert next(load_policy(tiny_model_dir, torch_dtype=torch.bfloat16).model.parameters()).dtype == torch.bfloat16
+    assert next(load_policy(tiny_model_dir, dtype="bf16", torch_dtype="bfloat16").model.parameters()).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="give one of them"):
+        load_policy(tiny_model_dir, dtype="fp16", torch_dtype=torch.bfloat16)
+
+
 def test_missing_path_and_unknown_builtin_list_what_exists(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist") as err:
         resolve_model_path(str(tmp_path / "nope"))
