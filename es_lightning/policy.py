@@ -241,6 +241,7 @@ def load_policy(
         dtype: parameter dtype (``float32``, ``bfloat16``, ``float16`` or ``auto`` for the checkpoint's own).
         trust_remote_code: allow custom modelling code from the repository (off by default).
         attn_implementation: e.g. ``"sdpa"`` or ``"flash_attention_2"``; default lets transformers choose.
+        revision: the hub commit, branch or tag to load (a hub id only: a local directory given one is refused).
         model_kwargs: more ``from_pretrained`` keywords. ``torch_dtype`` (transformers' older name, which TRL's
             ``model_init_kwargs`` still carry) is read as ``dtype``: passed on beside our ``dtype``, the default
             ``float32`` won and a ``torch_dtype=torch.bfloat16`` model was loaded in fp32 without a word.
@@ -252,6 +253,9 @@ def load_policy(
                              "torch_dtype is transformers' older name for it)")
         dtype = torch_dtype
     path = resolve_model_path(name_or_path)
+    if revision is not None and Path(path).is_dir():  # from_pretrained reads a directory as it is, whatever revision says
+        raise ValueError(f"revision {revision!r} selects a commit of a hub repository, but {name_or_path!r} is a local "
+                         "directory (one version, read as it is); drop revision, or give the hub id")
     # use_kernels=False: the plain PyTorch layers, as transformers < 5.25 loads them by default. With the `kernels`
     # package installed, 5.25 kernelizes models by default and re-kernelizes at every train()/eval(), which resets
     # the forward of each instance of a hub-kernel layer (RMSNorm, SiLU-and-mul): an ES population's batched forward
@@ -264,12 +268,32 @@ def load_policy(
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     with hub_errors(name_or_path) if not Path(path).is_dir() else contextlib.nullcontext():  # a hub id: fail fast offline
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        except (ValueError, ImportError) as err:
+            refused = _attention_refused(attn_implementation, err)
+            if refused is None:
+                raise
+            raise refused from None
         tokenizer = load_tokenizer(name_or_path, trust_remote_code=trust_remote_code, revision=revision)
     # model.generation_config is left as the checkpoint wrote it (HFExport saves it back unchanged); rollouts never
     # read its sampling defaults (es_lightning/generation/config.py)
     keep_rotary_fp32(model)
     return Policy(model=model, tokenizer=tokenizer)
+
+
+def _attention_refused(attn_implementation: str | None, err: Exception) -> ValueError | None:
+    """transformers' refusal of ``attn_implementation`` (a misspelt name: a ValueError listing the valid ones;
+    ``flash_attention_2`` without its package or a GPU: an ImportError) as one line naming the option and the fix,
+    or ``None`` when ``err`` is about something else."""
+    if attn_implementation is None:
+        return None
+    text = str(err).replace("_", "").replace(" ", "").lower()
+    if "attnimplementation" not in text and attn_implementation.replace("_", "").lower() not in text:
+        return None
+    first = " ".join(str(err).split()).split(". ")[0].rstrip(".")
+    return ValueError(f"attn_implementation {attn_implementation!r} cannot be used: {first}; use 'sdpa' (transformers' "
+                      "default when it is unset) or 'eager'")
 
 
 def keep_rotary_fp32(model: torch.nn.Module) -> None:

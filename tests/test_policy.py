@@ -1,3 +1,5 @@
+import importlib.util
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -56,3 +58,24 @@ def test_chat_template_applied_only_when_asked_and_available(tiny_model_dir):
     policy.tokenizer.chat_template = "{% for m in messages %}<{{ m['content'] }}>{% endfor %}{% if add_generation_prompt %}={% endif %}"
     assert policy.render_prompts(["hi"], use_chat_template=True) == ["<hi>="]
     assert policy.render_prompts(["hi"], use_chat_template=False) == ["hi"]
+
+
+def test_attn_implementation_and_revision_reach_the_policy_and_the_grpo_reference(qwen_like_small_dir):
+    """A transformers user's model_init_kwargs: attn_implementation is a module option (the command refused it as an
+    unknown key), loaded into the policy and a GRPO reference alike; misspelt or unusable here, one line naming it; a
+    revision of a local directory, which from_pretrained ignored, is refused."""
+    from es_lightning import ESModule, GRPOModule
+
+    module = GRPOModule(model=qwen_like_small_dir, attn_implementation="eager", beta=0.04)
+    module.configure_model()
+    assert module.model.config._attn_implementation == "eager"
+    assert module.algorithm.reference_model(module).config._attn_implementation == "eager"
+    assert module.hparams.attn_implementation == "eager" and module.hparams.revision is None
+    assert ESModule(model=qwen_like_small_dir, attn_implementation="sdpa").policy.model.config._attn_implementation == "sdpa"
+    with pytest.raises(ValueError, match=r"^attn_implementation 'eagr' cannot be used: .*; use 'sdpa'"):
+        load_policy(qwen_like_small_dir, attn_implementation="eagr")
+    if importlib.util.find_spec("flash_attn") is None:
+        with pytest.raises(ValueError, match=r"^attn_implementation 'flash_attention_2' cannot be used"):
+            load_policy(qwen_like_small_dir, attn_implementation="flash_attention_2")
+    with pytest.raises(ValueError, match="is a local directory"):
+        GRPOModule(model=qwen_like_small_dir, revision="v1.0").configure_model()

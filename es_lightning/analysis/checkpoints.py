@@ -280,6 +280,8 @@ def load_model(spec: str, dtype: str | torch.dtype | None = None, trust_remote_c
             base,
             dtype=dtype or hparams.get("dtype", "float32"),
             trust_remote_code=trust_remote_code or bool(hparams.get("trust_remote_code", False)),
+            attn_implementation=hparams.get("attn_implementation"),
+            revision=hparams.get("revision"),
         )
     except FileNotFoundError as err:
         raise FileNotFoundError(

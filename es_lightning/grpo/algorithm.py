@@ -106,7 +106,7 @@ class GRPOAlgorithm(Algorithm):
         if self.settings.gradient_checkpointing:
             enable_gradient_checkpointing(module.model)
         if self.settings.beta > 0 and self._reference is None:
-            ref = load_policy(module.model_name, dtype=module.dtype_name, trust_remote_code=module.trust_remote_code).model
+            ref = load_policy(module.model_name, **module.policy_load_options()).model
             ref.eval().requires_grad_(False)
             self._reference = _Frozen(ref)
 

@@ -91,6 +91,11 @@ class ReasoningModule(L.LightningModule):
             the elements, norm weights freeze). Memory: +4 bytes per parameter (1.5B model: +6.2 GB); for ES +2 net, as
             the master doubles as the exact copy the in-place evaluation restores from; GRPO totals 16 bytes per
             parameter, as fp32 training (table in ``es_lightning/precision.py``).
+        attn_implementation: the policy's attention kernels, transformers' ``attn_implementation`` (``sdpa``,
+            ``eager``, ``flash_attention_2`` …; TRL's ``model_init_kwargs``); null lets transformers choose (sdpa).
+            The policy's forward only: a vLLM engine picks its own.
+        revision: the hub commit, branch or tag of the model (a hub id only), as ``from_pretrained(revision=...)``;
+            a GRPO reference loads the same one (a vLLM engine is built from the policy's own config and tokenizer).
     """
 
     #: the algorithm a subclass is bound to (``class ESModule(ReasoningModule, algorithm=ESAlgorithm)``)
@@ -117,6 +122,8 @@ class ReasoningModule(L.LightningModule):
         generation_options: dict[str, Any] | None = None,
         seed: int = 0,
         master_dtype: str | None = "float32",
+        attn_implementation: str | None = None,
+        revision: str | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["task"])
@@ -125,6 +132,8 @@ class ReasoningModule(L.LightningModule):
         self.model_name = model
         self.dtype_name = dtype
         self.trust_remote_code = trust_remote_code
+        self.attn_implementation = attn_implementation
+        self.revision = revision
         self._task = get_task(task) if task is not None else None
         self.sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
         self.generation_backend = generation_backend
@@ -147,7 +156,7 @@ class ReasoningModule(L.LightningModule):
     def configure_model(self) -> None:
         """Load the policy once (Lightning calls this inside the strategy's context before fit/validate/test)."""
         if self.model is None:
-            policy = load_policy(self.model_name, dtype=self.dtype_name, trust_remote_code=self.trust_remote_code)
+            policy = load_policy(self.model_name, **self.policy_load_options())
             self.model = policy.model
             self.tokenizer = policy.tokenizer
         if self._device_mesh is not None:  # ModelParallelStrategy: FSDP2-shard the policy (es_lightning/distributed.py)
@@ -169,6 +178,12 @@ class ReasoningModule(L.LightningModule):
 
         root = self._trainer.strategy.model if self._trainer is not None else None
         return self.model is not None and sync_sharded_generation(self.model, root)
+
+    def policy_load_options(self) -> dict[str, Any]:
+        """The :func:`~es_lightning.policy.load_policy` keywords of this module's policy (a GRPO reference is loaded
+        alike)."""
+        return dict(dtype=self.dtype_name, trust_remote_code=self.trust_remote_code,
+                    attn_implementation=self.attn_implementation, revision=self.revision)
 
     @property
     def policy(self) -> Policy:
