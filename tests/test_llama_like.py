@@ -80,6 +80,15 @@ def test_a_task_asking_for_the_chat_template_of_a_base_model_gets_the_no_templat
     assert module.task.use_chat_template  # the task itself is left as configured
 
 
+def test_a_system_prompt_for_a_base_model_without_a_chat_template_is_refused(tiny_model_dir):
+    """The no-template prompt has no place for a system turn: it was dropped without a word, and the warning's fix
+    (use_chat_template: false) is refused with a system_prompt."""
+    task = CountdownTask(prompt_format="r1", use_chat_template=True, system_prompt="Think step by step.")
+    module = ReasoningModule(model=tiny_model_dir, task=task)
+    with pytest.raises(ValueError, match="system_prompt is a turn of the chat template, but .* has no chat template"):
+        module.prompts([{"nums": [3, 25, 7], "target": 46}])
+
+
 def test_templated_prompts_do_not_change_with_the_day(llama_like_dir):
     """Llama 3.2's template writes strftime_now's date into the system turn; a rollout's prompt must not change at
     midnight (a resumed run, a base and a tuned model evaluated on different days)."""

@@ -293,10 +293,15 @@ class ReasoningModule(L.LightningModule):
 
         A tokenizer without a chat template (a base checkpoint) gets the task's prompt *as written for no template*
         (Countdown's ``r1``: the "User: … Assistant: … <think>" scaffold), with one warning: the task's templated
-        prompt is only the user turn, which the model was left to continue bare."""
+        prompt is only the user turn, which the model was left to continue bare. A task with a ``system_prompt`` is
+        refused there: the no-template prompt has no place for it (it was dropped without a word)."""
         task = self.task
         policy = self.policy
         if task.use_chat_template and getattr(policy.tokenizer, "chat_template", None) is None:
+            if getattr(task, "system_prompt", None) is not None:  # without a template it has no place: it vanished
+                raise ValueError(f"the task's system_prompt is a turn of the chat template, but {self.model_name!r} has "
+                                 "no chat template (a base model): remove system_prompt (or write its text into the "
+                                 "prompt), or use a model whose tokenizer has a chat template")
             if not getattr(self, "_warned_no_chat_template", False):
                 self._warned_no_chat_template = True
                 rank_zero_warn(f"the task asks for the chat template (use_chat_template=True) but {self.model_name!r} "
