@@ -80,6 +80,57 @@ def resolve_model_path(name_or_path: str) -> str:
     return str(path) if looks_local else name_or_path
 
 
+#: weights files ``from_pretrained`` reads from a directory (any name with these suffixes counts as present)
+_WEIGHTS_SUFFIXES = (".safetensors", ".bin", ".h5", ".msgpack", ".gguf")
+
+
+def check_model_weights(path: str | os.PathLike) -> None:
+    """Refuse, in one line, a local model directory whose weights cannot be whole: none there, a shard that its
+    ``*.index.json`` lists missing, or a safetensors file shorter than its header says (a download or copy cut
+    short). ``from_pretrained`` met each with its own traceback (``OSError: Error no file named model.safetensors``,
+    ``SafetensorError: incomplete metadata, file not fully covered``) far into a fit's setup."""
+    path = Path(path)
+    files = {p.name for p in path.iterdir() if p.is_file()}
+    indexes = sorted(name for name in files if name.endswith(".index.json"))
+    listed: set[str] = set()
+    for index in indexes:
+        try:
+            listed |= set(json.loads((path / index).read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, AttributeError, TypeError):
+            raise ValueError(f"model directory {str(path)!r}: its {index} is not a weights index (a JSON object with "
+                             "a weight_map); fetch or save the model again") from None
+    missing = sorted(listed - files)
+    if missing:
+        raise FileNotFoundError(f"model directory {str(path)!r} lacks {len(missing)} of the {len(listed)} weights files "
+                                f"its {', '.join(indexes)} lists ({', '.join(missing[:3])}{' …' if len(missing) > 3 else ''})"
+                                "; fetch or copy them too")
+    if not indexes and not any(name.endswith(_WEIGHTS_SUFFIXES) for name in files):
+        raise FileNotFoundError(f"model directory {str(path)!r} has no weights (no model.safetensors, pytorch_model.bin "
+                                f"or sharded index); it holds {sorted(files)}. Save them beside config.json: "
+                                "model.save_pretrained(<dir>)")
+    for name in sorted(listed or (n for n in files if n.endswith(".safetensors"))):
+        size, expected = (path / name).stat().st_size, _safetensors_size(path / name)
+        if expected is None or size < expected:
+            raise ValueError(f"model directory {str(path)!r}: {name} is cut short ({size:,} bytes"
+                             f"{f' of {expected:,}' if expected else ''}; an interrupted download or copy); fetch it again")
+
+
+def _safetensors_size(file: Path) -> int | None:
+    """The size a safetensors file's header says it has (8 bytes of header length, the header, the tensors), or
+    ``None`` when the header cannot be read (cut short inside it); any other file: its own size."""
+    if file.suffix != ".safetensors":
+        return file.stat().st_size
+    try:
+        with file.open("rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            if header_len > file.stat().st_size:
+                return None
+            header = json.loads(f.read(header_len))
+        return 8 + header_len + max((e["data_offsets"][1] for k, e in header.items() if k != "__metadata__"), default=0)
+    except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError):
+        return None
+
+
 #: the date a chat template that asks for one is given. Llama 3.1–3.3's templates write "Today Date: " +
 #: ``strftime_now("%d %b %Y")`` into every prompt unless ``date_string`` is passed, so the prompts (their tokens, the
 #: samples, the rewards) changed at midnight: a run resumed the next day, or a base model evaluated on another day
@@ -256,6 +307,8 @@ def load_policy(
     if revision is not None and Path(path).is_dir():  # from_pretrained reads a directory as it is, whatever revision says
         raise ValueError(f"revision {revision!r} selects a commit of a hub repository, but {name_or_path!r} is a local "
                          "directory (one version, read as it is); drop revision, or give the hub id")
+    if Path(path).is_dir() and not {"gguf_file", "subfolder"} & set(model_kwargs):
+        check_model_weights(path)
     # use_kernels=False: the plain PyTorch layers, as transformers < 5.25 loads them by default. With the `kernels`
     # package installed, 5.25 kernelizes models by default and re-kernelizes at every train()/eval(), which resets
     # the forward of each instance of a hub-kernel layer (RMSNorm, SiLU-and-mul): an ES population's batched forward

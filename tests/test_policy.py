@@ -79,3 +79,34 @@ def test_attn_implementation_and_revision_reach_the_policy_and_the_grpo_referenc
             load_policy(qwen_like_small_dir, attn_implementation="flash_attention_2")
     with pytest.raises(ValueError, match="is a local directory"):
         GRPOModule(model=qwen_like_small_dir, revision="v1.0").configure_model()
+
+
+def test_a_model_directory_without_whole_weights_is_one_line(qwen_like_small_dir, tmp_path):
+    """No weights, a shard its index lists missing, a safetensors file cut short: each a traceback of transformers'
+    or safetensors' before; a sharded directory and a pytorch_model.bin one still load."""
+    import shutil
+
+    model = AutoModelForCausalLM.from_pretrained(qwen_like_small_dir)
+    sharded = tmp_path / "sharded"
+    shutil.copytree(qwen_like_small_dir, sharded, ignore=shutil.ignore_patterns("model.safetensors"))
+    model.save_pretrained(sharded, max_shard_size="100KB")
+    shards = sorted(sharded.glob("model-*.safetensors"))
+    assert len(shards) > 2 and load_policy(str(sharded)).model.lm_head.weight is not None
+    as_bin = tmp_path / "bin"
+    shutil.copytree(qwen_like_small_dir, as_bin, ignore=shutil.ignore_patterns("model.safetensors"))
+    torch.save(model.state_dict(), as_bin / "pytorch_model.bin")
+    load_policy(str(as_bin))
+
+    shards[1].unlink()
+    with pytest.raises(FileNotFoundError, match=rf"lacks 1 of the {len(shards)} weights files its "
+                                                 r"model.safetensors.index.json lists \(model-00002"):
+        load_policy(str(sharded))
+    cut = tmp_path / "cut"
+    shutil.copytree(qwen_like_small_dir, cut)
+    with open(cut / "model.safetensors", "r+b") as f:
+        f.truncate(100_000)
+    with pytest.raises(ValueError, match=r"model.safetensors is cut short \(100,000 bytes of [\d,]+; an interrupted"):
+        load_policy(str(cut))
+    (cut / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match=r"has no weights .* it holds \['chat_template.jinja', 'config.json'"):
+        load_policy(str(cut))
