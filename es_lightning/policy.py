@@ -323,12 +323,12 @@ def load_policy(
     with hub_errors(name_or_path) if not Path(path).is_dir() else contextlib.nullcontext():  # a hub id: fail fast offline
         try:
             model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+            tokenizer = load_tokenizer(name_or_path, trust_remote_code=trust_remote_code, revision=revision)
         except (ValueError, ImportError) as err:
-            refused = _attention_refused(attn_implementation, err)
+            refused = _attention_refused(attn_implementation, err) or _remote_code_refused(name_or_path, err)
             if refused is None:
                 raise
             raise refused from None
-        tokenizer = load_tokenizer(name_or_path, trust_remote_code=trust_remote_code, revision=revision)
     # model.generation_config is left as the checkpoint wrote it (HFExport saves it back unchanged); rollouts never
     # read its sampling defaults (es_lightning/generation/config.py)
     keep_rotary_fp32(model)
@@ -347,6 +347,16 @@ def _attention_refused(attn_implementation: str | None, err: Exception) -> Value
     first = " ".join(str(err).split()).split(". ")[0].rstrip(".")
     return ValueError(f"attn_implementation {attn_implementation!r} cannot be used: {first}; use 'sdpa' (transformers' "
                       "default when it is unset) or 'eager'")
+
+
+def _remote_code_refused(name_or_path: str, err: Exception) -> ValueError | None:
+    """transformers' refusal of a model (or tokenizer) whose ``auto_map`` names code of its own repository while
+    ``trust_remote_code`` is off, as one line naming the option, or ``None`` when ``err`` is about something else."""
+    if not isinstance(err, ValueError) or "trust_remote_code=True" not in str(err):
+        return None
+    return ValueError(f"{name_or_path!r} needs modelling code of its own (its config's auto_map), which runs only with "
+                      "trust_remote_code: true; set it if you trust that code (read its *.py files first), or use a "
+                      "model that transformers implements")
 
 
 def keep_rotary_fp32(model: torch.nn.Module) -> None:

@@ -110,3 +110,22 @@ def test_a_model_directory_without_whole_weights_is_one_line(qwen_like_small_dir
     (cut / "model.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match=r"has no weights .* it holds \['chat_template.jinja', 'config.json'"):
         load_policy(str(cut))
+
+
+def test_a_model_with_its_own_code_without_trust_remote_code_is_one_line(qwen_like_small_dir, tmp_path):
+    """A config whose auto_map names the repository's own modelling code, trust_remote_code off (the default):
+    transformers' multi-line ValueError with a traceback before; one line naming the option now."""
+    import json
+    import shutil
+
+    custom = tmp_path / "custom"
+    shutil.copytree(qwen_like_small_dir, custom)
+    (custom / "configuration_custom.py").write_text(
+        "from transformers import Qwen2Config\n\n\nclass CustomConfig(Qwen2Config):\n    model_type = 'custom_qwen'\n")
+    config = json.loads((custom / "config.json").read_text())
+    config.update(model_type="custom_qwen", auto_map={"AutoConfig": "configuration_custom.CustomConfig",
+                                                       "AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"})
+    (custom / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"needs modelling code of its own .* only with trust_remote_code: true") as err:
+        load_policy(str(custom))
+    assert "\n" not in str(err.value)
