@@ -225,6 +225,7 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, revision:
         raise FileNotFoundError(f"model directory {name_or_path!r} has no tokenizer (none of {list(_TOKENIZER_FILES)}); "
                                 "save it beside the weights: tokenizer.save_pretrained(<dir>)")
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, revision=revision)
+    setattr(tokenizer, _SAVED_PADDING_SIDE, tokenizer.padding_side)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:  # Llama 3, Mistral: batching needs one; the EOS, which attention masks hide
         tokenizer.pad_token = tokenizer.eos_token
@@ -234,6 +235,8 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, revision:
 
 #: set on a tokenizer whose pad token :func:`load_tokenizer` borrowed from its EOS (the checkpoint has none)
 _BORROWED_PAD = "_es_lightning_borrowed_pad"
+#: the padding side a tokenizer had before :func:`load_tokenizer` set ``left`` (what :func:`save_tokenizer` writes)
+_SAVED_PADDING_SIDE = "_es_lightning_saved_padding_side"
 
 
 def save_tokenizer(tokenizer: PreTrainedTokenizerBase, path: str | os.PathLike) -> None:
@@ -244,16 +247,20 @@ def save_tokenizer(tokenizer: PreTrainedTokenizerBase, path: str | os.PathLike) 
       collator that masks pad ids out of the labels (the usual SFT setup) never teaches the model to stop;
     - ``tokenizer_class: PreTrainedTokenizerFast`` where transformers 5 writes ``TokenizersBackend`` (its new name for
       the generic fast tokenizer, Llama 3's and Mistral's): transformers 4 (lm-eval environments, older vLLM) refuses
-      that name ("does not exist or is not currently imported"); 5 reads the old one as an alias."""
+      that name ("does not exist or is not currently imported"); 5 reads the old one as an alias;
+    - with the checkpoint's ``padding_side``: a tokenizer saved with ``padding_side: right`` (an SFT run's) was exported
+      with the ``left`` our batched generation pads with, which every later user of the export then got."""
     borrowed = getattr(tokenizer, _BORROWED_PAD, False)
-    pad = tokenizer.pad_token
+    pad, side = tokenizer.pad_token, tokenizer.padding_side
     if borrowed:
         tokenizer.pad_token = None
+    tokenizer.padding_side = getattr(tokenizer, _SAVED_PADDING_SIDE, side)
     try:
         tokenizer.save_pretrained(path)
     finally:
         if borrowed:
             tokenizer.pad_token = pad
+        tokenizer.padding_side = side
     config = Path(path) / "tokenizer_config.json"
     if config.is_file():
         values = json.loads(config.read_text())

@@ -129,3 +129,24 @@ def test_a_model_with_its_own_code_without_trust_remote_code_is_one_line(qwen_li
     with pytest.raises(ValueError, match=r"needs modelling code of its own .* only with trust_remote_code: true") as err:
         load_policy(str(custom))
     assert "\n" not in str(err.value)
+
+
+def test_a_right_padding_tokenizer_pads_left_here_and_is_exported_as_it_was(qwen_like_small_dir, tmp_path):
+    """A directory whose tokenizer_config says padding_side: right (an SFT run's): batched generation pads left, and
+    the export keeps right (it wrote left, which every later user of the export got)."""
+    import json
+    import shutil
+
+    from es_lightning import HFExport
+    from es_lightning.modules.base import ReasoningModule
+
+    source = tmp_path / "right"
+    shutil.copytree(qwen_like_small_dir, source)
+    config = json.loads((source / "tokenizer_config.json").read_text())
+    (source / "tokenizer_config.json").write_text(json.dumps({**config, "padding_side": "right"}))
+    module = ReasoningModule(model=str(source), task="countdown")
+    assert module.policy.tokenizer.padding_side == "left"
+    HFExport(tmp_path / "export").export(module)
+    assert json.loads((tmp_path / "export" / "tokenizer_config.json").read_text())["padding_side"] == "right"
+    assert module.tokenizer.padding_side == "left"
+    assert load_policy(str(tmp_path / "export")).tokenizer.padding_side == "left"
