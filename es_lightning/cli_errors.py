@@ -498,7 +498,23 @@ def _import(class_path: str):
         return None
 
 
+#: TRL's / transformers' names of options that are called otherwise here → (our name, why). Spelling alone
+#: pointed these elsewhere: ``torch_dtype`` to ``master_dtype`` (the optimizer's masters), ``num_generations`` to
+#: ``num_iterations`` (passes over each batch: a TRL user's 8 would have been 8 optimizer steps a batch).
+_OTHER_NAMES = {
+    "torch_dtype": ("dtype", "transformers' older name for it"),
+    "model_name_or_path": ("model", "TRL's name for it"),
+    "learning_rate": ("lr", "TRL's name for it"),
+    "num_generations": ("group_size", "TRL's name for it; num_iterations is the optimisation passes over each batch"),
+    "max_completion_length": ("max_new_tokens", "TRL's name for it"),
+    "use_vllm": ("generation_backend", "generation_backend: vllm is TRL's use_vllm: true"),
+}
+
+
 def _did_you_mean(word: str, candidates: Sequence[str]) -> str:
+    ours, why = _OTHER_NAMES.get(word, (None, ""))
+    if ours in candidates:
+        return f"; did you mean {ours!r}? ({why})"
     close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
     return f"; did you mean {close[0]!r}?" if close else ""
 
