@@ -215,6 +215,8 @@ def _without_repeated_prefix(plain: list[int], full: list[int]) -> list[int]:
 
 #: files a saved tokenizer consists of (one of them at least)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "spiece.model")
+#: the files of those that hold a vocabulary (besides ``*.tiktoken``)
+_VOCABULARY_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "spiece.model", "vocab.txt")
 
 
 def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, revision: str | None = None):
@@ -224,7 +226,17 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, revision:
         # transformers would build an empty tokenizer (every prompt 0 tokens) and generation fail far from here
         raise FileNotFoundError(f"model directory {name_or_path!r} has no tokenizer (none of {list(_TOKENIZER_FILES)}); "
                                 "save it beside the weights: tokenizer.save_pretrained(<dir>)")
+    if (Path(path).is_dir() and not trust_remote_code  # a tokenizer of its own code may name its vocabulary otherwise
+            and not any((Path(path) / f).is_file() for f in _VOCABULARY_FILES) and not any(Path(path).glob("*.tiktoken"))):
+        # a tokenizer_config.json alone: Qwen's class built a 3-token tokenizer that encodes every prompt to nothing
+        # (generation then failed on its stop strings), Llama's a multi-line ValueError about converting a slow one
+        raise FileNotFoundError(f"model directory {name_or_path!r} has a tokenizer config but no vocabulary (none of "
+                                f"{list(_VOCABULARY_FILES)}); copy the tokenizer's files too (tokenizer.json), or save "
+                                "it whole: tokenizer.save_pretrained(<dir>)")
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, revision=revision)
+    if not tokenizer("Hello, 12", add_special_tokens=False)["input_ids"]:
+        raise ValueError(f"the tokenizer of {name_or_path!r} encodes text to no tokens (its vocabulary is missing or "
+                         "empty); give the model's whole tokenizer (tokenizer.json)")
     setattr(tokenizer, _SAVED_PADDING_SIDE, tokenizer.padding_side)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:  # Llama 3, Mistral: batching needs one; the EOS, which attention masks hide

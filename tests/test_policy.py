@@ -150,3 +150,16 @@ def test_a_right_padding_tokenizer_pads_left_here_and_is_exported_as_it_was(qwen
     assert json.loads((tmp_path / "export" / "tokenizer_config.json").read_text())["padding_side"] == "right"
     assert module.tokenizer.padding_side == "left"
     assert load_policy(str(tmp_path / "export")).tokenizer.padding_side == "left"
+
+
+@pytest.mark.parametrize("fixture", ["qwen_like_small_dir", "llama_like_dir"])
+def test_a_tokenizer_config_without_its_vocabulary_is_one_line(fixture, request, tmp_path):
+    """tokenizer.json not copied: Qwen's class built a 3-token tokenizer encoding every prompt to nothing (generation
+    then failed on its stop strings, a traceback far from here), Llama's raised a multi-line ValueError."""
+    import shutil
+
+    partial = tmp_path / "partial"
+    shutil.copytree(request.getfixturevalue(fixture), partial)
+    (partial / "tokenizer.json").unlink()
+    with pytest.raises(FileNotFoundError, match=r"has a tokenizer config but no vocabulary .*copy the tokenizer's files"):
+        load_policy(str(partial))
