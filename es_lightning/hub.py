@@ -73,11 +73,18 @@ def _names(exc: BaseException) -> set[str]:
     return out
 
 
-def describe_hub_error(exc: BaseException, repo: str | None = None, kind: str = "model") -> str | None:
-    """One line for a hub failure (offline and not cached, unknown or gated repository), or ``None``."""
+def describe_hub_error(exc: BaseException, repo: str | None = None, kind: str = "model",
+                       revision: str | None = None) -> str | None:
+    """One line for a hub failure (offline and not cached, unknown or gated repository, unknown revision), or
+    ``None``. With a ``revision`` the download command fetches that one (``hf download`` fetches ``main``, which the
+    load then still did not find)."""
     names = _names(exc)
     text = str(exc)
     what = f"{kind} {repo!r}" if repo else f"the {kind}"
+    if revision is not None:
+        what += f" at revision {revision!r}"
+    if "RevisionNotFoundError" in names or "is not a valid git identifier" in text:
+        return f"{what}: the repository has no such branch, tag or commit on the Hugging Face hub; check revision"
     fix_local = ("point model: at a local directory" if kind == "model" else "point data.source at a local file or directory")
     if "GatedRepoError" in names:
         return f"{what} is gated on the Hugging Face hub: accept its terms on huggingface.co, then `hf auth login`"
@@ -88,19 +95,20 @@ def describe_hub_error(exc: BaseException, repo: str | None = None, kind: str = 
         "Couldn't reach" in text
     ):
         return (f"{what} is not in the local Hugging Face cache and the hub cannot be reached (offline): download it on a "
-                f"machine with network (`hf download {repo or 'ID'}{' --repo-type dataset' if kind == 'dataset' else ''}`) "
+                f"machine with network (`hf download {repo or 'ID'}{' --repo-type dataset' if kind == 'dataset' else ''}"
+                f"{f' --revision {revision}' if revision is not None else ''}`) "
                 f"and copy the cache (HF_HOME), or {fix_local}")
     return None
 
 
 @contextlib.contextmanager
-def hub_errors(repo: str, kind: str = "model") -> Iterator[None]:
+def hub_errors(repo: str, kind: str = "model", revision: str | None = None) -> Iterator[None]:
     """Load from the hub inside; a hub failure becomes ``ConnectionError`` / ``FileNotFoundError`` with one clear line."""
     prepare_hub_access()
     try:
         yield
     except (OSError, ValueError) as err:
-        line = describe_hub_error(err, repo, kind)
+        line = describe_hub_error(err, repo, kind, revision)
         if line is None:
             raise
         if "offline" in line:

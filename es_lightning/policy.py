@@ -339,7 +339,8 @@ def load_policy(
     kwargs["dtype"] = torch_dtype if torch_dtype is not None else "auto"
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
-    with hub_errors(name_or_path) if not Path(path).is_dir() else contextlib.nullcontext():  # a hub id: fail fast offline
+    # a hub id: fail fast offline
+    with hub_errors(name_or_path, revision=revision) if not Path(path).is_dir() else contextlib.nullcontext():
         try:
             model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
             tokenizer = load_tokenizer(name_or_path, trust_remote_code=trust_remote_code, revision=revision)

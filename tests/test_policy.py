@@ -163,3 +163,20 @@ def test_a_tokenizer_config_without_its_vocabulary_is_one_line(fixture, request,
     (partial / "tokenizer.json").unlink()
     with pytest.raises(FileNotFoundError, match=r"has a tokenizer config but no vocabulary .*copy the tokenizer's files"):
         load_policy(str(partial))
+
+
+def test_a_hub_failure_with_a_revision_names_it_and_downloads_that_one():
+    """Offline and not cached: `hf download <id>` fetched main, which the load at another revision then still did
+    not find; an unknown revision (transformers' OSError over huggingface_hub's RevisionNotFoundError) is one line."""
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    from es_lightning.hub import describe_hub_error
+
+    line = describe_hub_error(LocalEntryNotFoundError("not cached"), "Qwen/Qwen2.5-0.5B-Instruct", revision="v2")
+    assert "'Qwen/Qwen2.5-0.5B-Instruct' at revision 'v2' is not in the local" in line
+    assert "`hf download Qwen/Qwen2.5-0.5B-Instruct --revision v2`" in line
+    assert "--revision" not in describe_hub_error(LocalEntryNotFoundError("not cached"), "Qwen/Qwen2.5-0.5B-Instruct")
+    unknown = OSError("nope is not a valid git identifier (branch name, tag name or commit id) that exists for this model")
+    assert describe_hub_error(unknown, "Qwen/Qwen2.5-0.5B-Instruct", revision="nope") == (
+        "model 'Qwen/Qwen2.5-0.5B-Instruct' at revision 'nope': the repository has no such branch, tag or commit on the "
+        "Hugging Face hub; check revision")
