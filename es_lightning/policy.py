@@ -86,9 +86,10 @@ _WEIGHTS_SUFFIXES = (".safetensors", ".bin", ".h5", ".msgpack", ".gguf")
 
 def check_model_weights(path: str | os.PathLike) -> None:
     """Refuse, in one line, a local model directory whose weights cannot be whole: none there, a shard that its
-    ``*.index.json`` lists missing, or a safetensors file shorter than its header says (a download or copy cut
-    short). ``from_pretrained`` met each with its own traceback (``OSError: Error no file named model.safetensors``,
-    ``SafetensorError: incomplete metadata, file not fully covered``) far into a fit's setup."""
+    ``*.index.json`` lists missing, a Git LFS pointer in place of a weights file (a ``git clone`` without git-lfs), or
+    a safetensors file shorter than its header says (a download or copy cut short). ``from_pretrained`` met each
+    with its own traceback (``OSError: Error no file named model.safetensors``, ``SafetensorError: incomplete
+    metadata, file not fully covered``, an unpickling error) far into a fit's setup."""
     path = Path(path)
     files = {p.name for p in path.iterdir() if p.is_file()}
     indexes = sorted(name for name in files if name.endswith(".index.json"))
@@ -108,11 +109,20 @@ def check_model_weights(path: str | os.PathLike) -> None:
         raise FileNotFoundError(f"model directory {str(path)!r} has no weights (no model.safetensors, pytorch_model.bin "
                                 f"or sharded index); it holds {sorted(files)}. Save them beside config.json: "
                                 "model.save_pretrained(<dir>)")
-    for name in sorted(listed or (n for n in files if n.endswith(".safetensors"))):
+    for name in sorted(listed or (n for n in files if n.endswith((".safetensors", ".bin")))):
+        with (path / name).open("rb") as f:
+            if f.read(len(_LFS_POINTER)) == _LFS_POINTER:  # `git clone` of a hub repository without git-lfs
+                raise ValueError(f"model directory {str(path)!r}: {name} is a Git LFS pointer, not the weights (cloned "
+                                 "without git-lfs); run `git lfs pull` in it, or download it with `hf download <id> "
+                                 "--local-dir <dir>`")
         size, expected = (path / name).stat().st_size, _safetensors_size(path / name)
         if expected is None or size < expected:
             raise ValueError(f"model directory {str(path)!r}: {name} is cut short ({size:,} bytes"
                              f"{f' of {expected:,}' if expected else ''}; an interrupted download or copy); fetch it again")
+
+
+#: how a Git LFS pointer file begins (what `git clone` without git-lfs leaves in place of a large file)
+_LFS_POINTER = b"version https://git-lfs"
 
 
 def _safetensors_size(file: Path) -> int | None:
@@ -233,6 +243,14 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, revision:
         raise FileNotFoundError(f"model directory {name_or_path!r} has a tokenizer config but no vocabulary (none of "
                                 f"{list(_VOCABULARY_FILES)}); copy the tokenizer's files too (tokenizer.json), or save "
                                 "it whole: tokenizer.save_pretrained(<dir>)")
+    for name in _VOCABULARY_FILES if Path(path).is_dir() else ():
+        file = Path(path) / name
+        if file.is_file():
+            with file.open("rb") as f:
+                if f.read(len(_LFS_POINTER)) == _LFS_POINTER:  # tokenizer.json is an LFS file of most hub repositories
+                    raise ValueError(f"model directory {name_or_path!r}: {name} is a Git LFS pointer, not the tokenizer "
+                                     "(cloned without git-lfs); run `git lfs pull` in it, or download it with `hf "
+                                     "download <id> --local-dir <dir>`")
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, revision=revision)
     if not tokenizer("Hello, 12", add_special_tokens=False)["input_ids"]:
         raise ValueError(f"the tokenizer of {name_or_path!r} encodes text to no tokens (its vocabulary is missing or "

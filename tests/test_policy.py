@@ -180,3 +180,21 @@ def test_a_hub_failure_with_a_revision_names_it_and_downloads_that_one():
     assert describe_hub_error(unknown, "Qwen/Qwen2.5-0.5B-Instruct", revision="nope") == (
         "model 'Qwen/Qwen2.5-0.5B-Instruct' at revision 'nope': the repository has no such branch, tag or commit on the "
         "Hugging Face hub; check revision")
+
+
+@pytest.mark.parametrize("weights", ["model.safetensors", "pytorch_model.bin"])
+def test_git_lfs_pointers_in_place_of_the_weights_are_named(qwen_like_small_dir, tmp_path, weights):
+    """A hub repository cloned without git-lfs: a safetensors pointer read as "cut short by a download", a .bin one
+    as transformers' unpickling traceback."""
+    import shutil
+
+    clone = tmp_path / "clone"
+    shutil.copytree(qwen_like_small_dir, clone, ignore=shutil.ignore_patterns("model.safetensors"))
+    (clone / weights).write_text("version https://git-lfs.github.com/spec/v1\noid sha256:0123\nsize 306944\n")
+    with pytest.raises(ValueError, match=rf"{weights} is a Git LFS pointer, not the weights .*`git lfs pull`"):
+        load_policy(str(clone))
+    (clone / weights).unlink()
+    torch.save(AutoModelForCausalLM.from_pretrained(qwen_like_small_dir).state_dict(), clone / "pytorch_model.bin")
+    (clone / "tokenizer.json").write_text("version https://git-lfs.github.com/spec/v1\noid sha256:0123\nsize 7031645\n")
+    with pytest.raises(ValueError, match=r"tokenizer.json is a Git LFS pointer, not the tokenizer"):
+        load_policy(str(clone))  # a JSONDecodeError's traceback before
