@@ -85,31 +85,40 @@ _WEIGHTS_SUFFIXES = (".safetensors", ".bin", ".h5", ".msgpack", ".gguf")
 
 
 def check_model_weights(path: str | os.PathLike) -> None:
-    """Refuse, in one line, a local model directory whose weights cannot be whole: none there, a shard that its
-    ``*.index.json`` lists missing, a Git LFS pointer in place of a weights file (a ``git clone`` without git-lfs), or
-    a safetensors file shorter than its header says (a download or copy cut short). ``from_pretrained`` met each
-    with its own traceback (``OSError: Error no file named model.safetensors``, ``SafetensorError: incomplete
-    metadata, file not fully covered``, an unpickling error) far into a fit's setup."""
+    """Refuse, in one line, a local model directory whose weights ``from_pretrained`` would read cannot be whole: none
+    there, a shard that its index lists missing, a Git LFS pointer in place of a weights file (a ``git clone`` without
+    git-lfs), or a safetensors file shorter than its header says (a download or copy cut short). ``from_pretrained``
+    met each with its own traceback (``OSError: Error no file named model.safetensors``, ``SafetensorError: incomplete
+    metadata, file not fully covered``, an unpickling error) far into a fit's setup.
+
+    The files checked are those transformers reads, in its order: ``model.safetensors.index.json``'s shards, else
+    ``model.safetensors``, else ``pytorch_model.bin.index.json``'s shards, else ``pytorch_model.bin``; a directory
+    downloaded with safetensors only keeps a ``pytorch_model.bin.index.json`` whose shards are not there, and loads."""
     path = Path(path)
     files = {p.name for p in path.iterdir() if p.is_file()}
-    indexes = sorted(name for name in files if name.endswith(".index.json"))
-    listed: set[str] = set()
-    for index in indexes:
-        try:
-            listed |= set(json.loads((path / index).read_text())["weight_map"].values())
-        except (OSError, ValueError, KeyError, AttributeError, TypeError):
-            raise ValueError(f"model directory {str(path)!r}: its {index} is not a weights index (a JSON object with "
-                             "a weight_map); fetch or save the model again") from None
-    missing = sorted(listed - files)
-    if missing:
-        raise FileNotFoundError(f"model directory {str(path)!r} lacks {len(missing)} of the {len(listed)} weights files "
-                                f"its {', '.join(indexes)} lists ({', '.join(missing[:3])}{' …' if len(missing) > 3 else ''})"
-                                "; fetch or copy them too")
-    if not indexes and not any(name.endswith(_WEIGHTS_SUFFIXES) for name in files):
+    read: list[str] = []
+    for index, single in (("model.safetensors.index.json", "model.safetensors"), ("pytorch_model.bin.index.json",
+                                                                                "pytorch_model.bin")):
+        if index in files:
+            try:
+                read = sorted(set(json.loads((path / index).read_text())["weight_map"].values()))
+            except (OSError, ValueError, KeyError, AttributeError, TypeError):
+                raise ValueError(f"model directory {str(path)!r}: its {index} is not a weights index (a JSON object "
+                                 "with a weight_map); fetch or save the model again") from None
+            missing = [name for name in read if name not in files]
+            if missing:
+                raise FileNotFoundError(f"model directory {str(path)!r} lacks {len(missing)} of the {len(read)} weights "
+                                        f"files its {index} lists ({', '.join(missing[:3])}"
+                                        f"{' …' if len(missing) > 3 else ''}); fetch or copy them too")
+            break
+        if single in files:
+            read = [single]
+            break
+    if not read and not any(name.endswith(_WEIGHTS_SUFFIXES) for name in files):
         raise FileNotFoundError(f"model directory {str(path)!r} has no weights (no model.safetensors, pytorch_model.bin "
                                 f"or sharded index); it holds {sorted(files)}. Save them beside config.json: "
                                 "model.save_pretrained(<dir>)")
-    for name in sorted(listed or (n for n in files if n.endswith((".safetensors", ".bin")))):
+    for name in read:
         with (path / name).open("rb") as f:
             if f.read(len(_LFS_POINTER)) == _LFS_POINTER:  # `git clone` of a hub repository without git-lfs
                 raise ValueError(f"model directory {str(path)!r}: {name} is a Git LFS pointer, not the weights (cloned "

@@ -84,6 +84,7 @@ def test_attn_implementation_and_revision_reach_the_policy_and_the_grpo_referenc
 def test_a_model_directory_without_whole_weights_is_one_line(qwen_like_small_dir, tmp_path):
     """No weights, a shard its index lists missing, a safetensors file cut short: each a traceback of transformers'
     or safetensors' before; a sharded directory and a pytorch_model.bin one still load."""
+    import json
     import shutil
 
     model = AutoModelForCausalLM.from_pretrained(qwen_like_small_dir)
@@ -97,6 +98,8 @@ def test_a_model_directory_without_whole_weights_is_one_line(qwen_like_small_dir
     torch.save(model.state_dict(), as_bin / "pytorch_model.bin")
     load_policy(str(as_bin))
 
+    (sharded / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": {"lm_head.weight": "a.bin"}}))
+    load_policy(str(sharded))  # downloaded with safetensors only: the .bin index's shards are not read
     shards[1].unlink()
     with pytest.raises(FileNotFoundError, match=rf"lacks 1 of the {len(shards)} weights files its "
                                                  r"model.safetensors.index.json lists \(model-00002"):
