@@ -106,6 +106,31 @@ def carve_problems(keys: list[str], n: int, seed: int) -> tuple[list[int], list[
     return [i for i in order if keys[i] not in chosen], held
 
 
+def select_split(dsets, spec: str | None, option: str):
+    """The split ``spec`` of ``dsets`` (a ``DatasetDict``), or ``None`` when it names none of its splits. ``spec`` may
+    slice splits as ``datasets.load_dataset(split=...)`` reads them: ``train[:100]``, ``train[:10%]``,
+    ``train[-50:]``, ``train[:90%]+validation`` (the rows in that order); a slice it cannot read is refused in one
+    line naming ``option``, the setting it was given by."""
+    if spec is None or spec in dsets:
+        return None if spec is None else dsets[spec]
+    if "[" not in spec and "+" not in spec:
+        return None
+    import datasets
+
+    try:
+        instruction = datasets.ReadInstruction.from_spec(spec)
+    except (ValueError, AssertionError) as err:
+        raise ValueError(f"{option}: {spec!r} is neither a split (the source has {sorted(dsets)}) nor a slice of one as "
+                         f"datasets writes them ({err}); write e.g. train[:100], train[:10%], train[10:20] or "
+                         "train[:90%]+validation") from None
+    try:
+        parts = instruction.to_absolute({name: len(ds) for name, ds in dsets.items()})
+    except ValueError:  # a split it names is not in the source
+        return None
+    pieces = [dsets[p.splitname].select(range(p.from_, max(p.from_, p.to))) for p in parts]
+    return pieces[0] if len(pieces) == 1 else datasets.concatenate_datasets(pieces)
+
+
 def _shown(value: Any) -> str:
     """A recorded data setting as a user writes it (``False`` for a held-out split: carved off the train split)."""
     return "null (carved off the train split)" if value is False else "null" if value is None else str(value)
@@ -197,7 +222,8 @@ class ReasoningDataModule(L.LightningDataModule):
         train_split, val_split, test_split: split names in the source; a missing val/test split is carved off the train
             split (``val_size``/``test_size`` examples, seeded). ``val_split: null`` reads the source's ``validation``
             (or ``val``) split when it has one that is not the ``test_split`` — a ``validation.jsonl`` beside
-            ``train.jsonl`` — and carves otherwise.
+            ``train.jsonl`` — and carves otherwise. A name may slice splits as ``datasets`` does (``train[:100]``,
+            ``train[:10%]``, ``train[:90%]+validation``; :func:`select_split`).
         column_mapping: ``{source_column: task_column}`` renames applied before the task reads a record.
         train_size, val_size, test_size: number of examples per split (``None`` = all; procedural needs numbers, at
             most ``MAX_PROCEDURAL_PROBLEMS``). ``val_size``/``test_size`` may be 0 (no such problems: then also turn
@@ -273,16 +299,16 @@ class ReasoningDataModule(L.LightningDataModule):
 
     def _load_datasets(self) -> dict[str, list[dict[str, Any]]]:
         dsets = self.load_source()
-        if self.train_split not in dsets:
+        out: dict[str, Any] = {"train": select_split(dsets, self.train_split, "data.train_split")}
+        if out["train"] is None:
             raise ValueError(
                 f"source {self.source!r} has no split {self.train_split!r} (it has {sorted(dsets)}); set data.train_split"
             )
-        out: dict[str, Any] = {"train": dsets[self.train_split]}
         val_split = self.val_split if self.val_split is not None else next(  # never the train or the test split
             (name for name in ("validation", "val") if name in dsets and name not in (self.train_split, self.test_split)),
             None)
-        for split, name in (("val", val_split), ("test", self.test_split)):
-            out[split] = dsets[name] if name is not None and name in dsets else None  # None: carved off train below
+        for split, name in (("val", val_split), ("test", self.test_split)):  # None: carved off train below
+            out[split] = select_split(dsets, name, f"data.{split}_split")
         names = {"train": self.train_split, "val": val_split, "test": self.test_split}
         for split, ds in out.items():  # a missing column first: no row count can mend it
             if ds is not None:

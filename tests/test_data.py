@@ -200,6 +200,21 @@ def test_a_validation_file_beside_train_is_the_val_split(tmp_path):
     assert len(dm.splits["train"]) == 12 and len(dm.splits["test"]) == 2
 
 
+def test_split_names_slice_as_datasets_slices_them(tmp_path):
+    """``train_split: train[:20]`` (datasets' own split syntax) was refused as "no split 'train[:20]'", and
+    ``test_split: test[:2]`` named no split, so the test rows were silently carved off train instead of read."""
+    for split, n in (("train", 40), ("test", 8)):
+        _write_jsonl(tmp_path / f"{split}.jsonl", [{"question": f"{split} {i}", "answer": f"#### {i}"} for i in range(n)])
+    dm = ReasoningDataModule(task="gsm8k", source=str(tmp_path), train_split="train[:50%]", val_split="train[-4:]",
+                             test_split="test[:2]+test[-1:]", train_size=None, val_size=None, test_size=None)
+    dm.setup()
+    assert [e["question"] for e in dm.splits["train"]] == [f"train {i}" for i in range(20)]
+    assert [e["question"] for e in dm.splits["val"]] == [f"train {i}" for i in range(36, 40)]
+    assert [e["question"] for e in dm.splits["test"]] == ["test 0", "test 1", "test 7"]
+    with pytest.raises(ValueError, match=r"^data.train_split: 'train\[:x\]' is neither a split .* train\[:100\]"):
+        ReasoningDataModule(task="gsm8k", source=str(tmp_path), train_split="train[:x]").setup()
+
+
 def test_a_validation_split_taken_as_the_test_split_is_not_also_the_val_split(tmp_path):
     """``test_split: validation`` (a source with train and validation only, its validation the test set) under the
     default ``val_split: null``: the val rows were that same split, so validation scored the test problems; val is
