@@ -16,6 +16,7 @@ dataset's val/test rows, when the source has no such split, are carved off its t
 
 from __future__ import annotations
 
+import glob
 import os
 import zlib
 from collections.abc import Callable, Mapping
@@ -216,8 +217,8 @@ class ReasoningDataModule(L.LightningDataModule):
     Args:
         task: a :class:`~es_lightning.tasks.Task` (or a registered name such as ``"countdown"``).
         source: ``"procedural"`` (the task's generator), ``"hub"`` (the task's default hub dataset), a hub dataset name
-            (``"openai/gsm8k"``), or a local jsonl/json/parquet/arrow/csv file or a directory of them / a
-            ``save_to_disk`` directory.
+            (``"openai/gsm8k"``), or a local jsonl/json/parquet/arrow/csv file, a glob of them (``data/*.parquet``,
+            as ``data_files`` takes), a directory of them or a ``save_to_disk`` directory.
         hub_config: dataset config name for the hub (default: the task's, e.g. ``"main"`` for gsm8k).
         train_split, val_split, test_split: split names in the source; a missing val/test split is carved off the train
             split (``val_size``/``test_size`` examples, seeded). ``val_split: null`` reads the source's ``validation``
@@ -451,13 +452,19 @@ class ReasoningDataModule(L.LightningDataModule):
                 raise ValueError(f"task {self.task.name!r} has no default hub dataset; set data.source to a name or path")
             with hub_errors(self.task.hub_dataset, kind="dataset"):
                 return datasets.load_dataset(self.task.hub_dataset, self.hub_config or self.task.hub_config)
-        if path.exists():
+        matched = None  # a glob's files (data_files="data/train-*.parquet"), by name
+        if not path.exists() and any(c in str(path) for c in "*?["):
+            matched = sorted(Path(f) for f in glob.glob(str(path), recursive=True) if Path(f).is_file())
+            if not matched:
+                raise FileNotFoundError(f"data.source {self.source!r} matches no files (relative paths are read from "
+                                        f"{os.getcwd()}); fix the pattern or give a file or directory")
+        if path.exists() or matched:
             if path.is_dir() and (path / "dataset_dict.json").exists() or (path / "dataset_info.json").exists():
                 loaded = datasets.load_from_disk(str(path))
                 return loaded if isinstance(loaded, datasets.DatasetDict) else datasets.DatasetDict({"train": loaded})
             if path.is_dir():
                 path = self._data_folder(path)
-            files = sorted(path.iterdir()) if path.is_dir() else [path]
+            files = matched or (sorted(path.iterdir()) if path.is_dir() else [path])
             by_split: dict[str, list[str]] = {}
             fmt = None
             for f in files:

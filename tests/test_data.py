@@ -215,6 +215,20 @@ def test_split_names_slice_as_datasets_slices_them(tmp_path):
         ReasoningDataModule(task="gsm8k", source=str(tmp_path), train_split="train[:x]").setup()
 
 
+def test_a_glob_source_reads_the_files_it_matches(tmp_path):
+    """``source: data/train-*.jsonl`` (a ``data_files`` glob) was refused as a path that does not exist."""
+    (tmp_path / "data").mkdir()
+    for part in range(3):
+        _write_jsonl(tmp_path / "data" / f"train-{part}.jsonl",
+                     [{"question": f"part {part} {i}", "answer": f"#### {i}"} for i in range(5)])
+    dm = ReasoningDataModule(task="gsm8k", source=str(tmp_path / "data" / "train-[01].jsonl"), train_size=None,
+                             val_size=0, test_size=0)
+    dm.setup()
+    assert sorted(e["question"] for e in dm.splits["train"]) == [f"part {p} {i}" for p in (0, 1) for i in range(5)]
+    with pytest.raises(FileNotFoundError, match=r"^data.source '.*/nothing-\*.jsonl' matches no files"):
+        ReasoningDataModule(task="gsm8k", source=str(tmp_path / "data" / "nothing-*.jsonl")).setup()
+
+
 def test_a_validation_split_taken_as_the_test_split_is_not_also_the_val_split(tmp_path):
     """``test_split: validation`` (a source with train and validation only, its validation the test set) under the
     default ``val_split: null``: the val rows were that same split, so validation scored the test problems; val is
