@@ -466,14 +466,12 @@ class ReasoningDataModule(L.LightningDataModule):
                 path = self._data_folder(path)
             files = matched or (sorted(path.iterdir()) if path.is_dir() else [path])
             by_split: dict[str, list[str]] = {}
-            fmt = None
             for f in files:
                 if f.suffix not in _LOCAL_FORMATS:
                     continue
-                fmt = _LOCAL_FORMATS[f.suffix]
                 split = next((s for s in ("train", "validation", "val", "test") if f.stem.startswith(s)), "train")
                 by_split.setdefault(split, []).append(str(f))
-            if fmt is None:
+            if not by_split:
                 raise ValueError(
                     f"no data files in {self.source!r}; expected {', '.join(sorted(_LOCAL_FORMATS))} files (a directory "
                     "may hold train.jsonl / validation.jsonl / test.jsonl)"
@@ -484,15 +482,25 @@ class ReasoningDataModule(L.LightningDataModule):
                     f"data file {empty[0]!r} is empty (0 rows); fill it with one JSON object per line (columns: "
                     + ", ".join(self.task.required_columns) + ") or point data.source at another file"
                 )
-            try:
-                return datasets.load_dataset(fmt, data_files=by_split)
-            except datasets.exceptions.DatasetGenerationError as err:  # a malformed line, a bad row: say which file
-                cause = err.__cause__ or err
-                files = ", ".join(f for fs in by_split.values() for f in fs)
-                raise ValueError(f"data file(s) {files} could not be read as {fmt}: {type(cause).__name__}: "
-                                 f"{str(cause).splitlines()[0] if str(cause) else ''}; fix the file ({fmt}: "
-                                 + ("one JSON object per line" if fmt == "json" else f"a valid {fmt} file")
-                                 + ") or point data.source at another") from err
+            by_format: dict[str, dict[str, list[str]]] = {}  # each split is read by its files' format (train.jsonl, test.csv)
+            for split, fs in by_split.items():
+                formats = sorted({_LOCAL_FORMATS[Path(f).suffix] for f in fs})
+                if len(formats) > 1:
+                    raise ValueError(f"the {split!r} split of data.source {self.source!r} mixes data file formats "
+                                     f"({', '.join(formats)}: {', '.join(fs)}); convert its files to one format")
+                by_format.setdefault(formats[0], {})[split] = fs
+            loaded = datasets.DatasetDict()
+            for fmt, data_files in by_format.items():
+                try:
+                    loaded.update(datasets.load_dataset(fmt, data_files=data_files))
+                except datasets.exceptions.DatasetGenerationError as err:  # a malformed line, a bad row: say which file
+                    cause = err.__cause__ or err
+                    files = ", ".join(f for fs in data_files.values() for f in fs)
+                    raise ValueError(f"data file(s) {files} could not be read as {fmt}: {type(cause).__name__}: "
+                                     f"{str(cause).splitlines()[0] if str(cause) else ''}; fix the file ({fmt}: "
+                                     + ("one JSON object per line" if fmt == "json" else f"a valid {fmt} file")
+                                     + ") or point data.source at another") from err
+            return loaded
         if self.source.startswith((".", "/", "~")) or path.suffix in _LOCAL_FORMATS:
             raise FileNotFoundError(
                 f"data source {self.source!r} does not exist (relative paths are read from {os.getcwd()}); give a "

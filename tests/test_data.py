@@ -229,6 +229,21 @@ def test_a_glob_source_reads_the_files_it_matches(tmp_path):
         ReasoningDataModule(task="gsm8k", source=str(tmp_path / "data" / "nothing-*.jsonl")).setup()
 
 
+def test_splits_in_different_file_formats_are_each_read_by_their_own(tmp_path):
+    """A directory with train.jsonl and test.csv was read as json throughout: "test.csv could not be read as json"; a
+    split whose own files mix formats is refused in one line naming them."""
+    _write_jsonl(tmp_path / "train.jsonl", [{"question": f"train {i}", "answer": f"#### {i}"} for i in range(6)])
+    (tmp_path / "test.csv").write_text("question,answer\n" + "".join(f"test {i},{i}\n" for i in range(3)))
+    dm = ReasoningDataModule(task="gsm8k", source=str(tmp_path), train_size=None, val_size=1, test_size=None)
+    dm.setup()
+    assert sorted(e["question"] for e in dm.splits["test"]) == ["test 0", "test 1", "test 2"]
+    assert [e["gold"] for e in sorted(dm.splits["test"], key=lambda e: e["question"])] == ["0", "1", "2"]
+    assert len(dm.splits["train"]) == 5
+    (tmp_path / "train-more.csv").write_text("question,answer\nmore,1\n")
+    with pytest.raises(ValueError, match=r"^the 'train' split of data.source .* mixes data file formats \(csv, json: "):
+        ReasoningDataModule(task="gsm8k", source=str(tmp_path)).setup()
+
+
 def test_a_validation_split_taken_as_the_test_split_is_not_also_the_val_split(tmp_path):
     """``test_split: validation`` (a source with train and validation only, its validation the test set) under the
     default ``val_split: null``: the val rows were that same split, so validation scored the test problems; val is
