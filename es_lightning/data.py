@@ -202,6 +202,24 @@ class _ResumableLoader(DataLoader):
         pass
 
 
+#: how to train on a chat-format (``messages``) dataset: the task, not the dataset, writes the prompt
+CHAT_FIX = ("the task builds each prompt from its own columns (with the model's chat template under "
+            "use_chat_template: true, a system turn with system_prompt): put the user turn's text and the answer in "
+            "columns of their own, e.g. ds.map(lambda r: {'question': r['messages'][0]['content']})")
+
+
+def chat_columns(ds) -> list[str]:
+    """The columns of ``ds`` whose values are chat messages: lists of ``{role, content}`` turns (``messages``)."""
+    import datasets
+
+    def is_chat(feature) -> bool:
+        inner = getattr(feature, "feature", None) if isinstance(feature, (datasets.Sequence, datasets.List)) else (
+            feature[0] if isinstance(feature, list) and feature else None)
+        return isinstance(inner, dict) and {"role", "content"} <= set(inner)
+
+    return [name for name, feature in (ds.features or {}).items() if is_chat(feature)]
+
+
 def check_columns(ds, task: Task, where: str, split: str, fix: Callable[[list[str]], str]) -> None:
     """Refuse a split without the raw columns ``task`` reads, in one line: ``where`` names the source (and the option
     it was given by), ``fix(missing)`` says how to supply them."""
@@ -540,9 +558,18 @@ class ReasoningDataModule(L.LightningDataModule):
                     f"data.column_mapping renames {missing}, but the {split} split has columns {ds.column_names}"
                 )
             ds = ds.rename_columns(self.column_mapping)
-        example = ds.column_names[0] if ds.column_names else "your_column"
+        chat = chat_columns(ds)
+        read = [c for c in self.task.required_columns if c in chat]
+        if read:
+            raise ValueError(f"data.source {self.source!r}: the column(s) {read} of its {split} split hold chat messages "
+                             f"(role/content turns), not the values task {self.task.name!r} reads; {CHAT_FIX}")
+        # a column the hint may propose to rename: not chat turns, not already one the task reads
+        others = [c for c in ds.column_names if c not in chat and c not in self.task.required_columns]
+        example = others[0] if others else "your_column"
         fix = fix or (lambda missing, have: f"Map them with data.column_mapping, e.g. column_mapping: {{{have}: {missing[0]}}}")
-        check_columns(ds, self.task, f"data.source {self.source!r}", split, lambda missing: fix(missing, example))
+        chat_fix = f"{chat} hold chat messages (role/content turns): {CHAT_FIX}"
+        check_columns(ds, self.task, f"data.source {self.source!r}", split, lambda missing: (
+            f"Its {chat_fix}" if chat and not others else fix(missing, example) + (f"; its {chat_fix}" if chat else "")))
         return ds
 
     # ------------------------------------------------------------------ loaders

@@ -244,6 +244,24 @@ def test_splits_in_different_file_formats_are_each_read_by_their_own(tmp_path):
         ReasoningDataModule(task="gsm8k", source=str(tmp_path)).setup()
 
 
+def test_a_chat_messages_column_is_refused_with_how_to_train_on_it(tmp_path):
+    """A chat-format dataset (``messages``: role/content turns): the hint proposed ``column_mapping: {messages:
+    question}``, and following it crashed in setup with "'list' object has no attribute 'strip'". The hint's example
+    renames a column the task does not read already (it proposed ``{question: answer}`` for a missing answer)."""
+    turns = [{"messages": [{"role": "user", "content": f"What is {i}?"}], "answer": f"#### {i}"} for i in range(8)]
+    _write_jsonl(tmp_path / "chat.jsonl", turns)
+    with pytest.raises(ValueError, match=r"^data.source .*: the column\(s\) \['question'\] of its train split hold chat "
+                                         r"messages .*ds.map\(lambda r: \{'question': r\['messages'\]\[0\]\['content'\]\}\)$"):
+        ReasoningDataModule(task="gsm8k", source=str(tmp_path / "chat.jsonl"), column_mapping={"messages": "question"},
+                            val_size=1, test_size=1).setup()
+    _write_jsonl(tmp_path / "only.jsonl", [{"messages": t["messages"]} for t in turns])
+    with pytest.raises(ValueError, match=r"it has \['messages'\]\. Its \['messages'\] hold chat messages .* the task builds"):
+        ReasoningDataModule(task="gsm8k", source=str(tmp_path / "only.jsonl")).setup()
+    _write_jsonl(tmp_path / "half.jsonl", [{"question": f"{i}?", "solution": f"#### {i}"} for i in range(8)])
+    with pytest.raises(ValueError, match=r"lacks column\(s\) \['answer'\].* column_mapping: \{solution: answer\}$"):
+        ReasoningDataModule(task="gsm8k", source=str(tmp_path / "half.jsonl")).setup()
+
+
 def test_a_validation_split_taken_as_the_test_split_is_not_also_the_val_split(tmp_path):
     """``test_split: validation`` (a source with train and validation only, its validation the test set) under the
     default ``val_split: null``: the val rows were that same split, so validation scored the test problems; val is
