@@ -370,6 +370,14 @@ class ReasoningDataModule(L.LightningDataModule):
 
                 picked = np.random.default_rng(self.seed).permutation(len(ds))[:size].tolist()
                 ds, at[split] = ds.select(picked), [at[split][i] for i in picked]
+            elif size is not None and len(ds) < size:  # fewer rows than asked: say so, a smaller set compares otherwise
+                from lightning.pytorch.utilities import rank_zero_warn
+
+                left = " once the val/test rows are carved off it" if split == "train" and carving else ""
+                rank_zero_warn(f"data.{split}_size={size} asks for more rows than the {len(ds)} in the "
+                               f"{source_of[split]!r} split of data.source {self.source!r}{left}: "
+                               f"{ {'train': 'training', 'val': 'validating', 'test': 'testing'}[split]} on those "
+                               f"{len(ds)}; set data.{split}_size to null (every row) or at most {len(ds)} to silence this")
             drawn[split] = self.map_columns(ds, split)
         return self._preprocess_drawn(drawn, at, source_of, source_rows)
 

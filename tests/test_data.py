@@ -262,6 +262,25 @@ def test_a_chat_messages_column_is_refused_with_how_to_train_on_it(tmp_path):
         ReasoningDataModule(task="gsm8k", source=str(tmp_path / "half.jsonl")).setup()
 
 
+def test_a_split_with_fewer_rows_than_its_size_says_so(tmp_path):
+    """``val_size: 10`` over a validation.jsonl of 3 rows validated on 3 without a word (an evaluation's
+    ``num_problems`` beyond the rows is refused): a smaller val/test set compares differently with other runs'."""
+    for split, n in (("train", 20), ("validation", 3)):
+        _write_jsonl(tmp_path / f"{split}.jsonl", [{"question": f"{split} {i}", "answer": f"#### {i}"} for i in range(n)])
+    dm = ReasoningDataModule(task="gsm8k", source=str(tmp_path), train_size=100, val_size=10, test_size=2)
+    with pytest.warns(UserWarning) as caught:
+        dm.setup()
+    said = sorted(str(w.message) for w in caught if "asks for more rows" in str(w.message))
+    assert len(said) == 2 and {k: len(v) for k, v in dm.splits.items()} == {"train": 18, "val": 3, "test": 2}
+    assert said[0].startswith("data.train_size=100 asks for more rows than the 18 in the 'train' split of data.source")
+    assert said[0].endswith("once the val/test rows are carved off it: training on those 18; set data.train_size to "
+                            "null (every row) or at most 18 to silence this")
+    assert said[1].startswith("data.val_size=10 asks for more rows than the 3 in the 'validation' split")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*asks for more rows")
+        ReasoningDataModule(task="gsm8k", source=str(tmp_path), train_size=None, val_size=3, test_size=2).setup()
+
+
 def test_a_validation_split_taken_as_the_test_split_is_not_also_the_val_split(tmp_path):
     """``test_split: validation`` (a source with train and validation only, its validation the test set) under the
     default ``val_split: null``: the val rows were that same split, so validation scored the test problems; val is
