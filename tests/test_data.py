@@ -281,6 +281,22 @@ def test_a_split_with_fewer_rows_than_its_size_says_so(tmp_path):
         ReasoningDataModule(task="gsm8k", source=str(tmp_path), train_size=None, val_size=3, test_size=2).setup()
 
 
+def test_a_csv_target_read_as_floats_prompts_the_integer(tmp_path):
+    """A Countdown csv with an empty target cell: datasets reads the column as floats, and every prompt read
+    ``c:3 5 7>22.0=`` (not the built-in format, and another held-out pool key) once the empty row was dropped."""
+    rows = CountdownTask().procedural(12, 0)
+    (tmp_path / "train.csv").write_text("nums,target\n" + "".join(
+        f'"{r["nums"]}",{"" if i == 3 else r["target"]}\n' for i, r in enumerate(rows)))
+    with pytest.warns(UserWarning, match="dropped 1 of the 12 rows"):
+        dm = ReasoningDataModule(task="countdown", source=str(tmp_path / "train.csv"), train_size=None, val_size=1,
+                                 test_size=1, drop_invalid_rows=True)
+        dm.setup()
+    examples = dm.splits["train"] + dm.splits["val"] + dm.splits["test"]
+    assert sorted(dm.task.prompt(e) for e in examples) == sorted(
+        dm.task.prompt(r) for i, r in enumerate(rows) if i != 3)
+    assert all(type(e["target"]) is int for e in examples)
+
+
 def test_a_validation_split_taken_as_the_test_split_is_not_also_the_val_split(tmp_path):
     """``test_split: validation`` (a source with train and validation only, its validation the test set) under the
     default ``val_split: null``: the val rows were that same split, so validation scored the test problems; val is

@@ -176,8 +176,8 @@ class CountdownTask(Task):
 
     # ----------------------------------------------------------------- data
     def preprocess(self, example: dict[str, Any]) -> dict[str, Any]:
-        """``nums`` as a list of ints (a text such as ``"[3, 5, 7]"`` is read too) and an integer text ``target`` as an
-        int. A record whose numbers are not non-negative integers of at most ``MAX_LITERAL_DIGITS`` digits, or whose
+        """``nums`` as a list of ints (a text such as ``"[3, 5, 7]"`` is read too) and an integer text or integral
+        float ``target`` as an int. A record whose numbers are not non-negative integers of at most ``MAX_LITERAL_DIGITS`` digits, or whose
         target is not a number, is refused (ValueError naming the column): it could never be answered correctly."""
         nums = _record_numbers(example["nums"])
         if nums is None:
@@ -189,6 +189,8 @@ class CountdownTask(Task):
         target = example["target"]
         if isinstance(target, str) and len(target) <= _MAX_TARGET_CHARS and target.strip().lstrip("-").isdigit():
             target = int(target)  # other non-integers (e.g. "27.4") stay as they are; check_answer reads them exactly
+        elif isinstance(target, float) and target.is_integer():
+            target = int(target)  # a csv column with an empty cell reads as floats: 74.0 is the problem "…>74="
         if not _is_number(target):
             raise ValueError(
                 f"Countdown record whose 'target' column is {_shown(example['target'])}, not a number: fix the column "
