@@ -159,7 +159,7 @@ class EpochBatches(IterableDataset):
     """
 
     def __init__(self, examples, batch_size: int, seed: int, start=0, rank: int = 0, world_size: int = 1,
-                 shared: bool = True) -> None:
+                 shared: bool = True, more: str = "raise data.train_size") -> None:
         self.examples = examples
         self.batch_size = batch_size
         self.seed = seed
@@ -169,7 +169,7 @@ class EpochBatches(IterableDataset):
         if per_epoch == 0:
             raise ValueError(
                 f"{len(examples)} training examples make no batch of {batch_size} per rank; lower data.batch_size "
-                "or raise data.train_size"
+                f"or {more}"
             )
         self.batches_per_epoch = per_epoch
         #: global index (in this rank's batches) of the next batch; a callable is asked at each ``iter()`` — the
@@ -649,7 +649,12 @@ class ReasoningDataModule(L.LightningDataModule):
 
             rank, world = trainer.global_rank, trainer.world_size
             shared = bool(getattr(trainer.lightning_module, "shares_batch_across_ranks", False))
-        stream = EpochBatches(self.splits["train"], self.batch_size, self.seed, start, rank, world, shared)
+        rows = len(self.splits["train"])
+        more = ("raise data.train_size" if self.source == "procedural" or (self.train_size or rows + 1) <= rows else
+                f"give more rows: data.source {self.source!r} has {rows} training rows"
+                + (" once the val/test rows are carved off" if self._held_out.get("val_split") is False
+                   or self._held_out.get("test_split") is False else ""))
+        stream = EpochBatches(self.splits["train"], self.batch_size, self.seed, start, rank, world, shared, more)
         return _ResumableLoader(stream, batch_size=None, num_workers=0)
 
     def val_dataloader(self) -> DataLoader:

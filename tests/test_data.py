@@ -297,6 +297,23 @@ def test_a_csv_target_read_as_floats_prompts_the_integer(tmp_path):
     assert all(type(e["target"]) is int for e in examples)
 
 
+@pytest.mark.filterwarnings("ignore:.*asks for more rows")
+def test_a_dataset_smaller_than_a_batch_asks_for_rows_not_a_larger_train_size(tmp_path):
+    """10 training rows of a file and batch_size 16: the refusal said "or raise data.train_size", which (4096 or null)
+    reads no more rows; it names the rows the source has. A train_size below the rows is still the one to raise."""
+    _write_jsonl(tmp_path / "train.jsonl", [{"question": f"q {i}", "answer": f"#### {i}"} for i in range(12)])
+    for train_size in (4096, None):
+        dm = ReasoningDataModule(task="gsm8k", source=str(tmp_path), train_size=train_size, val_size=1, test_size=1,
+                                 batch_size=16)
+        with pytest.raises(ValueError, match=r"^10 training examples make no batch of 16 per rank; lower "
+                                             r"data.batch_size or give more rows: data.source '.*' has 10 training rows "
+                                             r"once the val/test rows are carved off$"):
+            dm.train_dataloader()
+    dm = ReasoningDataModule(task="gsm8k", source=str(tmp_path), train_size=4, val_size=1, test_size=1, batch_size=16)
+    with pytest.raises(ValueError, match=r"or raise data.train_size$"):
+        dm.train_dataloader()
+
+
 def test_a_validation_split_taken_as_the_test_split_is_not_also_the_val_split(tmp_path):
     """``test_split: validation`` (a source with train and validation only, its validation the test set) under the
     default ``val_split: null``: the val rows were that same split, so validation scored the test problems; val is
