@@ -161,6 +161,7 @@ def test_countdown_preprocess_hub_record():
     ({"nums": [10**12, 5], "target": 2}, "'nums' column is"),  # nor one longer than the verifier reads
     ({"nums": [3, 5, 7], "target": None}, "'target' column is None"),
     ({"nums": [3, 5, 7], "target": "abc"}, "'target' column is 'abc'"),
+    ({"nums": [3, 5, 7], "target": "²²"}, "'target' column is '²²'"),  # digits to isdigit(), not to int()
 ])
 def test_countdown_preprocess_refuses_a_malformed_record_in_one_line(record, column):
     from es_lightning.cli_errors import explain

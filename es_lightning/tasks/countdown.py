@@ -187,7 +187,7 @@ class CountdownTask(Task):
                 "columns to nums/target with data.column_mapping"
             )
         target = example["target"]
-        if isinstance(target, str) and len(target) <= _MAX_TARGET_CHARS and target.strip().lstrip("-").isdigit():
+        if isinstance(target, str) and len(target) <= _MAX_TARGET_CHARS and target.strip().lstrip("-").isdecimal():
             target = int(target)  # other non-integers (e.g. "27.4") stay as they are; check_answer reads them exactly
         elif isinstance(target, float) and target.is_integer():
             target = int(target)  # a csv column with an empty cell reads as floats: 74.0 is the problem "…>74="
