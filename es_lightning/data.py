@@ -362,6 +362,17 @@ class ReasoningDataModule(L.LightningDataModule):
             out["train"], out[split] = out["train"].select(kept), out["train"].select(held)
             at["train"], at[split] = [at["train"][i] for i in kept], [at["train"][i] for i in held]
             keys = [keys[i] for i in kept]
+        carved = [f"{len(out[split])} {split}" for split in reversed(carving) if len(out[split])]
+        if carved:  # said: a source without the split gets one without a word otherwise
+            from lightning.pytorch.utilities import rank_zero_info
+
+            rank_zero_info(f"data.source {self.source!r} has no " + " or ".join(
+                repr(names[split]) if names[split] else "validation" for split in reversed(carving))
+                + f" split: {' and '.join(carved)} problems are carved off its {self.train_split!r} split (seed "
+                f"{self.seed}); give the split ("
+                + " / ".join({"val": "validation.jsonl", "test": "test.jsonl"}[split] for split in reversed(carving))
+                + " beside train.jsonl) or name one with "
+                + " / ".join(f"data.{split}_split" for split in reversed(carving)) + " to read it instead")
         drawn = {}
         for split, ds in out.items():
             size = {"train": self.train_size, "val": self.val_size, "test": self.test_size}[split]

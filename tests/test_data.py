@@ -314,6 +314,26 @@ def test_a_dataset_smaller_than_a_batch_asks_for_rows_not_a_larger_train_size(tm
         dm.train_dataloader()
 
 
+def test_held_out_rows_carved_off_the_train_split_are_said(tmp_path, caplog):
+    """A source without a validation (or test) split had its val/test problems carved off the train split without a
+    word; one line says how many, from which split, and how to give the split instead. A split read says nothing."""
+    import logging
+
+    for split, n in (("train", 20), ("test", 3)):
+        _write_jsonl(tmp_path / f"{split}.jsonl", [{"question": f"{split} {i}", "answer": f"#### {i}"} for i in range(n)])
+    with caplog.at_level(logging.INFO):
+        ReasoningDataModule(task="gsm8k", source=str(tmp_path), train_size=None, val_size=4, test_size=None).setup()
+    said = [r.getMessage() for r in caplog.records if "carved" in r.getMessage()]
+    assert said == [f"data.source {str(tmp_path)!r} has no validation split: 4 val problems are carved off its 'train' "
+                    "split (seed 0); give the split (validation.jsonl beside train.jsonl) or name one with "
+                    "data.val_split to read it instead"]
+    caplog.clear()
+    (tmp_path / "validation.jsonl").write_text((tmp_path / "test.jsonl").read_text())
+    with caplog.at_level(logging.INFO):
+        ReasoningDataModule(task="gsm8k", source=str(tmp_path), train_size=None, val_size=None, test_size=None).setup()
+    assert not [r for r in caplog.records if "carved" in r.getMessage()]
+
+
 def test_a_validation_split_taken_as_the_test_split_is_not_also_the_val_split(tmp_path):
     """``test_split: validation`` (a source with train and validation only, its validation the test set) under the
     default ``val_split: null``: the val rows were that same split, so validation scored the test problems; val is
