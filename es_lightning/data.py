@@ -36,6 +36,16 @@ MAX_PROCEDURAL_PROBLEMS = 1_000_000
 #: how a refusal of a dataset's invalid rows names the option that drops them (an evaluation, which has none, cuts it)
 DROP_INVALID_HINT = ", or set data.drop_invalid_rows: true to train and evaluate without them"
 _LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
+#: compressions ``datasets`` reads a json/csv file through (``train.jsonl.gz``)
+_COMPRESSIONS = (".gz", ".bz2", ".xz")
+
+
+def _format_of(path: Path) -> str | None:
+    """The ``datasets`` builder that reads the data file ``path`` (``json`` for ``a.jsonl`` and ``a.jsonl.gz``), or None."""
+    suffixes = path.suffixes[-2:]
+    if len(suffixes) == 2 and suffixes[1] in _COMPRESSIONS and _LOCAL_FORMATS.get(suffixes[0]) in ("json", "csv"):
+        return _LOCAL_FORMATS[suffixes[0]]
+    return _LOCAL_FORMATS.get(path.suffix)
 
 
 def _is_empty(path: Path) -> bool:
@@ -504,13 +514,14 @@ class ReasoningDataModule(L.LightningDataModule):
             files = matched or (sorted(path.iterdir()) if path.is_dir() else [path])
             by_split: dict[str, list[str]] = {}
             for f in files:
-                if f.suffix not in _LOCAL_FORMATS:
+                if _format_of(f) is None:
                     continue
                 split = next((s for s in ("train", "validation", "val", "test") if f.stem.startswith(s)), "train")
                 by_split.setdefault(split, []).append(str(f))
             if not by_split:
                 raise ValueError(
-                    f"no data files in {self.source!r}; expected {', '.join(sorted(_LOCAL_FORMATS))} files (a directory "
+                    f"no data files in {self.source!r}; expected {', '.join(sorted(_LOCAL_FORMATS))} files (json and csv "
+                    f"also {'/'.join(_COMPRESSIONS)}-compressed; a directory "
                     "may hold train.jsonl / validation.jsonl / test.jsonl)"
                 )
             empty = [f for fs in by_split.values() for f in fs if _is_empty(Path(f))]
@@ -521,7 +532,7 @@ class ReasoningDataModule(L.LightningDataModule):
                 )
             by_format: dict[str, dict[str, list[str]]] = {}  # each split is read by its files' format (train.jsonl, test.csv)
             for split, fs in by_split.items():
-                formats = sorted({_LOCAL_FORMATS[Path(f).suffix] for f in fs})
+                formats = sorted({_format_of(Path(f)) for f in fs})
                 if len(formats) > 1:
                     raise ValueError(f"the {split!r} split of data.source {self.source!r} mixes data file formats "
                                      f"({', '.join(formats)}: {', '.join(fs)}); convert its files to one format")
@@ -538,7 +549,7 @@ class ReasoningDataModule(L.LightningDataModule):
                                      + ("one JSON object per line" if fmt == "json" else f"a valid {fmt} file")
                                      + ") or point data.source at another") from err
             return loaded
-        if self.source.startswith((".", "/", "~")) or path.suffix in _LOCAL_FORMATS:
+        if self.source.startswith((".", "/", "~")) or _format_of(path) is not None:
             raise FileNotFoundError(
                 f"data source {self.source!r} does not exist (relative paths are read from {os.getcwd()}); give a "
                 "jsonl/json/parquet/arrow/csv file or directory, a hub dataset name, 'hub' or 'procedural'"
@@ -552,7 +563,7 @@ class ReasoningDataModule(L.LightningDataModule):
         ``gsm8k/main/train-*.parquet``) — its config's folder (``hub_config``, else the task's) or its ``data``
         folder. A folder whose data files are all in other subfolders is refused, naming them."""
         def has_files(folder: Path) -> bool:
-            return any(f.suffix in _LOCAL_FORMATS for f in folder.iterdir() if f.is_file())
+            return any(_format_of(f) is not None for f in folder.iterdir() if f.is_file())
 
         if has_files(path):
             return path

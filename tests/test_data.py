@@ -334,6 +334,23 @@ def test_held_out_rows_carved_off_the_train_split_are_said(tmp_path, caplog):
     assert not [r for r in caplog.records if "carved" in r.getMessage()]
 
 
+def test_compressed_json_and_csv_files_are_data_files(tmp_path):
+    """``train.jsonl.gz`` (datasets reads it as it is) was refused as "no data files in 'train.jsonl.gz'"."""
+    import bz2
+    import gzip
+
+    rows = "".join(json.dumps({"question": f"train {i}", "answer": f"#### {i}"}) + "\n" for i in range(6))
+    (tmp_path / "train.jsonl.gz").write_bytes(gzip.compress(rows.encode()))
+    (tmp_path / "test.csv.bz2").write_bytes(bz2.compress(b"question,answer\ntest 0,0\ntest 1,1\n"))
+    dm = ReasoningDataModule(task="gsm8k", source=str(tmp_path), train_size=None, val_size=1, test_size=None)
+    dm.setup()
+    assert len(dm.splits["train"]) == 5 and sorted(e["question"] for e in dm.splits["test"]) == ["test 0", "test 1"]
+    one = ReasoningDataModule(task="gsm8k", source=str(tmp_path / "train.jsonl.gz"), train_size=None, val_size=1,
+                              test_size=1)
+    one.setup()
+    assert len(one.splits["train"]) == 4
+
+
 def test_a_validation_split_taken_as_the_test_split_is_not_also_the_val_split(tmp_path):
     """``test_split: validation`` (a source with train and validation only, its validation the test set) under the
     default ``val_split: null``: the val rows were that same split, so validation scored the test problems; val is
