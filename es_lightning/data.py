@@ -400,7 +400,25 @@ class ReasoningDataModule(L.LightningDataModule):
                                f"{ {'train': 'training', 'val': 'validating', 'test': 'testing'}[split]} on those "
                                f"{len(ds)}; set data.{split}_size to null (every row) or at most {len(ds)} to silence this")
             drawn[split] = self.map_columns(ds, split)
-        return self._preprocess_drawn(drawn, at, source_of, source_rows)
+        result = self._preprocess_drawn(drawn, at, source_of, source_rows)
+        self._warn_overlap(result, [split for split in ("val", "test") if split not in carving], names)
+        return result
+
+    def _warn_overlap(self, splits: dict[str, list[dict[str, Any]]], read: list[str], names: dict[str, Any]) -> None:
+        """One warning per val/test split read from the source (a carved one is disjoint by construction) whose
+        problems (``Task.pool_key``) are also training problems: its scores would be of problems trained on."""
+        if not read or not splits["train"]:
+            return
+        trained = {self.task.pool_key(e) for e in splits["train"]}
+        for split in read:
+            shared = sum(self.task.pool_key(e) in trained for e in splits[split])
+            if shared:
+                from lightning.pytorch.utilities import rank_zero_warn
+
+                rank_zero_warn(f"{shared} of the {len(splits[split])} {split} problems (the {names[split]!r} split of "
+                               f"data.source {self.source!r}) are also training problems (the {self.train_split!r} "
+                               f"split): their {'validation' if split == 'val' else 'test'} scores are of problems "
+                               "trained on; remove them from one of the splits")
 
     def _preprocess_drawn(self, drawn: dict[str, Any], at: dict[str, Any], source_of: dict[str, str],
                           source_rows: dict[str, int]) -> dict[str, list[dict[str, Any]]]:

@@ -351,6 +351,22 @@ def test_compressed_json_and_csv_files_are_data_files(tmp_path):
     assert len(one.splits["train"]) == 4
 
 
+def test_a_test_split_that_repeats_training_problems_says_so(tmp_path):
+    """A test.jsonl whose problems are also in train.jsonl (a common leak in real data) was scored without a word:
+    test scores of problems trained on. Carved splits are disjoint by construction and say nothing."""
+    rows = [{"question": f"What is {i}?", "answer": f"#### {i}"} for i in range(12)]
+    _write_jsonl(tmp_path / "train.jsonl", rows)
+    _write_jsonl(tmp_path / "test.jsonl", rows[:3] + [{"question": "new?", "answer": "#### 1"}])
+    with pytest.warns(UserWarning, match=r"^3 of the 4 test problems \(the 'test' split of data.source '.*'\) are also "
+                                         r"training problems \(the 'train' split\): their test scores are of problems "
+                                         r"trained on; remove them from one of the splits$"):
+        ReasoningDataModule(task="gsm8k", source=str(tmp_path), train_size=None, val_size=0, test_size=None).setup()
+    (tmp_path / "test.jsonl").unlink()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*also training problems")
+        ReasoningDataModule(task="gsm8k", source=str(tmp_path), train_size=None, val_size=2, test_size=2).setup()
+
+
 def test_a_validation_split_taken_as_the_test_split_is_not_also_the_val_split(tmp_path):
     """``test_split: validation`` (a source with train and validation only, its validation the test set) under the
     default ``val_split: null``: the val rows were that same split, so validation scored the test problems; val is
