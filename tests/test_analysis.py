@@ -237,6 +237,34 @@ def test_drift_against_an_unrelated_base_warns(es_checkpoint, tmp_path, capsys):
     assert "was trained from" in err and "is far beyond any fine-tune" in err
 
 
+def test_eval_of_the_file_a_checkpoint_trained_on_names_its_training_problems(tmp_path, monkeypatch):
+    """`eval --eval.source train.jsonl` of a checkpoint fitted on that file (val/test carved off it): a single-split
+    file is evaluated whole, so beyond the fit's test_size the problems drawn were its training problems, scored as
+    held out without a word. Problems it did not train on say nothing."""
+    import warnings
+
+    from es_lightning.analysis.evaluate import evaluate_models
+
+    monkeypatch.chdir(tmp_path)
+    rows = CountdownTask().procedural(40, 0)
+    Path("train.jsonl").write_text("".join(json.dumps({"nums": r["nums"], "target": r["target"]}) + "\n" for r in rows))
+    module = ESModule(model=BUILTIN, population_size=2, sigma=5e-3, lr=3e-3, max_new_tokens=2)
+    trainer = L.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0, callbacks=[])
+    trainer.fit(module, datamodule=ReasoningDataModule("countdown", source="train.jsonl", train_size=None, val_size=4,
+                                                       test_size=4, batch_size=2))
+    trainer.save_checkpoint(tmp_path / "es.ckpt")
+    settings = EvalSettings(num_problems=20, num_samples=1, max_new_tokens=2, source="train.jsonl")
+    with pytest.warns(UserWarning, match=r"^1[0-9] of the 20 countdown problems evaluated \(--eval.source 'train.jsonl'\) "
+                                         r"are training problems of .*es.ckpt \(its data.source 'train.jsonl'\): its "
+                                         r"scores on them are not held out; evaluate on problems it did not train on"):
+        evaluate_models([str(tmp_path / "es.ckpt")], tasks=["countdown"], settings=settings, progress=False)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*training problems of")
+        evaluate_models([str(tmp_path / "es.ckpt")], tasks=["countdown"], progress=False,
+                        settings=replace(settings, num_problems=4))  # the fit's own held-out test problems
+
+
 def test_eval_prompts_and_loads_every_model_as_the_checkpoint_was_trained(qwen_like_small_dir, tmp_path, capsys):
     """A checkpoint trained on Countdown's r1 prompt in the chat template (the Qwen-like fixture, bf16): `eval` of it
     beside its base model prompts both as in training and loads both in bf16 — it used the default compact prompt

@@ -245,7 +245,7 @@ def ablation_command(
     from tqdm.auto import tqdm
 
     from es_lightning.analysis.checkpoints import load_model, recorded_task, start_dtype, trained_with
-    from es_lightning.analysis.evaluate import evaluate_policy, heldout_problems, tasks_as_trained
+    from es_lightning.analysis.evaluate import evaluate_policy, heldout_problems, tasks_as_trained, warn_training_overlap
     from es_lightning.analysis.plots import plot_ablation
     from es_lightning.analysis.runs import now_doing, now_writing, stopping_on_signals
 
@@ -265,6 +265,7 @@ def ablation_command(
         now_doing("preparing the held-out problems")
         problems = heldout_problems(task_obj, settings.num_problems, settings.seed, settings.source,
                                     settings.column_mapping)
+        warn_training_overlap(tuned, record, task_obj, problems, settings.source)
         now_doing(f"loading {tuned}")
         tuned_model = load_model(tuned, dtype=dtype)
         base = base or _base_of(tuned_model, "ablation")

@@ -171,6 +171,8 @@ class TrainedWith:
 
     task: dict[str, Any] | None = None
     dtype: str | None = None
+    #: a ``.ckpt``'s data settings (``ReasoningDataModule.state_dict()['stream']``): which rows it trained on
+    data: dict[str, Any] | None = None
 
 
 def trained_with(spec: str) -> TrainedWith:
@@ -188,6 +190,8 @@ def trained_with(spec: str) -> TrainedWith:
         if isinstance(checkpoint, dict):
             found.task = checkpoint.get(TASK_KEY)
             found.dtype = _held_dtype(checkpoint) or (checkpoint.get("hyper_parameters") or {}).get("dtype")
+            stream = (checkpoint.get("ReasoningDataModule") or {}).get("stream")
+            found.data = stream if isinstance(stream, dict) else None
         run_config = path.resolve().parent.parent / "config.yaml"
     elif path.is_dir() and (path / "config.json").is_file():
         run_config = path.resolve().parent / "config.yaml"

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import logging
 import os
 import time
 from collections.abc import Sequence
@@ -74,6 +75,46 @@ def heldout_problems(task: Task, num_problems: int, seed: int = 0, source: str =
         return _preprocess_drawn(task, ds, num_problems, seed, name, source)
     except ValueError as err:  # a missing column, a malformed record, too few rows
         raise _in_eval_terms(err) from None
+
+
+def warn_training_overlap(spec: str, trained: TrainedWith, task: Task, problems: Sequence[dict[str, Any]],
+                          source: str) -> None:
+    """One warning when some of ``problems`` (of ``task``, from ``--eval.source`` ``source``) are among the training
+    problems of the checkpoint ``spec`` (``trained``: what it records): a single-split file is evaluated whole, so the
+    very file a fit carved its held-out rows off gives its training rows too. The training rows are rebuilt from the
+    checkpoint's data settings (a local source only: the fit's own carving, by ``Task.pool_key``); when they cannot
+    be, nothing is said."""
+    import warnings
+
+    data = trained.data or {}
+    path = str(data.get("source") or "")
+    record = data.get("task") or {}
+    if source == "procedural" or path in ("", "procedural", "hub") or not Path(os.path.expanduser(path)).exists() or (
+            record.get("class_path") != f"{type(task).__module__}.{type(task).__qualname__}"):
+        return
+    quiet = logging.getLogger("lightning.pytorch.utilities.rank_zero")  # the fit's carving line: not this command's
+    level = quiet.level
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            quiet.setLevel(logging.WARNING)
+            dm = ReasoningDataModule(
+                task, source=path, hub_config=data.get("hub_config"), train_split=data.get("train_split", "train"),
+                val_split=data.get("val_split") or None, test_split=data.get("test_split") or None,
+                column_mapping=data.get("column_mapping"), train_size=data.get("train_size"),
+                val_size=data.get("val_size"), test_size=data.get("test_size"), seed=data.get("seed", 0))
+            dm.setup()
+    except Exception:  # the rows it trained on cannot be rebuilt (a file since changed, rows it dropped): unknown
+        return
+    finally:
+        quiet.setLevel(level)
+    trained_on = {task.pool_key(e) for e in dm.splits["train"]}
+    shared = sum(task.pool_key(p) in trained_on for p in problems)
+    if shared:
+        warnings.warn(f"{shared} of the {len(problems)} {task.name} problems evaluated (--eval.source {source!r}) are "
+                      f"training problems of {spec} (its data.source {path!r}): its scores on them are not held out; "
+                      "evaluate on problems it did not train on (a test file, or the fit's own held-out rows: "
+                      "es-lightning test --config <its run>/config.yaml --ckpt_path <the .ckpt>)", stacklevel=2)
 
 
 #: what to do about rows the task refuses, in an evaluation (the fit's hint offers data.drop_invalid_rows instead)
@@ -245,6 +286,9 @@ def evaluate_models(
     now_doing("preparing the held-out problems")
     problems = {t.name: heldout_problems(t, settings.num_problems, settings.seed, (task_sources or {}).get(t.name, settings.source),
                                          settings.column_mapping) for t in task_objs}
+    for spec, record in trained:
+        for t in task_objs:
+            warn_training_overlap(spec, record, t, problems[t.name], (task_sources or {}).get(t.name, settings.source))
     names = list(labels) if labels is not None else [_label(m) for m in models]
     names = _unique(names)
     from tqdm.auto import tqdm
