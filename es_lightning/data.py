@@ -605,6 +605,18 @@ class ReasoningDataModule(L.LightningDataModule):
                 raise ValueError(
                     f"data.column_mapping renames {missing}, but the {split} split has columns {ds.column_names}"
                 )
+            targets = list(self.column_mapping.values())
+            twice = sorted({t for t in targets if targets.count(t) > 1})
+            if twice:
+                raise ValueError(f"data.column_mapping maps several columns to {twice}: "
+                                 + "; ".join(f"{[c for c, t in self.column_mapping.items() if t == name]} to {name!r}"
+                                             for name in twice) + "; map one column to each")
+            taken = [(c, t) for c, t in self.column_mapping.items() if t in ds.column_names and t not in self.column_mapping]
+            if taken:  # datasets would keep both under one name, and a row would read one of them
+                column, target = taken[0]
+                raise ValueError(f"data.column_mapping renames {column!r} to {target!r}, but the {split} split has a "
+                                 f"{target!r} column already (columns {ds.column_names}); rename that one away too, e.g. "
+                                 f"column_mapping: {{{target}: {target}_original, {column}: {target}}}")
             ds = ds.rename_columns(self.column_mapping)
         chat = chat_columns(ds)
         read = [c for c in self.task.required_columns if c in chat]

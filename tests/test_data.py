@@ -367,6 +367,26 @@ def test_a_test_split_that_repeats_training_problems_says_so(tmp_path):
         ReasoningDataModule(task="gsm8k", source=str(tmp_path), train_size=None, val_size=2, test_size=2).setup()
 
 
+def test_a_column_mapping_onto_a_column_the_file_has_is_refused(tmp_path):
+    """``column_mapping: {q: question}`` over a file with a ``question`` column too: datasets kept both under one name
+    and each row read the one that came last — the file's own column when ``q`` came first, the mapping silently
+    ignored. Two columns mapped to one name are refused in the mapping's words, not datasets'."""
+    _write_jsonl(tmp_path / "train.jsonl", [{"q": f"What is {i}?", "question": "old", "answer": f"#### {i}"}
+                                            for i in range(12)])
+    source = str(tmp_path / "train.jsonl")
+    with pytest.raises(ValueError, match=r"^data.column_mapping renames 'q' to 'question', but the train split has a "
+                                         r"'question' column already .* column_mapping: \{question: question_original, "
+                                         r"q: question\}$"):
+        ReasoningDataModule(task="gsm8k", source=source, column_mapping={"q": "question"}).setup()
+    with pytest.raises(ValueError, match=r"^data.column_mapping maps several columns to \['answer'\]: \['q', 'question'\] "
+                                         r"to 'answer'; map one column to each$"):
+        ReasoningDataModule(task="gsm8k", source=source, column_mapping={"q": "answer", "question": "answer"}).setup()
+    dm = ReasoningDataModule(task="gsm8k", source=source, column_mapping={"question": "question_original", "q": "question"},
+                             train_size=None, val_size=1, test_size=1)
+    dm.setup()
+    assert len({e["question"] for e in dm.splits["train"]}) == 10
+
+
 def test_a_validation_split_taken_as_the_test_split_is_not_also_the_val_split(tmp_path):
     """``test_split: validation`` (a source with train and validation only, its validation the test set) under the
     default ``val_split: null``: the val rows were that same split, so validation scored the test problems; val is
