@@ -432,6 +432,31 @@ def test_math_verify_rewards():
     assert time.perf_counter() - start < 0.5
 
 
+@pytest.mark.parametrize("task_name, column", [("gsm8k", "question"), ("math", "problem")])
+def test_a_record_without_a_prompt_text_is_refused_in_one_line(task_name, column, tmp_path):
+    """A row whose question (GSM8K) / problem (MATH) is null crashed setup with "'NoneType' object has no attribute
+    'strip'" (no row, no column, no fix), and an empty one prompted the instruction alone; both are refused as a
+    missing answer is, so data.drop_invalid_rows drops them."""
+    if task_name == "math":
+        pytest.importorskip("math_verify")
+    from es_lightning.data import ReasoningDataModule
+
+    task = get_task(task_name)
+    for text in (None, "", "  ", ["a", "list"]):
+        with pytest.raises(ValueError, match=rf"record whose '{column}' column is .*, no {column} to prompt with: drop "
+                                             rf"the row or fill it, or map your dataset's {column} column"):
+            task.preprocess({column: text, "answer": "#### 3"})
+    (tmp_path / "train.jsonl").write_text("".join(
+        json.dumps({column: None if i == 4 else f"p{i}", "answer": f"#### {i}"}) + "\n" for i in range(12)))
+    with pytest.raises(ValueError, match=rf"the first \(row 4, counting from 0\) as: .*'{column}' column is None"):
+        ReasoningDataModule(task, source=str(tmp_path), train_size=None, val_size=2, test_size=2).setup()
+    with pytest.warns(UserWarning, match="dropped 1 of the 12 rows"):
+        dm = ReasoningDataModule(task, source=str(tmp_path), train_size=None, val_size=2, test_size=2,
+                                 drop_invalid_rows=True)
+        dm.setup()
+    assert len(dm.splits["train"]) == 7
+
+
 def test_math_refuses_a_record_without_a_reference_answer(tmp_path):
     """A row whose answer is null/empty was kept: its gold read as the text "None" (a completion boxing "None" was
     paid as correct) or as nothing, a problem no completion could solve, deflating Pass@k without a word."""

@@ -248,6 +248,16 @@ class Task(ABC):
         return f"{type(self).__name__}()"
 
 
+def check_text(example: dict[str, Any], column: str, record: str) -> None:
+    """Refuse (``ValueError``, one line naming the column) a ``record`` (``"GSM8K record"``) whose prompt text
+    ``column`` is not a non-empty text: ``None`` crashed the prompt with ``AttributeError``, and an empty one prompted
+    the instruction alone."""
+    text = example[column]
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"{record} whose {column!r} column is {repr(text)[:80]}, no {column} to prompt with: drop the "
+                         f"row or fill it, or map your dataset's {column} column with data.column_mapping")
+
+
 def task_record(task: Task) -> dict[str, Any]:
     """``{"class_path", "init_args"}`` rebuilding ``task`` as configured (``get_task(class_path, **init_args)``): the
     constructor's arguments that the task keeps as attributes of the same name with plain values (``prompt_format``,

@@ -22,7 +22,7 @@ from decimal import Decimal
 from fractions import Fraction
 from typing import Any, ClassVar
 
-from es_lightning.tasks.base import Task
+from es_lightning.tasks.base import Task, check_text
 
 __all__ = ["GSM8KTask", "normalize_number"]
 
@@ -186,6 +186,7 @@ class GSM8KTask(Task):
         return predicted is not None and gold is not None and Fraction(predicted) == Fraction(gold)
 
     def preprocess(self, example: dict[str, Any]) -> dict[str, Any]:
+        check_text(example, "question", "GSM8K record")
         gold = _gold_of(example["gold"] if example.get("gold") is not None else example["answer"])
         if gold is None:
             raise ValueError(

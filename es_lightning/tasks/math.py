@@ -16,7 +16,7 @@ from collections.abc import Hashable
 from fractions import Fraction
 from typing import Any, ClassVar
 
-from es_lightning.tasks.base import Task
+from es_lightning.tasks.base import Task, check_text
 
 __all__ = ["MathTask", "last_boxed"]
 
@@ -129,7 +129,9 @@ class MathTask(Task):
 
     def preprocess(self, example: dict[str, Any]) -> dict[str, Any]:
         """The record unchanged; one without a reference answer (``None``, empty, or an empty ``\\boxed{}``) is refused
-        in one line: it could never be answered correctly (``None`` read as the text ``"None"``)."""
+        in one line: it could never be answered correctly (``None`` read as the text ``"None"``); so is one without a
+        problem text."""
+        check_text(example, "problem", "MathTask record")
         answer = example["answer"]
         gold = "" if answer is None else str(answer).strip()
         if _BOX in gold:
