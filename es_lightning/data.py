@@ -230,6 +230,20 @@ def chat_columns(ds) -> list[str]:
     return [name for name, feature in (ds.features or {}).items() if is_chat(feature)]
 
 
+def nested_rows(ds) -> dict[str, list[str]]:
+    """The columns of ``ds`` whose values are lists of records (``{"data": [{"question": ..}, ..]}`` read as one row),
+    each with its records' fields."""
+    import datasets
+
+    out = {}
+    for name, feature in (ds.features or {}).items():
+        inner = getattr(feature, "feature", None) if isinstance(feature, (datasets.Sequence, datasets.List)) else (
+            feature[0] if isinstance(feature, list) and feature else None)
+        if isinstance(inner, dict):
+            out[name] = list(inner)
+    return out
+
+
 def check_columns(ds, task: Task, where: str, split: str, fix: Callable[[list[str]], str]) -> None:
     """Refuse a split without the raw columns ``task`` reads, in one line: ``where`` names the source (and the option
     it was given by), ``fix(missing)`` says how to supply them."""
@@ -628,6 +642,13 @@ class ReasoningDataModule(L.LightningDataModule):
         example = others[0] if others else "your_column"
         fix = fix or (lambda missing, have: f"Map them with data.column_mapping, e.g. column_mapping: {{{have}: {missing[0]}}}")
         chat_fix = f"{chat} hold chat messages (role/content turns): {CHAT_FIX}"
+        lacking = set(self.task.required_columns) - set(ds.column_names)
+        nested = [c for c, fields in nested_rows(ds).items() if lacking and lacking <= set(fields)]
+        if nested:  # {"data": [{...}, ...]}: one JSON object holding the rows, read as a single row
+            def fix(missing: list[str], have: str) -> str:
+                return (f"Its column {nested[0]!r} holds rows with them (a JSON file {{\"{nested[0]}\": [...]}}, read "
+                        "as one row): write the rows one JSON object a line (jsonl), e.g. datasets.load_dataset('json', "
+                        f"data_files=..., field='{nested[0]}')['train'].to_json('train.jsonl')")
         check_columns(ds, self.task, f"data.source {self.source!r}", split, lambda missing: (
             f"Its {chat_fix}" if chat and not others else fix(missing, example) + (f"; its {chat_fix}" if chat else "")))
         return ds

@@ -387,6 +387,16 @@ def test_a_column_mapping_onto_a_column_the_file_has_is_refused(tmp_path):
     assert len({e["question"] for e in dm.splits["train"]}) == 10
 
 
+def test_a_json_file_nesting_its_rows_under_a_key_says_how_to_read_them(tmp_path):
+    """``{"data": [{question, answer}, ...]}`` (a json file for ``load_dataset(..., field="data")``) is read as one row;
+    the hint proposed ``column_mapping: {data: question}``, which maps a list of records onto the question."""
+    rows = [{"question": f"q {i}", "answer": f"#### {i}"} for i in range(6)]
+    (tmp_path / "train.json").write_text(json.dumps({"version": 1, "data": rows}))
+    with pytest.raises(ValueError, match=r"lacks column\(s\) \['question', 'answer'\] .* Its column 'data' holds rows with "
+                                         r"them .* field='data'\)\['train'\].to_json\('train.jsonl'\)$"):
+        ReasoningDataModule(task="gsm8k", source=str(tmp_path / "train.json")).setup()
+
+
 def test_a_validation_split_taken_as_the_test_split_is_not_also_the_val_split(tmp_path):
     """``test_split: validation`` (a source with train and validation only, its validation the test set) under the
     default ``val_split: null``: the val rows were that same split, so validation scored the test problems; val is
