@@ -316,6 +316,7 @@ class ReasoningDataModule(L.LightningDataModule):
         self.splits: dict[str, list[dict[str, Any]]] = {}
         #: the held-out settings that decided the training rows (:meth:`_load_datasets`; recorded for a resume)
         self._held_out: dict[str, Any] = {}
+        self._rows_digest: str | None = None  # the training rows' digest (:meth:`_train_rows_digest`)
         for name, value in (("batch_size", batch_size), ("val_batch_size", val_batch_size)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
@@ -683,7 +684,19 @@ class ReasoningDataModule(L.LightningDataModule):
         if not self.splits:
             self.setup()
         return {**{name: getattr(self, name) for name in self.STREAM_SETTINGS}, **self._held_out,
-                "task": task_record(self.task)}
+                "task": task_record(self.task), "train_rows": self._train_rows_digest()}
+
+    def _train_rows_digest(self) -> str:
+        """A digest of the training rows, in order (``crc32:<hex> of <n> rows``): the same settings read other rows
+        from a data file edited since (computed once: the rows are fixed at setup)."""
+        if self._rows_digest is None:
+            import json
+
+            digest = 0
+            for example in self.splits["train"]:
+                digest = zlib.crc32(json.dumps(example, sort_keys=True, default=str).encode(), digest)
+            self._rows_digest = f"crc32:{digest:08x} of {len(self.splits['train'])} rows"
+        return self._rows_digest
 
     def state_dict(self) -> dict[str, Any]:
         """The training stream's settings, so that a resume which changes them says so (:meth:`load_state_dict`)."""
@@ -698,6 +711,15 @@ class ReasoningDataModule(L.LightningDataModule):
         if not saved:
             return
         changed = sorted(k for k in saved if saved[k] != now.get(k))
+        if changed == ["train_rows"]:  # the same settings read other rows: the source's data changed
+            from lightning.pytorch.utilities import rank_zero_warn
+
+            rank_zero_warn(f"resuming on other training rows than the checkpoint's ({now['train_rows']}, it trained on "
+                           f"{saved['train_rows']}) under the data settings it records: data.source {self.source!r} reads "
+                           "otherwise now (a file edited since, or a setting the checkpoint does not record), so the "
+                           "batches from here are not those the interrupted run would have trained on")
+            return
+        changed = [k for k in changed if k != "train_rows"]  # a setting that changed explains them
         if changed:
             from lightning.pytorch.utilities import rank_zero_warn
 

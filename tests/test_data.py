@@ -397,6 +397,26 @@ def test_a_json_file_nesting_its_rows_under_a_key_says_how_to_read_them(tmp_path
         ReasoningDataModule(task="gsm8k", source=str(tmp_path / "train.json")).setup()
 
 
+def test_a_resume_after_the_data_file_was_edited_says_so(tmp_path):
+    """A run resumed after its train.jsonl was edited (same path, same settings) trained on other rows from the
+    checkpoint's batch count on without a word: the checkpoint recorded the settings, not the rows they read."""
+    rows = [{"question": f"What is {i}?", "answer": f"#### {i}"} for i in range(12)]
+    _write_jsonl(tmp_path / "train.jsonl", rows)
+    settings = dict(task="gsm8k", source=str(tmp_path / "train.jsonl"), train_size=None, val_size=1, test_size=1)
+    saved = ReasoningDataModule(**settings).state_dict()
+    assert saved["stream"]["train_rows"].endswith(" of 10 rows")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*resuming")
+        ReasoningDataModule(**settings).load_state_dict(saved)  # the same rows: nothing to say
+    _write_jsonl(tmp_path / "train.jsonl", rows[:5] + [{**rows[5], "answer": "#### 99"}] + rows[6:])
+    with pytest.warns(UserWarning, match=r"^resuming on other training rows than the checkpoint's \(crc32:\w+ of 10 rows, "
+                                         r"it trained on crc32:\w+ of 10 rows\) under the data settings it records: "
+                                         r"data.source '.*' reads otherwise now \(a file edited since, "):
+        ReasoningDataModule(**settings).load_state_dict(saved)
+    with pytest.warns(UserWarning, match=r"differ in \['seed'\]"):  # a changed setting explains other rows
+        ReasoningDataModule(**settings, seed=1).load_state_dict(saved)
+
+
 def test_a_validation_split_taken_as_the_test_split_is_not_also_the_val_split(tmp_path):
     """``test_split: validation`` (a source with train and validation only, its validation the test set) under the
     default ``val_split: null``: the val rows were that same split, so validation scored the test problems; val is
