@@ -48,6 +48,25 @@ def _format_of(path: Path) -> str | None:
     return _LOCAL_FORMATS.get(path.suffix)
 
 
+#: words that name a data file's split, as ``datasets`` infers splits from file names (its ``dev`` is validation)
+_SPLIT_WORDS = {"train": "train", "training": "train", "validation": "validation", "valid": "validation",
+                "dev": "validation", "val": "val", "test": "test", "testing": "test", "eval": "test", "evaluation": "test"}
+
+
+def _split_of(path: Path, by_words: bool = True) -> str:
+    """The split a data file holds, by its name: ``by_words``, a split word between separators
+    (``train-00000-of-00002.parquet``, ``gsm8k_test.jsonl``, ``dev.jsonl``); else a name that starts with one
+    (``testset.jsonl``); else ``train``."""
+    import re
+
+    stem = path.name.split(".")[0].lower()
+    words = [(m.start(2), _SPLIT_WORDS[m.group(2)]) for m in re.finditer(
+        r"(^|[-._ 0-9])(" + "|".join(sorted(_SPLIT_WORDS, key=len, reverse=True)) + r")(?=$|[-._ 0-9])", stem)]
+    if words and by_words:
+        return min(words)[1]
+    return next((s for s in ("train", "validation", "val", "test") if stem.startswith(s)), "train")
+
+
 def _is_empty(path: Path) -> bool:
     """A data file with no rows: zero bytes, or (jsonl) only blank lines."""
     if path.stat().st_size == 0:
@@ -522,8 +541,9 @@ class ReasoningDataModule(L.LightningDataModule):
 
     def load_source(self):
         """``data.source`` read as it is, before any split is carved or column mapped: a ``datasets.DatasetDict`` of
-        the hub dataset's, the ``load_from_disk`` directory's or the local files' splits (``train*`` / ``val*`` /
-        ``validation*`` / ``test*`` by file name; any other name is ``train``)."""
+        the hub dataset's, the ``load_from_disk`` directory's or the local files' splits (:func:`_split_of`: a split
+        word in the file name as ``datasets`` reads it, ``gsm8k_test.jsonl``, ``dev.jsonl``; else ``train*`` /
+        ``val*`` / ``validation*`` / ``test*``; any other name is ``train``)."""
         import datasets
 
         path = Path(os.path.expanduser(self.source))
@@ -549,7 +569,7 @@ class ReasoningDataModule(L.LightningDataModule):
             for f in files:
                 if _format_of(f) is None:
                     continue
-                split = next((s for s in ("train", "validation", "val", "test") if f.stem.startswith(s)), "train")
+                split = _split_of(f, by_words=len(files) > 1)  # one file named alone: by its start, as before
                 by_split.setdefault(split, []).append(str(f))
             if not by_split:
                 raise ValueError(

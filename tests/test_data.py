@@ -417,6 +417,20 @@ def test_a_resume_after_the_data_file_was_edited_says_so(tmp_path):
         ReasoningDataModule(**settings, seed=1).load_state_dict(saved)
 
 
+def test_split_words_inside_file_names_name_the_split_as_datasets_reads_them(tmp_path):
+    """A directory with gsm8k_train.jsonl, gsm8k_test.jsonl and dev.jsonl: only names starting with a split word were
+    split, so the test and dev rows were training rows (val/test carved off them all) — datasets reads test and
+    validation splits there. One file named alone keeps its split by its start, as before."""
+    for name, n in (("gsm8k_train", 10), ("gsm8k_test", 3), ("dev", 2)):
+        _write_jsonl(tmp_path / f"{name}.jsonl", [{"question": f"{name} {i}", "answer": f"#### {i}"} for i in range(n)])
+    dm = ReasoningDataModule(task="gsm8k", source=str(tmp_path), train_size=None, val_size=None, test_size=None)
+    assert {name: len(ds) for name, ds in dm.load_source().items()} == {"train": 10, "test": 3, "validation": 2}
+    dm.setup()
+    assert {split: len(rows) for split, rows in dm.splits.items()} == {"train": 10, "val": 2, "test": 3}
+    alone = ReasoningDataModule(task="gsm8k", source=str(tmp_path / "gsm8k_test.jsonl"))
+    assert list(alone.load_source()) == ["train"]
+
+
 def test_a_validation_split_taken_as_the_test_split_is_not_also_the_val_split(tmp_path):
     """``test_split: validation`` (a source with train and validation only, its validation the test set) under the
     default ``val_split: null``: the val rows were that same split, so validation scored the test problems; val is
