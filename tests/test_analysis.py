@@ -815,6 +815,21 @@ def test_population_sweep_matches_es_lightning_fit(tmp_path, capsys):
         sweep_command(recipe=str(tmp_path / "none.yaml"), out_dir=str(tmp_path))
 
 
+def test_a_sweep_evaluated_on_its_recipes_data_file_names_its_training_problems(tmp_path, monkeypatch):
+    """`analyze sweep --eval.source train.jsonl` with the recipe's data.source that same file: past the fit's test
+    rows the problems evaluated were training problems, scored as held out without a word."""
+    monkeypatch.chdir(tmp_path)
+    rows = CountdownTask().procedural(40, 0)
+    Path("train.jsonl").write_text("".join(json.dumps({"nums": r["nums"], "target": r["target"]}) + "\n" for r in rows))
+    overrides = ["--data.init_args.source", "train.jsonl", "--data.init_args.train_size", "null",
+                 "--data.init_args.val_size", "4", "--data.init_args.test_size", "4", "--model.init_args.max_new_tokens", "2"]
+    with pytest.warns(UserWarning, match=r"^\d+ of the 20 countdown problems evaluated \(--eval.source 'train.jsonl'\) are "
+                                         r"training problems of the fits of .*es.yaml \(data.source 'train.jsonl'\)"):
+        sweep_command(recipe=str(ROOT / "recipes" / "es.yaml"), populations=[2], steps=1, batch_size=2,
+                      overrides=overrides, eval=replace(SWEEP_EVAL, num_problems=20, num_samples=1, source="train.jsonl"),
+                      out_dir=str(tmp_path / "sweep"), plot=False)
+
+
 def test_population_sweep_saves_a_bf16_model_that_names_its_dtype_for_transformers_4_and_5(tmp_path):
     """`analyze sweep --save_models` of a bf16 run wrote each model with transformers 5's `save_pretrained`, whose
     config.json names the dtype as `dtype` alone: transformers 4 and older vLLM (which read `torch_dtype`) loaded it in

@@ -131,7 +131,7 @@ TIME_BUDGET_MAX_STEPS = 10**7
 def _fit(config: Path, seed: int, steps: int, root: Path, overrides: Sequence[str] = (), seconds: float | None = None,
          run: str = "", finished: Sequence[str] = (), kept: str = "nothing was written"):
     """One recipe fit with every seed set to ``seed``: ``steps`` updates, or — ``seconds`` given — until its training
-    wall-clock reaches ``seconds`` (checked after each update). Returns the trained module, its task, its updates and
+    wall-clock reaches ``seconds`` (checked after each update). Returns the trained module, its data module, its updates and
     its training seconds (Lightning's ``Timer``: from the first update's start to the last one's end). ``run``,
     ``finished``, ``kept``: what :func:`~es_lightning.analysis.runs.fit_run` says when a signal stops the fit."""
     from lightning.pytorch.callbacks import Timer
@@ -153,7 +153,7 @@ def _fit(config: Path, seed: int, steps: int, root: Path, overrides: Sequence[st
         raise RuntimeError(f"{config.name} (seed {seed}) stopped after {trainer.global_step} of {steps} updates")
     if seconds is not None and not trainer.global_step:
         raise RuntimeError(f"{config.name} (seed {seed}) made no update in {seconds:.1f} s")
-    return cli.model, cli.datamodule.task, trainer.global_step, timer.time_elapsed("train")
+    return cli.model, cli.datamodule, trainer.global_step, timer.time_elapsed("train")
 
 
 def compare_methods(
@@ -169,7 +169,7 @@ def compare_methods(
 ) -> CompareReport:
     """Fit every method for every seed and evaluate everything the same way (see the module docstring).
     ``method_overrides``: further fit arguments for one method's fits, after ``overrides``."""
-    from es_lightning.analysis.evaluate import evaluate_policy, heldout_problems, tasks_as_trained
+    from es_lightning.analysis.evaluate import evaluate_policy, heldout_problems, tasks_as_trained, warn_trained_problems
     from es_lightning.analysis.runs import now_doing
     from es_lightning.policy import load_policy
 
@@ -224,7 +224,7 @@ def compare_methods(
             run = f"{method}, seed {seed}"
             now_doing(f"setting up the fit of {run}", finished, kept)  # what a signal between fits cuts
             start = time.perf_counter()
-            module, fit_task, updates, train_s = _fit(recipe, int(seed), steps, out / f"seed{seed}" / recipe.stem,
+            module, fit_data, updates, train_s = _fit(recipe, int(seed), steps, out / f"seed{seed}" / recipe.stem,
                                                       [*overrides, *method_overrides.get(method, ())],
                                                       seconds=pace, run=run, finished=finished, kept=kept)
             fit_s = time.perf_counter() - start
@@ -232,13 +232,16 @@ def compare_methods(
                 pace = train_s
             if problems is None:  # the same problems and samples for every row
                 now_doing("preparing the held-out problems", finished, kept)
-                task = tasks_as_trained([fit_task], settings.chat_template, [])[0]  # the recipe's; --eval.chat_template
+                task = tasks_as_trained([fit_data.task], settings.chat_template, [])[0]  # the recipe's; --eval.chat_template
                 problems = heldout_problems(task, settings.num_problems, settings.seed, settings.source,
                                             settings.column_mapping)
                 base_model = module.model_name
                 now_doing(f"evaluating the base model ({base_model})", finished, kept)
                 base = evaluate(load_policy(base_model))
                 print(f"base ({base_model}): " + _summary(base), flush=True)
+            if settings.source != "procedural":  # a recipe's own data file: past its test rows, training rows
+                warn_trained_problems(task, problems, fit_data.splits["train"], settings.source,
+                                      f"{run} (data.source {fit_data.source!r})")
             now_doing(f"evaluating {run}", finished, kept)
             results[int(seed)][method] = {**evaluate(module.policy), "updates": updates, "train_s": round(train_s, 1),
                                           "fit_s": round(fit_s, 1)}

@@ -108,13 +108,23 @@ def warn_training_overlap(spec: str, trained: TrainedWith, task: Task, problems:
         return
     finally:
         quiet.setLevel(level)
-    trained_on = {task.pool_key(e) for e in dm.splits["train"]}
+    warn_trained_problems(task, problems, dm.splits["train"], source, f"{spec} (its data.source {path!r})",
+                          " (a test file, or the fit's own held-out rows: es-lightning test --config <its run>/config.yaml "
+                          "--ckpt_path <the .ckpt>)")
+
+
+def warn_trained_problems(task: Task, problems: Sequence[dict[str, Any]], train_examples: Sequence[dict[str, Any]],
+                          source: str, whose: str, fix: str = "") -> None:
+    """One warning when some of ``problems`` (from ``--eval.source`` ``source``) are among ``train_examples``, the
+    training problems of ``whose`` (by ``Task.pool_key``): its scores on them would pass for held out."""
+    import warnings
+
+    trained_on = {task.pool_key(e) for e in train_examples}
     shared = sum(task.pool_key(p) in trained_on for p in problems)
     if shared:
         warnings.warn(f"{shared} of the {len(problems)} {task.name} problems evaluated (--eval.source {source!r}) are "
-                      f"training problems of {spec} (its data.source {path!r}): its scores on them are not held out; "
-                      "evaluate on problems it did not train on (a test file, or the fit's own held-out rows: "
-                      "es-lightning test --config <its run>/config.yaml --ckpt_path <the .ckpt>)", stacklevel=2)
+                      f"training problems of {whose}: its scores on them are not held out; evaluate on problems it did "
+                      f"not train on{fix}", stacklevel=3)
 
 
 #: what to do about rows the task refuses, in an evaluation (the fit's hint offers data.drop_invalid_rows instead)

@@ -79,7 +79,7 @@ def population_sweep(
     save_models: bool = False,
 ) -> SweepReport:
     """Fit the ES recipe once per population size and evaluate every result the same way (see the module docstring)."""
-    from es_lightning.analysis.evaluate import evaluate_policy, heldout_problems, tasks_as_trained
+    from es_lightning.analysis.evaluate import evaluate_policy, heldout_problems, tasks_as_trained, warn_trained_problems
     from es_lightning.analysis.runs import fit_run, now_doing, recipe_cli
 
     if not Path(recipe).is_file():
@@ -128,6 +128,9 @@ def population_sweep(
             now_doing("preparing the held-out problems", done, kept(done))
             problems = heldout_problems(task, settings.num_problems, settings.seed, settings.source,
                                         settings.column_mapping)
+            if settings.source != "procedural":  # the recipe's own data file: past its test rows, training rows
+                warn_trained_problems(task, problems, cli.datamodule.splits["train"], settings.source,
+                                      f"the fits of {recipe} (data.source {cli.datamodule.source!r})")
             if settings.max_new_tokens is None:  # the recipe's own cap
                 settings = replace(settings, max_new_tokens=module.sampling.max_new_tokens)
         evaluate = functools.partial(evaluate_policy, module.policy, task, problems, settings)
