@@ -636,6 +636,11 @@ def describe_parse_error(message: str, argv: Sequence[str], options: Sequence[st
                 types = " or ".join(dict.fromkeys(t.replace("NoneType", "null") for t in expected))
                 if "float" in expected and given.strip("'\"").lower().lstrip("+-") in ("nan", "inf", "infinity"):
                     types = types.replace("float", "a finite float")  # parsed as a float, refused as not finite
+                flow = given.strip("'\"")
+                if re.fullmatch(r"\{.*\w:[^\s/].*\}", flow):  # YAML reads {q:question} as one key, q:question
+                    spaced = re.sub(r"(\w):([^\s/])", r"\1: \2", flow)
+                    return (f"{where(key, cls)}expected {types}, got {given!r}: YAML reads a key:value without a space "
+                            f"as one key; put a space after each colon, e.g. '{spaced}'")
                 return f"{where(key, cls)}expected {types}, got {given!r}"
     return _squash(message)
 

@@ -110,6 +110,9 @@ CASES = [
     ("unknown subcommand", ["fitt", "--config", str(RECIPES / "es.yaml")], ["unknown command 'fitt'", "did you mean 'fit'"]),
     ("value of the wrong type", ES + ["--data.init_args.val_size", "many"],
      ["--data.init_args.val_size", "expected int or null", "'many'"]),
+    ("a mapping written key:value without spaces", ES + ["--data.init_args.column_mapping", "{q:question, a:answer}"],
+     ["--data.init_args.column_mapping", "got '{q:question, a:answer}': YAML reads a key:value without a space as one "
+      "key; put a space after each colon, e.g. '{q: question, a: answer}'"]),
     ("a float that is not finite", ES + ["--model.init_args.sigma", "nan"],
      ["--model.init_args.sigma", "expected a finite float, got 'nan'"]),
     ("ES population_size < 2", ES + SMALL + ["--model.init_args.population_size=1"],
