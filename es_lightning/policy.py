@@ -396,14 +396,29 @@ def _attention_refused(attn_implementation: str | None, err: Exception) -> Value
                       "default when it is unset) or 'eager'")
 
 
+class RemoteCodeRefused(ValueError):
+    """A model (or tokenizer) whose config's ``auto_map`` names modelling code of its own repository, loaded with
+    ``trust_remote_code`` off: one line naming ``option``, the spelling of the setting where the load came from (a
+    fit's module: ``trust_remote_code: true``; ``es-lightning eval`` / ``analyze``: ``--eval.trust_remote_code true``,
+    see :meth:`naming`)."""
+
+    def __init__(self, name_or_path: str, option: str = "trust_remote_code: true") -> None:
+        self.name_or_path, self.option = name_or_path, option
+        super().__init__(f"{name_or_path!r} needs modelling code of its own (its config's auto_map), which runs only "
+                         f"with {option}; set it if you trust that code (read its *.py files first), or use a model "
+                         "that transformers implements")
+
+    def naming(self, option: str) -> RemoteCodeRefused:
+        """The same refusal naming ``option`` (a command's own spelling of the setting)."""
+        return RemoteCodeRefused(self.name_or_path, option)
+
+
 def _remote_code_refused(name_or_path: str, err: Exception) -> ValueError | None:
     """transformers' refusal of a model (or tokenizer) whose ``auto_map`` names code of its own repository while
     ``trust_remote_code`` is off, as one line naming the option, or ``None`` when ``err`` is about something else."""
     if not isinstance(err, ValueError) or "trust_remote_code=True" not in str(err):
         return None
-    return ValueError(f"{name_or_path!r} needs modelling code of its own (its config's auto_map), which runs only with "
-                      "trust_remote_code: true; set it if you trust that code (read its *.py files first), or use a "
-                      "model that transformers implements")
+    return RemoteCodeRefused(name_or_path)
 
 
 def keep_rotary_fp32(model: torch.nn.Module) -> None:

@@ -883,3 +883,55 @@ def test_task_record_rebuilds_a_task_whose_constructor_fixes_its_parents():
     assert "task_kwargs" not in accepted_options(type(get_task("gsm8k")))  # a **kwargs parameter is no option
     full = task_record(CountdownTask(prompt_format="r1"))
     assert {"prompt_format", "num_numbers", "format_reward", "use_chat_template", "max_completion_chars"} <= set(full["init_args"])
+
+
+def _model_of_its_own_code(model_dir: str, path: Path) -> Path:
+    """``model_dir`` (a Qwen2) as a model whose config.json's auto_map names modelling code of its own directory: a
+    configuration and a modelling .py file subclassing transformers' Qwen2 classes (as a hub repository ships them)."""
+    import shutil
+
+    shutil.copytree(model_dir, path)
+    (path / "configuration_custom.py").write_text(
+        "from transformers import Qwen2Config\n\n\nclass CustomConfig(Qwen2Config):\n    model_type = 'custom_qwen'\n")
+    (path / "modeling_custom.py").write_text(
+        "from transformers import Qwen2ForCausalLM, Qwen2Model\n\nfrom .configuration_custom import CustomConfig\n\n\n"
+        "class CustomModel(Qwen2Model):\n    config_class = CustomConfig\n\n\n"
+        "class CustomForCausalLM(Qwen2ForCausalLM):\n    config_class = CustomConfig\n")
+    config = json.loads((path / "config.json").read_text())
+    config.update(model_type="custom_qwen", architectures=["CustomForCausalLM"],
+                  auto_map={"AutoConfig": "configuration_custom.CustomConfig", "AutoModel": "modeling_custom.CustomModel",
+                            "AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"})
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_eval_of_a_model_of_its_own_code_takes_eval_trust_remote_code(tiny_model_dir, tmp_path, capsys):
+    """A model directory whose auto_map names its own modelling code: `eval` had no way to allow it (the refusal said
+    "set trust_remote_code: true", a setting of fits only); now it names --eval.trust_remote_code, which evaluates it —
+    with the weights the directory holds (the same scores as the plain Qwen2 it was made from)."""
+    custom = str(_model_of_its_own_code(tiny_model_dir, tmp_path / "custom"))
+    small = ["--tasks", "addition", "--eval.num_problems", "2", "--eval.num_samples", "2", "--eval.max_new_tokens", "4",
+             "--progress", "false", "--plot", "false"]
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["eval", "--checkpoints", custom, "--out_dir", str(tmp_path / "refused"), *small])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and "\n" not in err, err
+    assert "needs modelling code of its own" in err and "--eval.trust_remote_code true" in err, err
+    cli_main(["eval", "--checkpoints", custom, tiny_model_dir, "--labels", "custom", "plain", "--eval.trust_remote_code",
+              "true", "--out_dir", str(tmp_path / "eval"), *small])
+    data = json.loads((tmp_path / "eval" / "eval.json").read_text())
+    assert data["settings"]["trust_remote_code"] is True
+    assert data["results"]["custom"] == data["results"]["plain"]
+    loaded = load_model(custom, trust_remote_code=True)
+    assert type(loaded.policy.model).__name__ == "CustomForCausalLM" and loaded.trust_remote_code
+    with pytest.raises(ValueError, match=r"runs only with trust_remote_code=True;"):  # the library's own spelling
+        load_model(custom)
+    with pytest.raises(SystemExit) as exit_info:  # drift, which evaluates nothing, takes it as its own option
+        cli_main(["analyze", "drift", "--tuned", custom, "--base", tiny_model_dir, "--out_dir", str(tmp_path / "d")])
+    assert exit_info.value.code == 2 and "--trust_remote_code true" in capsys.readouterr().err
+    cli_main(["analyze", "drift", "--tuned", custom, "--base", tiny_model_dir, "--trust_remote_code", "true",
+              "--out_dir", str(tmp_path / "drift"), "--plot", "false"])
+    assert "no weight moved" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli_main(["eval", "--help"])
+    assert "--eval.trust_remote_code" in capsys.readouterr().out

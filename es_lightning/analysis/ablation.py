@@ -36,7 +36,7 @@ from es_lightning.analysis.drift import (
     warn_about_base,
 )
 from es_lightning.analysis.output import Signed, check_out_dir, format_table, write_json
-from es_lightning.analysis.settings import PAPER_EVAL, EvalSettings
+from es_lightning.analysis.settings import PAPER_EVAL, REMOTE_CODE_OPTION, EvalSettings
 from es_lightning.policy import save_model, save_tokenizer
 
 Weights = Mapping[str, torch.Tensor]
@@ -245,7 +245,7 @@ def ablation_command(
     from tqdm.auto import tqdm
 
     from es_lightning.analysis.checkpoints import load_model, recorded_task, start_dtype, trained_with
-    from es_lightning.analysis.evaluate import evaluate_policy, heldout_problems, tasks_as_trained, warn_training_overlap
+    from es_lightning.analysis.evaluate import as_loaded, evaluate_policy, heldout_problems, tasks_as_trained, warn_training_overlap
     from es_lightning.analysis.plots import plot_ablation
     from es_lightning.analysis.runs import now_doing, now_writing, stopping_on_signals
 
@@ -267,10 +267,11 @@ def ablation_command(
                                     settings.column_mapping)
         warn_training_overlap(tuned, record, task_obj, problems, settings.source)
         now_doing(f"loading {tuned}")
-        tuned_model = load_model(tuned, dtype=dtype)
+        tuned_model = load_model(tuned, dtype=dtype, trust_remote_code=eval.trust_remote_code, remote_code_option=REMOTE_CODE_OPTION)
         base = base or _base_of(tuned_model, "ablation")
         now_doing(f"loading {base}")
-        base_model = load_model(base, dtype=start_dtype(tuned_model, dtype))
+        base_model = load_model(base, dtype=start_dtype(tuned_model, dtype), trust_remote_code=eval.trust_remote_code,
+                                remote_code_option=REMOTE_CODE_OPTION)
         # a .ckpt base's masters, as drift reads them; τ = ∞ still gives its weights: each is its master rounded once
         base_weights = {**snapshot(base_model.policy.model), **base_model.masters}
         del base_model
@@ -282,7 +283,7 @@ def ablation_command(
                    leave=False)
 
         def evaluate() -> dict[str, float]:
-            return evaluate_policy(policy, task_obj, problems, settings, progress=bar)
+            return evaluate_policy(policy, task_obj, problems, as_loaded(settings, tuned_model), progress=bar)
 
         try:
             rows = sparsity_ablation(policy.model, base_weights, evaluate, taus=taus, top_percent=top_percent,

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from es_lightning.policy import Policy, load_policy, resolve_model_path
+from es_lightning.policy import Policy, RemoteCodeRefused, load_policy, resolve_model_path
 from es_lightning.precision import checkpoint_masters
 from es_lightning.tasks.base import TASK_KEY
 
@@ -42,6 +42,9 @@ class LoadedModel:
     #: the dtype the weights are stored in: a model directory's ``config.json`` says, a ``.ckpt``'s tensors are (a
     #: ``bf16-true`` run of a ``dtype: float32`` model stores bf16); ``None`` when unknown (a hub id)
     stored_dtype: str | None = None
+    #: whether it was loaded with its repository's own modelling code allowed (asked for, or a ``.ckpt``'s
+    #: hyperparameter): a vLLM engine evaluating it is built alike
+    trust_remote_code: bool = False
 
     def weights(self) -> dict[str, torch.Tensor]:
         """``{name: value}`` of every parameter (tied ones once) as the optimizer last left it: its fp32 master where
@@ -259,7 +262,8 @@ def _from_run_config(file: Path) -> tuple[dict[str, Any] | None, str | None]:
     return task, dtype if isinstance(dtype, str) else None
 
 
-def load_model(spec: str, dtype: str | torch.dtype | None = None, trust_remote_code: bool = False) -> LoadedModel:
+def load_model(spec: str, dtype: str | torch.dtype | None = None, trust_remote_code: bool = False,
+               remote_code_option: str = "trust_remote_code=True") -> LoadedModel:
     """Load a ``.ckpt`` (base rebuilt from its hyperparameters, then its weights), or anything ``load_policy`` reads.
 
     Args:
@@ -268,10 +272,19 @@ def load_model(spec: str, dtype: str | torch.dtype | None = None, trust_remote_c
             otherwise. A ``.ckpt``'s bf16/fp16 weights with fp32 masters loaded in float32 (or float64) are the masters
             (the values its optimizer updated, which a ``32-true`` resume takes), not the weights rounded from them.
         trust_remote_code: allow custom modelling code (also taken from a ``.ckpt``'s hyperparameters).
+        remote_code_option: how the refusal of a model needing its own code (``trust_remote_code`` off) names the
+            setting: a command passes its own spelling (``--eval.trust_remote_code true``).
     """
+    try:
+        return _load_model(spec, dtype, trust_remote_code)
+    except RemoteCodeRefused as err:
+        raise err.naming(remote_code_option) from None
+
+
+def _load_model(spec: str, dtype: str | torch.dtype | None, trust_remote_code: bool) -> LoadedModel:
     if not is_lightning_checkpoint(spec):
         return LoadedModel(policy=load_policy(spec, dtype=dtype or "float32", trust_remote_code=trust_remote_code), spec=spec,
-                           stored_dtype=stored_dtype(spec))
+                           stored_dtype=stored_dtype(spec), trust_remote_code=trust_remote_code)
     checkpoint = read_checkpoint(spec)
     hparams = dict(checkpoint["hyper_parameters"])
     base = str(hparams["model"])
@@ -279,11 +292,12 @@ def load_model(spec: str, dtype: str | torch.dtype | None = None, trust_remote_c
         # a relative base path is read from where the fit ran; a run directory sits below that (save_dir/name/version)
         found = next((a / base for a in Path(spec).resolve().parents if (a / base / "config.json").is_file()), None)
         base = str(found) if found is not None else base
+    trust_remote_code = trust_remote_code or bool(hparams.get("trust_remote_code", False))
     try:
         policy = load_policy(
             base,
             dtype=dtype or hparams.get("dtype", "float32"),
-            trust_remote_code=trust_remote_code or bool(hparams.get("trust_remote_code", False)),
+            trust_remote_code=trust_remote_code,
             attn_implementation=hparams.get("attn_implementation"),
             revision=hparams.get("revision"),
         )
@@ -308,7 +322,7 @@ def load_model(spec: str, dtype: str | torch.dtype | None = None, trust_remote_c
               "masters the optimizer updated, as a 32-true resume takes them, not the bf16/fp16 weights rounded from "
               "them)")
     return LoadedModel(policy=policy, spec=spec, base=base, hyperparameters=hparams, global_step=checkpoint.get("global_step"),
-                       masters=masters, unmatched_masters=unmatched,
+                       masters=masters, unmatched_masters=unmatched, trust_remote_code=trust_remote_code,
                        stored_dtype=str(stored.pop()).removeprefix("torch.") if len(stored) == 1 else None)
 
 

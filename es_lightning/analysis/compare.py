@@ -212,8 +212,8 @@ def compare_methods(
     base: dict[str, float] = {}
     results: dict[int, dict[str, dict[str, float]]] = {}
 
-    def evaluate(policy) -> dict[str, float]:
-        return evaluate_policy(policy, task, problems, settings)
+    def evaluate(policy, trust_remote_code: bool) -> dict[str, float]:  # a vLLM engine builds the model as loaded
+        return evaluate_policy(policy, task, problems, replace(settings, trust_remote_code=trust_remote_code))
 
     finished: list[str] = []  # "method, seed s" of every fit done: a signal's line names them
     kept = f"nothing was written to {out} (compare.json and compare.md come once every run is done)"
@@ -237,13 +237,15 @@ def compare_methods(
                                             settings.column_mapping)
                 base_model = module.model_name
                 now_doing(f"evaluating the base model ({base_model})", finished, kept)
-                base = evaluate(load_policy(base_model))
+                own_code = settings.trust_remote_code or module.trust_remote_code  # as the fit loaded it
+                base = evaluate(load_policy(base_model, trust_remote_code=own_code), own_code)
                 print(f"base ({base_model}): " + _summary(base), flush=True)
             if settings.source != "procedural":  # a recipe's own data file: past its test rows, training rows
                 warn_trained_problems(task, problems, fit_data.splits["train"], settings.source,
                                       f"{run} (data.source {fit_data.source!r})")
             now_doing(f"evaluating {run}", finished, kept)
-            results[int(seed)][method] = {**evaluate(module.policy), "updates": updates, "train_s": round(train_s, 1),
+            own_code = settings.trust_remote_code or module.trust_remote_code
+            results[int(seed)][method] = {**evaluate(module.policy, own_code), "updates": updates, "train_s": round(train_s, 1),
                                           "fit_s": round(fit_s, 1)}
             print(f"seed {seed} {method}: " + _summary(results[int(seed)][method])
                   + f" ({time.perf_counter() - start:.0f}s)", flush=True)

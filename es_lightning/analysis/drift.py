@@ -244,6 +244,7 @@ def drift_command(
     dtype: str | None = None,
     out_dir: str = "drift",
     plot: bool = True,
+    trust_remote_code: bool = False,
 ) -> DriftReport:
     """Parameter drift and sparsity of a tuned model against its base (Ba et al. 2026, §4).
 
@@ -254,6 +255,8 @@ def drift_command(
         dtype: load both models in this dtype (default: the checkpoint's own).
         out_dir: where drift.json and drift.png go.
         plot: write drift.png.
+        trust_remote_code: run the models' own modelling code (a config.json whose auto_map names *.py files of
+            its repository is refused without it; read that code first). A .ckpt whose fit set it takes it from there.
     """
     check_out_dir(out_dir)  # before any model loads or fit runs
     from es_lightning.analysis.checkpoints import load_model, start_dtype
@@ -268,11 +271,12 @@ def drift_command(
     with stopping_on_signals(f"nothing was written to {out} (drift.json comes once the update is measured)",
                              less=""):
         now_doing(f"loading {tuned}")
-        tuned_model = load_model(tuned, dtype=dtype)
+        tuned_model = load_model(tuned, dtype=dtype, trust_remote_code=trust_remote_code, remote_code_option="--trust_remote_code true")
         trained_from = tuned_model.base
         base = base or _base_of(tuned_model, "drift")
         now_doing(f"loading {base}")
-        base_model = load_model(base, dtype=start_dtype(tuned_model, dtype))
+        base_model = load_model(base, dtype=start_dtype(tuned_model, dtype), trust_remote_code=trust_remote_code,
+                                remote_code_option="--trust_remote_code true")
         # θ₀ too is read from a .ckpt base's masters (a GRPO → ES stage, two checkpoints of one run): its rounded weights
         # are off its masters by up to half an ulp, as large as the update measured
         now_doing("measuring the update")

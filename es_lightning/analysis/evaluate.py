@@ -34,7 +34,7 @@ import torch
 
 from es_lightning.analysis.checkpoints import LoadedModel, TrainedWith, check_model_spec, load_model, trained_with
 from es_lightning.analysis.output import check_out_dir, format_table, markdown_table, write_json
-from es_lightning.analysis.settings import PAPER_EVAL, EvalSettings, resolve_device
+from es_lightning.analysis.settings import PAPER_EVAL, REMOTE_CODE_OPTION, EvalSettings, resolve_device
 from es_lightning.data import DROP_INVALID_HINT, ReasoningDataModule, procedural_split
 from es_lightning.policy import Policy
 from es_lightning.tasks import Task, get_task
@@ -169,13 +169,16 @@ def _in_eval_terms(err: Exception) -> ValueError:
 
 
 def evaluation_module(policy: Policy, task: Task, max_new_tokens: int, device: torch.device | str = "cpu",
-                      generation_backend: str = "hf", generation_options: dict[str, Any] | None = None):
+                      generation_backend: str = "hf", generation_options: dict[str, Any] | None = None,
+                      trust_remote_code: bool = False):
     """A :class:`ReasoningModule` around an already loaded policy (nothing is loaded again), generating with
-    ``generation_backend`` (a vLLM engine is built from the policy's weights at its first rollout)."""
+    ``generation_backend`` (a vLLM engine is built from the policy's weights at its first rollout, with
+    ``trust_remote_code`` for a model of its own code)."""
     from es_lightning.modules.base import ReasoningModule
 
     module = ReasoningModule(model="(loaded)", task=task, max_new_tokens=max_new_tokens,
-                             generation_backend=generation_backend, generation_options=dict(generation_options or {}))
+                             generation_backend=generation_backend, generation_options=dict(generation_options or {}),
+                             trust_remote_code=trust_remote_code)
     module.model, module.tokenizer = policy.model, policy.tokenizer
     module.model.eval()
     return module.to(device)
@@ -200,7 +203,7 @@ def evaluate_policy(
 
     task = get_task(task)
     module = evaluation_module(policy, task, settings.completion_cap(), resolve_device(settings.device),
-                               settings.generation_backend, settings.generation_options)
+                               settings.generation_backend, settings.generation_options, settings.trust_remote_code)
     evaluator = PassAtKCallback(
         num_samples=settings.num_samples, ks=settings.pass_at_ks(), temperature=settings.temperature,
         top_p=settings.top_p, max_new_tokens=settings.completion_cap(), batch_size=settings.batch_size,
@@ -311,19 +314,28 @@ def evaluate_models(
         for name, model in zip(names, models):
             if not isinstance(model, LoadedModel):
                 now_doing(f"loading {model}")
-            loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype)
+            loaded = model if isinstance(model, LoadedModel) else load_model(
+                model, dtype=dtype, trust_remote_code=settings.trust_remote_code, remote_code_option=REMOTE_CODE_OPTION)
             sources[name] = loaded.spec
             results[name] = {}
             for task in task_objs:
                 now_doing(f"evaluating {name} on {task.name}")
                 bar.set_description(f"eval {name} · {task.name}")
-                results[name][task.name] = evaluate_policy(loaded.policy, task, problems[task.name], settings, progress=bar)
+                results[name][task.name] = evaluate_policy(loaded.policy, task, problems[task.name],
+                                                           as_loaded(settings, loaded), progress=bar)
             if not isinstance(model, LoadedModel):
                 del loaded
                 gc.collect()
     finally:
         bar.close()
     return EvalReport(results=results, settings={"tasks": [t.name for t in task_objs], **asdict(settings)}, sources=sources)
+
+
+def as_loaded(settings: EvalSettings, loaded: LoadedModel) -> EvalSettings:
+    """``settings`` for evaluating ``loaded``: with ``trust_remote_code`` when it was loaded with it (a ``.ckpt`` whose
+    fit set it), so a vLLM engine builds its architecture as transformers did."""
+    return replace(settings, trust_remote_code=True) if loaded.trust_remote_code and not settings.trust_remote_code \
+        else settings
 
 
 def tasks_as_trained(tasks: Sequence[str | dict[str, Any] | Task], chat_template: bool | None,

@@ -18,7 +18,7 @@ from typing import Any
 
 from es_lightning.analysis.evaluate import EvalReport, evaluate_models
 from es_lightning.analysis.output import Signed, check_out_dir, format_table, write_json
-from es_lightning.analysis.settings import PAPER_EVAL, EvalSettings
+from es_lightning.analysis.settings import PAPER_EVAL, REMOTE_CODE_OPTION, EvalSettings
 from es_lightning.tasks import get_task
 
 #: the built-in held-out suite: procedural tasks unlike Countdown
@@ -149,7 +149,7 @@ def forgetting_command(
             dtype = recorded
             print(f"both models in {dtype}, as {tuned} was trained (--dtype to choose)")
         now_doing(f"loading {tuned}")
-        tuned_model = load_model(tuned, dtype=dtype)
+        tuned_model = load_model(tuned, dtype=dtype, trust_remote_code=eval.trust_remote_code, remote_code_option=REMOTE_CODE_OPTION)
         base = base or _base_of(tuned_model, "forgetting")
         warn_about_base(tuned, base, tuned_model.base)
         report = forgetting(base, tuned_model, tasks=tasks, training_task=training_task, settings=eval, dtype=dtype,

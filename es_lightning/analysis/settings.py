@@ -17,7 +17,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["COMPARE_EVAL", "PAPER_EVAL", "SWEEP_EVAL", "EvalSettings", "default_ks", "resolve_device"]
+__all__ = ["COMPARE_EVAL", "PAPER_EVAL", "REMOTE_CODE_OPTION", "SWEEP_EVAL", "EvalSettings", "default_ks", "resolve_device"]
+
+#: how a refusal of a model needing its own code names the setting in ``es-lightning eval`` / ``analyze``
+REMOTE_CODE_OPTION = "--eval.trust_remote_code true"
 
 
 def default_ks(num_samples: int) -> list[int]:
@@ -84,6 +87,12 @@ class EvalSettings:
     generation_options: dict[str, Any] | None = None
     """vLLM engine settings (generation_backend vllm only), as a fit's model.generation_options, e.g.
     {"max_model_len": 4096, "gpu_memory_utilization": 0.8}."""
+
+    trust_remote_code: bool = False
+    """run the evaluated models' own modelling code: a model directory or hub id whose config.json's auto_map names
+    *.py files of its repository is refused without it. That code runs on this machine, so read it first. It reaches
+    transformers and the vLLM engine alike; a .ckpt whose fit set trust_remote_code takes it from there, and sweep's and
+    compare's fits from their recipe's model.trust_remote_code."""
 
     def __post_init__(self) -> None:
         def bad(field: str, rule: str) -> ValueError:

@@ -133,7 +133,8 @@ def population_sweep(
                                       f"the fits of {recipe} (data.source {cli.datamodule.source!r})")
             if settings.max_new_tokens is None:  # the recipe's own cap
                 settings = replace(settings, max_new_tokens=module.sampling.max_new_tokens)
-        evaluate = functools.partial(evaluate_policy, module.policy, task, problems, settings)
+        own_code = replace(settings, trust_remote_code=True) if module.trust_remote_code else settings  # vLLM's too
+        evaluate = functools.partial(evaluate_policy, module.policy, task, problems, own_code)
         if not rows:
             now_doing("evaluating the base model", done, kept(done))
             rows.append({"population_size": 0, "steps": 0, "reward": float("nan"), "seconds_per_update": float("nan"),
