@@ -5,6 +5,8 @@ interpreter's teardown runs."""
 from __future__ import annotations
 
 import io
+import json
+import shutil
 import time
 from pathlib import Path
 
@@ -208,3 +210,21 @@ class Writes(io.StringIO):
     def write(self, text):
         self.calls.append(text)
         return super().write(text)
+
+
+def model_of_its_own_code(model_dir: str, path: Path) -> Path:
+    """``model_dir`` (a Qwen2) as a model whose config.json's auto_map names modelling code of its own directory: a
+    configuration and a modelling .py file subclassing transformers' Qwen2 classes (as a hub repository ships them)."""
+    shutil.copytree(model_dir, path)
+    (path / "configuration_custom.py").write_text(
+        "from transformers import Qwen2Config\n\n\nclass CustomConfig(Qwen2Config):\n    model_type = 'custom_qwen'\n")
+    (path / "modeling_custom.py").write_text(
+        "from transformers import Qwen2ForCausalLM, Qwen2Model\n\nfrom .configuration_custom import CustomConfig\n\n\n"
+        "class CustomModel(Qwen2Model):\n    config_class = CustomConfig\n\n\n"
+        "class CustomForCausalLM(Qwen2ForCausalLM):\n    config_class = CustomConfig\n")
+    config = json.loads((path / "config.json").read_text())
+    config.update(model_type="custom_qwen", architectures=["CustomForCausalLM"],
+                  auto_map={"AutoConfig": "configuration_custom.CustomConfig", "AutoModel": "modeling_custom.CustomModel",
+                            "AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"})
+    (path / "config.json").write_text(json.dumps(config))
+    return path

@@ -16,6 +16,7 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
+from es_helpers import model_of_its_own_code
 
 from es_lightning import ESModule, ReasoningDataModule
 from es_lightning.analysis import (
@@ -885,31 +886,11 @@ def test_task_record_rebuilds_a_task_whose_constructor_fixes_its_parents():
     assert {"prompt_format", "num_numbers", "format_reward", "use_chat_template", "max_completion_chars"} <= set(full["init_args"])
 
 
-def _model_of_its_own_code(model_dir: str, path: Path) -> Path:
-    """``model_dir`` (a Qwen2) as a model whose config.json's auto_map names modelling code of its own directory: a
-    configuration and a modelling .py file subclassing transformers' Qwen2 classes (as a hub repository ships them)."""
-    import shutil
-
-    shutil.copytree(model_dir, path)
-    (path / "configuration_custom.py").write_text(
-        "from transformers import Qwen2Config\n\n\nclass CustomConfig(Qwen2Config):\n    model_type = 'custom_qwen'\n")
-    (path / "modeling_custom.py").write_text(
-        "from transformers import Qwen2ForCausalLM, Qwen2Model\n\nfrom .configuration_custom import CustomConfig\n\n\n"
-        "class CustomModel(Qwen2Model):\n    config_class = CustomConfig\n\n\n"
-        "class CustomForCausalLM(Qwen2ForCausalLM):\n    config_class = CustomConfig\n")
-    config = json.loads((path / "config.json").read_text())
-    config.update(model_type="custom_qwen", architectures=["CustomForCausalLM"],
-                  auto_map={"AutoConfig": "configuration_custom.CustomConfig", "AutoModel": "modeling_custom.CustomModel",
-                            "AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"})
-    (path / "config.json").write_text(json.dumps(config))
-    return path
-
-
 def test_eval_of_a_model_of_its_own_code_takes_eval_trust_remote_code(tiny_model_dir, tmp_path, capsys):
     """A model directory whose auto_map names its own modelling code: `eval` had no way to allow it (the refusal said
     "set trust_remote_code: true", a setting of fits only); now it names --eval.trust_remote_code, which evaluates it —
     with the weights the directory holds (the same scores as the plain Qwen2 it was made from)."""
-    custom = str(_model_of_its_own_code(tiny_model_dir, tmp_path / "custom"))
+    custom = str(model_of_its_own_code(tiny_model_dir, tmp_path / "custom"))
     small = ["--tasks", "addition", "--eval.num_problems", "2", "--eval.num_samples", "2", "--eval.max_new_tokens", "4",
              "--progress", "false", "--plot", "false"]
     with pytest.raises(SystemExit) as exit_info:

@@ -290,7 +290,13 @@ class VLLMGenerator(Generator):
 
     # ------------------------------------------------------------------ engine
     def _write_config(self, path: str) -> None:
-        """The policy's config and tokenizer (kilobytes): enough for vLLM to build the architecture."""
+        """The policy's config and tokenizer (kilobytes): enough for vLLM to build the architecture — and a model of
+        its own code (its config's ``auto_map``, loaded with ``trust_remote_code``) its modelling ``*.py`` files,
+        which vLLM imports from this directory as transformers did from the model's."""
+        if getattr(self.policy.model, "_auto_class", None) is not None:  # set by from_pretrained for remote code
+            from transformers.dynamic_module_utils import custom_object_save
+
+            custom_object_save(self.policy.model, path, config=self.policy.model.config)
         self.policy.model.config.save_pretrained(path)
         self.policy.tokenizer.save_pretrained(path)
 

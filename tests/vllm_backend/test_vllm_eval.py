@@ -60,3 +60,26 @@ def test_eval_of_the_qwen_like_fixture_on_vllm_greedy_equals_hf(tmp_path, qwen_l
     hf, vllm = run("hf", None), run("vllm", {"max_model_len": 256, "cpu_kv_cache_gib": 0.0625})
     assert {k: vllm[k] for k in ("pass@1", "format", "reward_mean")} == {k: hf[k] for k in ("pass@1", "format", "reward_mean")}
     assert vllm["entropy"] == pytest.approx(hf["entropy"], abs=1e-3)
+
+
+def test_eval_on_vllm_of_a_model_of_its_own_code(tmp_path, qwen_like_dir):
+    """A model whose config.json's auto_map names its own modelling code, evaluated with --eval.trust_remote_code on
+    vLLM: the engine's directory held the config and tokenizer but not the modelling .py files, so vLLM could not
+    import the architecture even with trust_remote_code; now they are written beside them, and greedy results equal
+    transformers' of the plain model the code subclasses."""
+    from es_helpers import model_of_its_own_code
+
+    from es_lightning.analysis.evaluate import eval_command
+    from es_lightning.analysis.settings import EvalSettings
+
+    custom = str(model_of_its_own_code(qwen_like_dir, tmp_path / "custom"))
+
+    def run(model: str, backend: str, options: dict | None):
+        settings = EvalSettings(num_problems=4, num_samples=1, temperature=0.0, max_new_tokens=8, batch_size=4,
+                                generation_backend=backend, generation_options=options, trust_remote_code=True)
+        return eval_command(checkpoints=[model], labels=[backend], eval=settings, out_dir=str(tmp_path / backend),
+                            plot=False, progress=False).results[backend]["countdown"]
+
+    hf, vllm = run(qwen_like_dir, "hf", None), run(custom, "vllm", {"max_model_len": 256, "cpu_kv_cache_gib": 0.0625})
+    assert {k: vllm[k] for k in ("pass@1", "format", "reward_mean")} == {k: hf[k] for k in ("pass@1", "format", "reward_mean")}
+    assert vllm["entropy"] == pytest.approx(hf["entropy"], abs=1e-4)
