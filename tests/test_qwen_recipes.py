@@ -160,8 +160,8 @@ def test_compare_at_equal_time_runs_the_qwen_recipes(qwen_like_dir, tmp_path):
     """``analyze compare --budget time --methods [GRPO, ES, ES low-rank] --recipes_dir
     recipes/qwen2.5-1.5b-instruct/gsm8k`` with the model and data pointed at the fixture and local GSM8K (the overrides
     every fit shares): GRPO makes its update, ES and ES low-rank — the recipes' own 32 members, bf16 weights with fp32
-    masters — train for as long, and the base model and the results are evaluated on the same test problems through
-    Qwen's chat template."""
+    masters — train for as long, and the base model (in the recipes' bf16, as the fits load it) and the results are
+    evaluated on the same test problems through Qwen's chat template."""
     from dataclasses import replace
 
     from es_lightning.analysis.compare import compare_methods
@@ -181,5 +181,6 @@ def test_compare_at_equal_time_runs_the_qwen_recipes(qwen_like_dir, tmp_path):
         assert rows[es]["updates"] >= 1
         assert rows[es]["train_s"] >= rows["GRPO"]["train_s"] - 0.05  # trained until GRPO's time was reached
     assert report.settings["task"] == "gsm8k"
+    assert report.settings["base_dtype"] == "bfloat16"  # the base row evaluated as the fits load the model (was fp32)
     assert all(0 <= r["pass@1"] <= r["pass@16"] <= 1 for r in [report.base, *rows.values()])
     assert {c for c, *_ in report.claims()} >= {"ES: Pass@1 gain >= 0.5 x GRPO's at equal time"}

@@ -208,7 +208,7 @@ def compare_methods(
     if missing:
         raise FileNotFoundError(f"recipes not found: {missing}; run from the repository root or pass --recipes_dir")
     out = Path(out_dir)
-    problems = task = None
+    problems = task = base_model = base_dtype = None
     base: dict[str, float] = {}
     results: dict[int, dict[str, dict[str, float]]] = {}
 
@@ -238,8 +238,12 @@ def compare_methods(
                 base_model = module.model_name
                 now_doing(f"evaluating the base model ({base_model})", finished, kept)
                 own_code = settings.trust_remote_code or module.trust_remote_code  # as the fit loaded it
-                base = evaluate(load_policy(base_model, trust_remote_code=own_code), own_code)
-                print(f"base ({base_model}): " + _summary(base), flush=True)
+                # in the fits' dtype (bf16 for a Qwen recipe), attention and revision: the rows differ by weights alone
+                base_policy = load_policy(base_model, **{**module.policy_load_options(), "trust_remote_code": own_code})
+                base_dtype = str(base_policy.model.dtype).removeprefix("torch.")
+                base = evaluate(base_policy, own_code)
+                del base_policy
+                print(f"base ({base_model}, {base_dtype}): " + _summary(base), flush=True)
             if settings.source != "procedural":  # a recipe's own data file: past its test rows, training rows
                 warn_trained_problems(task, problems, fit_data.splits["train"], settings.source,
                                       f"{run} (data.source {fit_data.source!r})")
@@ -255,7 +259,8 @@ def compare_methods(
             gc.collect()
     run_settings = dict(seeds=list(seeds), steps=steps, budget=budget, overrides=list(overrides),
                         method_overrides=method_overrides, methods=list(methods),
-                        recipes={m: str(p) for m, p in recipes.items()}, task=task.name, eval=asdict(settings))
+                        recipes={m: str(p) for m, p in recipes.items()}, task=task.name, eval=asdict(settings),
+                        base_model=base_model, base_dtype=base_dtype)
     return CompareReport(base=base, results=results, settings=run_settings)
 
 
