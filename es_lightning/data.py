@@ -12,21 +12,23 @@ identity (``Task.pool_key``: the prompt, or one canonical text for every prompt 
 built-in model's pretraining uses the same rule, so no validation problem was ever seen during pretraining. A
 dataset's val/test rows, when the source has no such split, are carved off its train split by problem in the same sense
 (:func:`carve_problems` over ``Task.pool_key``): a problem the dataset repeats is held out, or trained on, as a whole.
+
+Local data files (which files a path names, their splits, reading them, slicing a split, checking columns) are read by
+:mod:`es_lightning.data_files`; the names of it that this module once defined (:func:`select_split`,
+:func:`chat_columns`, ``CHAT_FIX``, :func:`nested_rows`, :func:`check_columns`) are still importable from here.
 """
 
 from __future__ import annotations
 
-import glob
-import os
 import zlib
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from es_lightning.data_files import CHAT_FIX, chat_columns, check_columns, load_local, nested_rows, select_split
 from es_lightning.hub import hub_errors
 from es_lightning.tasks import Task, get_task
 
@@ -35,45 +37,6 @@ HELDOUT_FRACTION = 0.1
 MAX_PROCEDURAL_PROBLEMS = 1_000_000
 #: how a refusal of a dataset's invalid rows names the option that drops them (an evaluation, which has none, cuts it)
 DROP_INVALID_HINT = ", or set data.drop_invalid_rows: true to train and evaluate without them"
-_LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
-#: compressions ``datasets`` reads a json/csv file through (``train.jsonl.gz``)
-_COMPRESSIONS = (".gz", ".bz2", ".xz")
-
-
-def _format_of(path: Path) -> str | None:
-    """The ``datasets`` builder that reads the data file ``path`` (``json`` for ``a.jsonl`` and ``a.jsonl.gz``), or None."""
-    suffixes = path.suffixes[-2:]
-    if len(suffixes) == 2 and suffixes[1] in _COMPRESSIONS and _LOCAL_FORMATS.get(suffixes[0]) in ("json", "csv"):
-        return _LOCAL_FORMATS[suffixes[0]]
-    return _LOCAL_FORMATS.get(path.suffix)
-
-
-#: words that name a data file's split, as ``datasets`` infers splits from file names (its ``dev`` is validation)
-_SPLIT_WORDS = {"train": "train", "training": "train", "validation": "validation", "valid": "validation",
-                "dev": "validation", "val": "val", "test": "test", "testing": "test", "eval": "test", "evaluation": "test"}
-
-
-def _split_of(path: Path, by_words: bool = True) -> str:
-    """The split a data file holds, by its name: ``by_words``, a split word between separators
-    (``train-00000-of-00002.parquet``, ``gsm8k_test.jsonl``, ``dev.jsonl``); else a name that starts with one
-    (``testset.jsonl``); else ``train``."""
-    import re
-
-    stem = path.name.split(".")[0].lower()
-    words = [(m.start(2), _SPLIT_WORDS[m.group(2)]) for m in re.finditer(
-        r"(^|[-._ 0-9])(" + "|".join(sorted(_SPLIT_WORDS, key=len, reverse=True)) + r")(?=$|[-._ 0-9])", stem)]
-    if words and by_words:
-        return min(words)[1]
-    return next((s for s in ("train", "validation", "val", "test") if stem.startswith(s)), "train")
-
-
-def _is_empty(path: Path) -> bool:
-    """A data file with no rows: zero bytes, or (jsonl) only blank lines."""
-    if path.stat().st_size == 0:
-        return True
-    if path.suffix == ".jsonl" and path.stat().st_size < 1 << 20:
-        return not path.read_text(errors="replace").strip()
-    return False
 
 
 def in_heldout_pool(prompt: str, fraction: float = HELDOUT_FRACTION) -> bool:
@@ -134,31 +97,6 @@ def carve_problems(keys: list[str], n: int, seed: int) -> tuple[list[int], list[
             chosen.add(keys[i])
             held.append(i)
     return [i for i in order if keys[i] not in chosen], held
-
-
-def select_split(dsets, spec: str | None, option: str):
-    """The split ``spec`` of ``dsets`` (a ``DatasetDict``), or ``None`` when it names none of its splits. ``spec`` may
-    slice splits as ``datasets.load_dataset(split=...)`` reads them: ``train[:100]``, ``train[:10%]``,
-    ``train[-50:]``, ``train[:90%]+validation`` (the rows in that order); a slice it cannot read is refused in one
-    line naming ``option``, the setting it was given by."""
-    if spec is None or spec in dsets:
-        return None if spec is None else dsets[spec]
-    if "[" not in spec and "+" not in spec:
-        return None
-    import datasets
-
-    try:
-        instruction = datasets.ReadInstruction.from_spec(spec)
-    except (ValueError, AssertionError) as err:
-        raise ValueError(f"{option}: {spec!r} is neither a split (the source has {sorted(dsets)}) nor a slice of one as "
-                         f"datasets writes them ({err}); write e.g. train[:100], train[:10%], train[10:20] or "
-                         "train[:90%]+validation") from None
-    try:
-        parts = instruction.to_absolute({name: len(ds) for name, ds in dsets.items()})
-    except ValueError:  # a split it names is not in the source
-        return None
-    pieces = [dsets[p.splitname].select(range(p.from_, max(p.from_, p.to))) for p in parts]
-    return pieces[0] if len(pieces) == 1 else datasets.concatenate_datasets(pieces)
 
 
 def _shown(value: Any) -> str:
@@ -229,47 +167,6 @@ class _ResumableLoader(DataLoader):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         pass
-
-
-#: how to train on a chat-format (``messages``) dataset: the task, not the dataset, writes the prompt
-CHAT_FIX = ("the task builds each prompt from its own columns (with the model's chat template under "
-            "use_chat_template: true, a system turn with system_prompt): put the user turn's text and the answer in "
-            "columns of their own, e.g. ds.map(lambda r: {'question': r['messages'][0]['content']})")
-
-
-def chat_columns(ds) -> list[str]:
-    """The columns of ``ds`` whose values are chat messages: lists of ``{role, content}`` turns (``messages``)."""
-    import datasets
-
-    def is_chat(feature) -> bool:
-        inner = getattr(feature, "feature", None) if isinstance(feature, (datasets.Sequence, datasets.List)) else (
-            feature[0] if isinstance(feature, list) and feature else None)
-        return isinstance(inner, dict) and {"role", "content"} <= set(inner)
-
-    return [name for name, feature in (ds.features or {}).items() if is_chat(feature)]
-
-
-def nested_rows(ds) -> dict[str, list[str]]:
-    """The columns of ``ds`` whose values are lists of records (``{"data": [{"question": ..}, ..]}`` read as one row),
-    each with its records' fields."""
-    import datasets
-
-    out = {}
-    for name, feature in (ds.features or {}).items():
-        inner = getattr(feature, "feature", None) if isinstance(feature, (datasets.Sequence, datasets.List)) else (
-            feature[0] if isinstance(feature, list) and feature else None)
-        if isinstance(inner, dict):
-            out[name] = list(inner)
-    return out
-
-
-def check_columns(ds, task: Task, where: str, split: str, fix: Callable[[list[str]], str]) -> None:
-    """Refuse a split without the raw columns ``task`` reads, in one line: ``where`` names the source (and the option
-    it was given by), ``fix(missing)`` says how to supply them."""
-    missing = [c for c in task.required_columns if c not in ds.column_names]
-    if missing:
-        raise ValueError(f"{where}: its {split} split lacks column(s) {missing} that task {task.name!r} needs; "
-                         f"it has {ds.column_names}. {fix(missing)}")
 
 
 class ReasoningDataModule(L.LightningDataModule):
@@ -541,94 +438,22 @@ class ReasoningDataModule(L.LightningDataModule):
 
     def load_source(self):
         """``data.source`` read as it is, before any split is carved or column mapped: a ``datasets.DatasetDict`` of
-        the hub dataset's, the ``load_from_disk`` directory's or the local files' splits (:func:`_split_of`: a split
-        word in the file name as ``datasets`` reads it, ``gsm8k_test.jsonl``, ``dev.jsonl``; else ``train*`` /
-        ``val*`` / ``validation*`` / ``test*``; any other name is ``train``)."""
+        the hub dataset's, the ``load_from_disk`` directory's or the local files' splits
+        (:func:`~es_lightning.data_files.load_local`: a split word in the file name as ``datasets`` reads it,
+        ``gsm8k_test.jsonl``, ``dev.jsonl``; else ``train*`` / ``val*`` / ``validation*`` / ``test*``; any other
+        name is ``train``)."""
         import datasets
 
-        path = Path(os.path.expanduser(self.source))
         if self.source == "hub":
             if self.task.hub_dataset is None:
                 raise ValueError(f"task {self.task.name!r} has no default hub dataset; set data.source to a name or path")
             with hub_errors(self.task.hub_dataset, kind="dataset"):
                 return datasets.load_dataset(self.task.hub_dataset, self.hub_config or self.task.hub_config)
-        matched = None  # a glob's files (data_files="data/train-*.parquet"), by name
-        if not path.exists() and any(c in str(path) for c in "*?["):
-            matched = sorted(Path(f) for f in glob.glob(str(path), recursive=True) if Path(f).is_file())
-            if not matched:
-                raise FileNotFoundError(f"data.source {self.source!r} matches no files (relative paths are read from "
-                                        f"{os.getcwd()}); fix the pattern or give a file or directory")
-        if path.exists() or matched:
-            if path.is_dir() and (path / "dataset_dict.json").exists() or (path / "dataset_info.json").exists():
-                loaded = datasets.load_from_disk(str(path))
-                return loaded if isinstance(loaded, datasets.DatasetDict) else datasets.DatasetDict({"train": loaded})
-            if path.is_dir():
-                path = self._data_folder(path)
-            files = matched or (sorted(path.iterdir()) if path.is_dir() else [path])
-            by_split: dict[str, list[str]] = {}
-            for f in files:
-                if _format_of(f) is None:
-                    continue
-                split = _split_of(f, by_words=len(files) > 1)  # one file named alone: by its start, as before
-                by_split.setdefault(split, []).append(str(f))
-            if not by_split:
-                raise ValueError(
-                    f"no data files in {self.source!r}; expected {', '.join(sorted(_LOCAL_FORMATS))} files (json and csv "
-                    f"also {'/'.join(_COMPRESSIONS)}-compressed; a directory "
-                    "may hold train.jsonl / validation.jsonl / test.jsonl)"
-                )
-            empty = [f for fs in by_split.values() for f in fs if _is_empty(Path(f))]
-            if empty:
-                raise ValueError(
-                    f"data file {empty[0]!r} is empty (0 rows); fill it with one JSON object per line (columns: "
-                    + ", ".join(self.task.required_columns) + ") or point data.source at another file"
-                )
-            by_format: dict[str, dict[str, list[str]]] = {}  # each split is read by its files' format (train.jsonl, test.csv)
-            for split, fs in by_split.items():
-                formats = sorted({_format_of(Path(f)) for f in fs})
-                if len(formats) > 1:
-                    raise ValueError(f"the {split!r} split of data.source {self.source!r} mixes data file formats "
-                                     f"({', '.join(formats)}: {', '.join(fs)}); convert its files to one format")
-                by_format.setdefault(formats[0], {})[split] = fs
-            loaded = datasets.DatasetDict()
-            for fmt, data_files in by_format.items():
-                try:
-                    loaded.update(datasets.load_dataset(fmt, data_files=data_files))
-                except datasets.exceptions.DatasetGenerationError as err:  # a malformed line, a bad row: say which file
-                    cause = err.__cause__ or err
-                    files = ", ".join(f for fs in data_files.values() for f in fs)
-                    raise ValueError(f"data file(s) {files} could not be read as {fmt}: {type(cause).__name__}: "
-                                     f"{str(cause).splitlines()[0] if str(cause) else ''}; fix the file ({fmt}: "
-                                     + ("one JSON object per line" if fmt == "json" else f"a valid {fmt} file")
-                                     + ") or point data.source at another") from err
-            return loaded
-        if self.source.startswith((".", "/", "~")) or _format_of(path) is not None:
-            raise FileNotFoundError(
-                f"data source {self.source!r} does not exist (relative paths are read from {os.getcwd()}); give a "
-                "jsonl/json/parquet/arrow/csv file or directory, a hub dataset name, 'hub' or 'procedural'"
-            )
+        local = load_local(self.source, self.hub_config or self.task.hub_config, self.task.required_columns)
+        if local is not None:
+            return local
         with hub_errors(self.source, kind="dataset"):
             return datasets.load_dataset(self.source, self.hub_config or self.task.hub_config)
-
-    def _data_folder(self, path: Path) -> Path:
-        """The folder of ``path`` that holds the data files: ``path`` itself, or — a hub dataset repository downloaded
-        as it is laid out on the hub (``huggingface-cli download --repo-type dataset openai/gsm8k --local-dir gsm8k``:
-        ``gsm8k/main/train-*.parquet``) — its config's folder (``hub_config``, else the task's) or its ``data``
-        folder. A folder whose data files are all in other subfolders is refused, naming them."""
-        def has_files(folder: Path) -> bool:
-            return any(_format_of(f) is not None for f in folder.iterdir() if f.is_file())
-
-        if has_files(path):
-            return path
-        config = self.hub_config or self.task.hub_config
-        for name in (config, "data"):
-            if name and (path / name).is_dir() and has_files(path / name):
-                return path / name
-        holding = sorted(f.name for f in path.iterdir() if f.is_dir() and has_files(f))
-        if holding:
-            raise ValueError(f"no data files in {self.source!r} itself; its folders {', '.join(holding)} hold some (a hub "
-                             f"dataset's configs): set data.hub_config to one of them, or point data.source at it")
-        return path
 
     def map_columns(self, ds, split: str, fix: Callable[[list[str], str], str] | None = None):
         """``ds`` (a split of the source) with ``column_mapping`` applied and the task's columns checked: one line
