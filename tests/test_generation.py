@@ -198,3 +198,32 @@ def test_per_layer_type_rope_model_generates_and_warns(tmp_path):
                                          r"model's max_position_embeddings=64: .*lower max_new_tokens to 4"):
         r = gen.generate(["a:" + "1+" * 29], 1, SamplingParams(max_new_tokens=8, temperature=0.0))
     assert r.completion_ids.shape[0] == 1
+
+
+def test_a_prompt_with_no_room_for_a_completion_is_refused_in_one_line(tiny_model_dir):
+    """A prompt of max_position_embeddings tokens or more was generated anyway after a warning (a 54k-token prompt of
+    a Qwen model ran to an out-of-memory traceback); it is refused before generation, naming its place in the batch,
+    its token count, a piece of its text, the limit and the fixes. One token short of the limit still generates, with
+    the warning about max_new_tokens."""
+    import warnings
+
+    import pytest
+
+    gen = HFGenerator(load_policy(tiny_model_dir))
+    params = SamplingParams(max_new_tokens=4, temperature=0.0)
+    with pytest.raises(ValueError) as err:
+        gen.generate(["a:1+2=", "a:" + "1+" * 63, "a:" + "2+" * 70], 2, params)  # 6, 128 and 142 tokens
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith("prompt 2 of this batch has 142 tokens (too long too: 1 more of its 3 prompts), and the "
+                              "model's max_position_embeddings is 128: no room for a completion (its text around the "
+                              "middle: '...+2+2+2+"), message
+    assert message.endswith("; shorten the prompt (the task's prompt format or system_prompt), or remove the rows whose "
+                            "prompt has 128 tokens or more from the data"), message
+    with pytest.warns(UserWarning, match=r"prompts of up to 126 tokens so far plus max_new_tokens=4 exceed .*lower "
+                                         r"max_new_tokens to 2"):
+        out = gen.generate(["a:" + "1+" * 62], 1, params)  # 126 tokens: room for 2
+    assert out.completion_ids.shape == (1, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gen.generate(["a:1+2="], 1, params)  # the short prompts of the refused batch generate

@@ -4,6 +4,7 @@ sampling is ours alone, log-probs equal the training forward's, and completions 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -176,3 +177,57 @@ def test_templated_prompts_reach_the_model_with_one_bos(tmp_path):
         real = ids[mask.bool()].tolist()
         assert real[0] == bos and real.count(bos) == 1
     assert torch.equal(rollout.prompt_ids, encode_prompts(policy.tokenizer, prompts)["input_ids"])
+
+
+def _gsm8k_with_a_long_problem(directory: Path, repeats: int = 9000) -> Path:
+    """train.jsonl / test.jsonl in openai/gsm8k's columns, each with one problem of ~36k tokens: past the Qwen-like
+    fixture's 32,768 positions (a 54k-token prompt of a Qwen model ran to an out-of-memory traceback)."""
+    directory.mkdir()
+    short = {"question": "Natalia sold 48 clips in April and half as many in May. How many in all?",
+             "answer": "48 + 24 = 72\n#### 72"}
+    long = {"question": "Add these up: " + "1 + " * repeats + "1. What is the sum?", "answer": f"#### {repeats + 1}"}
+    for split in ("train", "test"):
+        (directory / f"{split}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in (short, long)))
+    return directory
+
+
+def test_a_prompt_past_the_positions_stops_a_fit_in_one_line(qwen_like_small_dir, tmp_path):
+    """A GRPO fit whose batch holds a prompt longer than the model's max_position_embeddings: one warning, then
+    generation of it (an out-of-memory traceback at Qwen's sizes). Now the first rollout refuses it before anything is
+    generated, naming the prompt's token count, the limit and the fixes; so do an ES fit's evaluation and
+    PassAtKCallback's."""
+    import lightning as L
+
+    from es_lightning import ESModule, GRPOModule, ReasoningDataModule
+
+    source = _gsm8k_with_a_long_problem(tmp_path / "gsm8k")
+    for module in (GRPOModule(model=qwen_like_small_dir, task="gsm8k", group_size=2, max_new_tokens=4),
+                   ESModule(model=qwen_like_small_dir, task="gsm8k", population_size=2, max_new_tokens=4)):
+        data = ReasoningDataModule(task="gsm8k", source=str(source), train_size=None, val_size=0, test_size=0,
+                                   batch_size=2)
+        trainer = L.Trainer(max_steps=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                            num_sanity_val_steps=0)
+        with pytest.raises(ValueError, match=r"^prompt [01] of this batch has 3\d{4} tokens, and the model's "
+                                             r"max_position_embeddings is 32768: no room for a completion \(its text "
+                                             r"around the middle: '\.\.\.[1 +]+\.\.\.'\); .*remove the rows whose "
+                                             r"prompt has 32768 tokens or more from the data$"):
+            trainer.fit(module, data)
+    data = ReasoningDataModule(task="gsm8k", source=str(source), train_size=None, val_size=0, test_size=None)
+    with pytest.raises(ValueError, match=r"^prompt [01] of this batch has 3\d{4} tokens"):  # PassAtKCallback's test
+        L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False).test(module, data)
+
+
+def test_eval_of_a_prompt_past_the_positions_is_one_line(qwen_like_small_dir, tmp_path, capsys):
+    """``es-lightning eval`` of a data set with a problem past the model's positions: one line naming it, exit 2."""
+    from es_lightning.cli import cli_main
+
+    source = _gsm8k_with_a_long_problem(tmp_path / "gsm8k")
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["eval", "--checkpoints", qwen_like_small_dir, "--tasks", "gsm8k", "--eval.source", str(source),
+                  "--eval.num_problems", "2", "--eval.num_samples", "1", "--eval.max_new_tokens", "4",
+                  "--out_dir", str(tmp_path / "eval"), "--progress", "false", "--plot", "false"])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and "\n" not in err, err
+    assert re.search(r"prompt [01] of this batch has 3\d{4} tokens, and the model's max_position_embeddings is 32768: "
+                     r"no room for a completion", err), err

@@ -122,6 +122,36 @@ class PromptLengths:
         return True
 
 
+def refuse_overlong_prompts(prompts: Sequence[str], lengths: Sequence[int], limit: int | None, limit_name: str,
+                            fix: str) -> None:
+    """Refuse, in one line, a batch with a prompt of ``limit`` tokens or more: no completion token fits after it.
+
+    Such a prompt is not generated: transformers ran a 54k-token prompt of a Qwen model (32,768 positions) to a 46 GB
+    allocation and an out-of-memory traceback, and vLLM refuses it mid-fit in ~40 frames. It is an error, not a
+    truncation or a dropped row, as verl's default (``data.truncation: error``): cutting the text of a reasoning
+    problem changes the problem (TRL's ``max_prompt_length`` keeps a prompt's last tokens without a word), and a
+    dropped row changes the data a run reports on (verl's ``filter_overlong_prompts`` is opt-in, at data loading).
+    The check costs nothing: the token counts are known once the prompts are tokenized. A prompt that fits but whose
+    ``max_new_tokens`` pass the limit is each backend's warning, not this.
+
+    ``lengths`` are the prompts' token counts. The line names the longest prompt's place in the batch, its token
+    count and a piece of its text from the middle — a prompt this long is the problem's own text there, where its
+    opening is the chat template's system turn, the same for every row — to find the row by in the data; how many of
+    the batch's prompts are too long, the limit (``limit_name``) and the fixes (``fix``, the backend's own first)."""
+    if limit is None:
+        return
+    over = [i for i, n in enumerate(lengths) if n >= limit]
+    if not over:
+        return
+    worst = max(over, key=lambda i: lengths[i])
+    text = prompts[worst]
+    middle = " ".join(text[max(0, len(text) // 2 - 30):len(text) // 2 + 30].split())
+    others = f" (too long too: {len(over) - 1} more of its {len(prompts)} prompts)" if len(over) > 1 else ""
+    raise ValueError(f"prompt {worst} of this batch has {lengths[worst]} tokens{others}, and {limit_name} is {limit}: "
+                     f"no room for a completion (its text around the middle: '...{middle}...'); {fix}, or remove the "
+                     f"rows whose prompt has {limit} tokens or more from the data")
+
+
 def default_seed() -> int:
     """A seed drawn from torch's global RNG, so ``seed_everything`` governs unseeded calls."""
     return int(torch.randint(0, 2**31 - 1, (1,)).item())

@@ -28,7 +28,14 @@ from torch import Tensor
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.stopping_criteria import StopStringCriteria
 
-from es_lightning.generation.base import Generator, PromptLengths, Rollout, SamplingParams, default_seed
+from es_lightning.generation.base import (
+    Generator,
+    PromptLengths,
+    Rollout,
+    SamplingParams,
+    default_seed,
+    refuse_overlong_prompts,
+)
 from es_lightning.generation.config import (
     checkpoint_defaults_off,
     checkpoint_eos_token_ids,
@@ -203,6 +210,9 @@ class HFGenerator(Generator):
         model, tokenizer = self.policy.model, self.policy.tokenizer
         device = next(model.parameters()).device
         enc = encode_prompts(tokenizer, list(prompts))
+        lengths = enc["attention_mask"].sum(-1).tolist()  # [B] each prompt's tokens
+        refuse_overlong_prompts(prompts, lengths, position_limit(getattr(model, "config", None)),
+                                "the model's max_position_embeddings", "shorten the prompt (the task's prompt format or system_prompt)")
         prompt_ids = enc["input_ids"].repeat_interleave(num_samples, 0).to(device)  # [B*n, P]
         prompt_mask = enc["attention_mask"].repeat_interleave(num_samples, 0).to(device)  # [B*n, P]
         rows, P = prompt_ids.shape
@@ -262,8 +272,7 @@ class HFGenerator(Generator):
         limit = position_limit(getattr(model, "config", None))
         if limit is None or longest + max_new_tokens <= limit or not self._prompt_lengths.first_warning(limit):
             return
-        fix = (f"lower max_new_tokens to {limit - worst} or shorten the prompts" if worst < limit
-               else "shorten the prompts")
+        fix = f"lower max_new_tokens to {limit - worst} or shorten the prompts"  # a prompt of limit tokens is refused
         warnings.warn(f"prompts of up to {worst} tokens so far plus max_new_tokens={max_new_tokens} exceed the model's "
                       f"max_position_embeddings={limit}: completions may run at positions the model was not trained "
                       f"for (the vLLM backend ends them at the limit, counted as truncated); {fix} (said once)",

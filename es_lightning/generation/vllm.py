@@ -85,7 +85,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from es_lightning.generation.base import Generator, PromptLengths, Rollout, SamplingParams, default_seed
+from es_lightning.generation.base import (
+    Generator,
+    PromptLengths,
+    Rollout,
+    SamplingParams,
+    default_seed,
+    refuse_overlong_prompts,
+)
 from es_lightning.generation.config import checkpoint_eos_token_ids, position_limit
 from es_lightning.generation.hf import _cut_at_stop
 from es_lightning.generation.options import check_vllm_values, refuse_owned_options
@@ -494,7 +501,7 @@ class VLLMGenerator(Generator):
         seeds = row_seeds(prompts, num_samples, seed, common_random_blocks)
         enc = encode_prompts(tokenizer, list(prompts))  # the ids HFGenerator feeds: one BOS, never two
         token_lists = [row[mask.bool()].tolist() for row, mask in zip(enc["input_ids"], enc["attention_mask"])]
-        self._check_lengths(max(len(ids) for ids in token_lists), params.max_new_tokens)
+        self._check_lengths(prompts, [len(ids) for ids in token_lists], params.max_new_tokens)
         eos = self.eos_token_ids
         adapters = self._lora_requests(len(prompts), common_random_blocks)
         requests, sampling, loras = [], [], []
@@ -525,17 +532,22 @@ class VLLMGenerator(Generator):
             outputs = self.llm.generate(requests, sampling, use_tqdm=False, lora_request=loras or None)
         return self._rollout(token_lists, outputs, num_samples, params, return_logprobs)
 
-    def _check_lengths(self, longest: int, max_new_tokens: int) -> None:
-        """A prompt the engine cannot take is refused (vLLM would raise mid-fit in 41 frames); a prompt whose
-        completion would run past ``max_model_len`` is generated — vLLM ends it there, marked truncated as at
+    def _check_lengths(self, prompts: Sequence[str], lengths: Sequence[int], max_new_tokens: int) -> None:
+        """A prompt the engine cannot take is refused in one line naming it
+        (:func:`~es_lightning.generation.base.refuse_overlong_prompts`; vLLM would raise mid-fit in 41 frames); a prompt
+        whose completion would run past ``max_model_len`` is generated — vLLM ends it there, marked truncated as at
         ``max_new_tokens`` — with one warning per engine naming the longest prompt so far (a MATH run's prompts of
         many lengths get one line, not one per length), since the fit's rewards then come from shorter completions
         than asked for."""
+        longest = max(lengths)
+        positions = position_limit(getattr(self.policy.model, "config", None))
+        need = longest + max_new_tokens if positions is None else min(longest + max_new_tokens, positions)
+        room = f"set generation_options.max_model_len to at least {need} (prompt + max_new_tokens)"
+        refuse_overlong_prompts(prompts, lengths, self.max_model_len, "the vLLM engine's max_model_len",
+                                room if positions is None or longest < positions else
+                                "shorten the prompt (the task's prompt format or system_prompt)")
         worst = self._prompt_lengths.see(longest)
         fix = f"set generation_options.max_model_len to at least {worst + max_new_tokens} (prompt + max_new_tokens)"
-        if longest >= self.max_model_len:
-            raise ValueError(f"a prompt of {longest} tokens leaves no room in the vLLM engine's max_model_len="
-                             f"{self.max_model_len}; {fix}, or shorten the prompts")
         if longest + max_new_tokens > self.max_model_len and self._prompt_lengths.first_warning(self.max_model_len):
             warnings.warn(f"prompts of up to {worst} tokens so far plus max_new_tokens={max_new_tokens} exceed the "
                           f"vLLM engine's max_model_len={self.max_model_len}: their completions end at "

@@ -176,8 +176,8 @@ def test_prompts_beyond_max_model_len(builtin_pair):
         warnings.simplefilter("always")
         gen.generate([prompt + "1 ="], 1, SamplingParams(max_new_tokens=40, temperature=0.0, stop=["#"]))
     assert not [w for w in seen if "max_model_len" in str(w.message)], [str(w.message) for w in seen]
-    with pytest.raises(ValueError, match=r"a prompt of 1\d\d tokens leaves no room in the vLLM engine's "
-                                         r"max_model_len=128; set generation_options.max_model_len to at least"):
+    with pytest.raises(ValueError, match=r"prompt 0 of this batch has 1\d\d tokens, and the vLLM engine's "
+                                         r"max_model_len is 128: no room for a completion .*; shorten the prompt"):
         gen.generate([prompt * 2], 1, SamplingParams(max_new_tokens=4, temperature=0.0))
 
 
