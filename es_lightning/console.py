@@ -13,8 +13,12 @@ One thread also makes a CPU run bit-for-bit reproducible.
 and the policy is in eval mode on purpose: no dropout in rollouts), and deprecation warnings of the libraries underneath
 are silenced in the command; a script importing es_lightning sees them as usual.
 
-**Progress.** On a terminal a :class:`~es_lightning.callbacks.progress.StageProgressBar`; otherwise (stdout redirected)
-:class:`~es_lightning.callbacks.progress.ProgressLines`, a line every ``ES_LIGHTNING_PROGRESS_SECONDS`` (default 30).
+**Progress.** On a terminal a :class:`~es_lightning.callbacks.progress.StageProgressBar` (Lightning's tqdm bar over
+optimizer steps, with the stage and the ES population's progress; a ``TQDMProgressBar`` given becomes one, keeping its
+settings), or a ``RichProgressBar`` when one is given (what a user configures explicitly is what they get, as in
+Lightning: Rich's look over batches, without the stage); otherwise (stdout redirected)
+:class:`~es_lightning.callbacks.progress.ProgressLines`, a line every ``ES_LIGHTNING_PROGRESS_SECONDS`` (default 30)
+— a bar of either kind given there too, since a bar's carriage returns fill a log file.
 """
 
 from __future__ import annotations
@@ -109,7 +113,7 @@ def choose_progress_bar(callbacks: list) -> None:
         given = callbacks[i]
         if not terminal and isinstance(given, (TQDMProgressBar, RichProgressBar)):
             callbacks[i] = ProgressLines(progress_every_seconds())
-        elif terminal and type(given) in (TQDMProgressBar, RichProgressBar):  # the bar's own settings carried over
+        elif terminal and type(given) is TQDMProgressBar:  # the same tqdm look, with steps; its own settings carried over
             callbacks[i] = StageProgressBar(refresh_rate=given.refresh_rate, leave=given._leave)
         else:
             continue

@@ -411,6 +411,35 @@ def test_a_progress_bar_given_keeps_its_refresh_rate(terminal, tmp_path, monkeyp
         assert bar.is_enabled == (rate != 0), (rate, bar.is_enabled)
 
 
+@pytest.mark.parametrize("terminal", [True, False])
+def test_a_rich_progress_bar_given_is_kept_on_a_terminal(terminal, tmp_path, monkeypatch):
+    """`--trainer.callbacks+=RichProgressBar` on a terminal: the command swapped it for its tqdm step bar — the user's
+    explicit choice of Rich's look silently replaced. It is kept (and a fit runs with it); in a log (stdout redirected)
+    it becomes progress lines, as every bar does there (carriage returns fill a log file)."""
+    import io
+
+    from lightning.pytorch.callbacks import RichProgressBar
+
+    from es_lightning import console
+    from es_lightning.callbacks.progress import ProgressLines
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return terminal
+
+    monkeypatch.setattr(sys, "stdout", Terminal())
+    cli = ESLightningCLI(args=["--config", str(ROOT / "recipes" / "es.yaml"), "--trainer.default_root_dir", str(tmp_path),
+                               "--trainer.logger", "false", "--trainer.enable_checkpointing", "false",
+                               "--trainer.max_steps", "1", "--trainer.callbacks+=lightning.pytorch.callbacks.RichProgressBar",
+                               "--data.init_args.val_size", "2", "--data.init_args.train_size", "8",
+                               "--data.init_args.batch_size", "2", "--trainer.limit_val_batches", "0"], run=False)
+    console.choose_progress_bar(cli.trainer.callbacks)  # what the command does with the trainer it builds
+    bar = cli.trainer.progress_bar_callback
+    assert isinstance(bar, RichProgressBar if terminal else ProgressLines), bar
+    cli.trainer.fit(cli.model, cli.datamodule)
+    assert cli.trainer.global_step == 1
+
+
 @pytest.mark.parametrize("interval, said", [("2", True), ("1", True), ("1.0", False)])
 def test_a_val_check_interval_the_recipe_turns_off_is_said(interval, said, tmp_path, monkeypatch, capsys):
     """`--trainer.val_check_interval 2` on recipes/grpo.yaml: Lightning said "validation will run" every 2 batches and
