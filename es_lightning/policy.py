@@ -124,7 +124,7 @@ def check_model_weights(path: str | os.PathLike) -> None:
                 raise ValueError(f"model directory {str(path)!r}: {name} is a Git LFS pointer, not the weights (cloned "
                                  "without git-lfs); run `git lfs pull` in it, or download it with `hf download <id> "
                                  "--local-dir <dir>`")
-        size, expected = (path / name).stat().st_size, _safetensors_size(path / name)
+        size, expected = (path / name).stat().st_size, safetensors_size(path / name)
         if expected is None or size < expected:
             raise ValueError(f"model directory {str(path)!r}: {name} is cut short ({size:,} bytes"
                              f"{f' of {expected:,}' if expected else ''}; an interrupted download or copy); fetch it again")
@@ -134,9 +134,11 @@ def check_model_weights(path: str | os.PathLike) -> None:
 _LFS_POINTER = b"version https://git-lfs"
 
 
-def _safetensors_size(file: Path) -> int | None:
-    """The size a safetensors file's header says it has (8 bytes of header length, the header, the tensors), or
-    ``None`` when the header cannot be read (cut short inside it); any other file: its own size."""
+def safetensors_size(file: Path) -> int | None:
+    """The size a safetensors file's header says it has (8 bytes of header length, the JSON header, the tensors' bytes
+    up to the largest end offset), or ``None`` when the header cannot be read (cut short inside it); any other file:
+    its own size. A write or download cut short leaves the file shorter (also :class:`~es_lightning.callbacks.export.HFExport`'s
+    check of an export a kill interrupted)."""
     if file.suffix != ".safetensors":
         return file.stat().st_size
     try:

@@ -21,7 +21,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from es_lightning.callbacks.cadence import StepCadence
 from es_lightning.callbacks.log_dir import run_log_dir
 from es_lightning.es.sharding import is_dtensor, is_sharded
-from es_lightning.policy import save_model, save_tokenizer
+from es_lightning.policy import safetensors_size, save_model, save_tokenizer
 
 
 class HFExport(L.Callback):
@@ -313,22 +313,12 @@ def _is_complete_export(path: Path) -> bool:
 
 
 def _is_whole_weights(file: Path) -> bool:
-    """``file`` is there and, a safetensors file, as long as its header says (8 bytes of header length, the JSON
-    header, then the tensors' bytes up to the largest end offset): a write cut short leaves it shorter."""
+    """``file`` is there and, a safetensors file, as long as its header says (:func:`~es_lightning.policy.safetensors_size`):
+    a write cut short leaves it shorter."""
     if not file.is_file():
         return False
-    if file.suffix != ".safetensors":
-        return True
-    try:
-        with file.open("rb") as f:
-            header_len = int.from_bytes(f.read(8), "little")
-            if header_len > file.stat().st_size:
-                return False
-            header = json.loads(f.read(header_len))
-        ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"]
-    except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError):
-        return False
-    return file.stat().st_size == 8 + header_len + max(ends, default=0)
+    expected = safetensors_size(file)
+    return expected is not None and file.stat().st_size == expected
 
 
 def _make_readable(path: Path) -> None:
