@@ -125,6 +125,10 @@ def load_local(source: str, config: str | None, columns: Sequence[str]):
     return None
 
 
+#: the fix of a hub dataset directory whose data files are in its config folders (an evaluation names its own)
+HUB_CONFIG_HINT = "set data.hub_config to one of them, or point data.source at it"
+
+
 def data_folder(path: Path, source: str, config: str | None) -> Path:
     """The folder of ``path`` (the directory ``data.source`` names: ``source``) that holds the data files: ``path``
     itself, or — a hub dataset repository downloaded as it is laid out on the hub (``huggingface-cli download
@@ -142,7 +146,7 @@ def data_folder(path: Path, source: str, config: str | None) -> Path:
     holding = sorted(f.name for f in path.iterdir() if f.is_dir() and has_files(f))
     if holding:
         raise ValueError(f"no data files in {source!r} itself; its folders {', '.join(holding)} hold some (a hub "
-                         f"dataset's configs): set data.hub_config to one of them, or point data.source at it")
+                         f"dataset's configs): {HUB_CONFIG_HINT}")
     return path
 
 

@@ -917,3 +917,27 @@ def test_eval_of_a_model_of_its_own_code_takes_eval_trust_remote_code(tiny_model
     with pytest.raises(SystemExit):
         cli_main(["eval", "--help"])
     assert "--eval.trust_remote_code" in capsys.readouterr().out
+
+
+def test_heldout_problems_source_refusals_name_eval_options(tmp_path):
+    """A source the data module refuses while reading it (a glob matching nothing, mixed formats, a hub dataset
+    directory of several configs) is named as the evaluation's --eval.source, with a fix it can take: an evaluation
+    has no data.source nor data.hub_config."""
+    task = get_task("countdown")
+    with pytest.raises(FileNotFoundError, match=r"^--eval.source '.*nothing-\*.jsonl' matches no files") as err:
+        heldout_problems(task, 2, source=str(tmp_path / "nothing-*.jsonl"))
+    assert "data." not in str(err.value)
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    (mixed / "a.jsonl").write_text('{"nums": [1, 2], "target": 3}\n')
+    (mixed / "b.csv").write_text("nums,target\n1,2\n")
+    with pytest.raises(ValueError, match=r"^the 'train' split of --eval.source .* mixes data file formats") as err:
+        heldout_problems(task, 2, source=str(mixed))
+    assert "data." not in str(err.value)
+    hub = tmp_path / "hub"
+    for config in ("main", "socratic"):
+        (hub / config).mkdir(parents=True)
+        (hub / config / "test.jsonl").write_text('{"nums": [1, 2], "target": 3}\n')
+    with pytest.raises(ValueError, match=r"its folders main, socratic hold some .*: point --eval.source at one of them$") as err:
+        heldout_problems(task, 1, source=str(hub))
+    assert "hub_config" not in str(err.value) and "data." not in str(err.value)

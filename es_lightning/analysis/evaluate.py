@@ -36,6 +36,7 @@ from es_lightning.analysis.checkpoints import LoadedModel, TrainedWith, check_mo
 from es_lightning.analysis.output import check_out_dir, format_table, markdown_table, write_json
 from es_lightning.analysis.settings import PAPER_EVAL, REMOTE_CODE_OPTION, EvalSettings, resolve_device
 from es_lightning.data import DROP_INVALID_HINT, ReasoningDataModule, procedural_split
+from es_lightning.data_files import HUB_CONFIG_HINT
 from es_lightning.policy import Policy
 from es_lightning.tasks import Task, get_task
 
@@ -59,9 +60,12 @@ def heldout_problems(task: Task, num_problems: int, seed: int = 0, source: str =
             return procedural_split(task, "test", num_problems, seed)
         except (ValueError, NotImplementedError) as err:
             raise _in_eval_terms(err) from None
-    dm = ReasoningDataModule(task, source=source, train_size=None, val_size=None, test_size=num_problems, seed=seed,
-                             column_mapping=column_mapping)
-    dsets = dm.load_source()
+    try:  # the source read as a fit reads it: its refusals (a glob matching nothing, mixed formats) named in eval terms
+        dm = ReasoningDataModule(task, source=source, train_size=None, val_size=None, test_size=num_problems,
+                                 seed=seed, column_mapping=column_mapping)
+        dsets = dm.load_source()
+    except (ValueError, FileNotFoundError) as err:
+        raise _in_eval_terms(err, type(err)) from None
     name = dm.test_split if dm.test_split in dsets else next(iter(dsets)) if len(dsets) == 1 else None
     try:
         if name is None:  # several splits, no test split: held-out rows carved off the train split, as a fit would
@@ -155,17 +159,21 @@ def _preprocess_drawn(task: Task, ds, num_problems: int, seed: int, split: str, 
     return problems
 
 
+#: what to do about a hub dataset directory of several configs, in an evaluation (which has no data.hub_config)
+EVAL_HUB_CONFIG_HINT = "point --eval.source at one of them"
 #: the data module's options in its error hints → the evaluation options that set them
 _EVAL_TERMS = (("data.column_mapping", "--eval.column_mapping"), ("data.source", "--eval.source"),
                ("data.test_size", "--eval.num_problems"))
 
 
-def _in_eval_terms(err: Exception) -> ValueError:
-    """``err`` (raised by the data module) with its hints naming ``--eval.*``, the options an evaluation is given."""
+def _in_eval_terms(err: Exception, kind: type[Exception] = ValueError) -> Exception:
+    """``err`` (raised by the data module) with its hints naming ``--eval.*``, the options an evaluation is given, as a
+    ``kind``."""
     text = str(err).replace(DROP_INVALID_HINT, EVAL_INVALID_HINT)  # an evaluation scores every row it is given
+    text = text.replace(HUB_CONFIG_HINT, EVAL_HUB_CONFIG_HINT)  # an evaluation has no hub_config: its source names one
     for data_option, eval_option in _EVAL_TERMS:
         text = text.replace(data_option, eval_option)
-    return ValueError(text)
+    return kind(text)
 
 
 def evaluation_module(policy: Policy, task: Task, max_new_tokens: int, device: torch.device | str = "cpu",
