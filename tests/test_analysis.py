@@ -941,3 +941,14 @@ def test_heldout_problems_source_refusals_name_eval_options(tmp_path):
     with pytest.raises(ValueError, match=r"its folders main, socratic hold some .*: point --eval.source at one of them$") as err:
         heldout_problems(task, 1, source=str(hub))
     assert "hub_config" not in str(err.value) and "data." not in str(err.value)
+
+
+def test_eval_settings_without_vllm_name_the_option():
+    """--eval.generation_backend vllm without the vllm extra: the install line names the option that asked for it (the
+    line said generation_backend, a fit's module option)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vllm is installed")
+    with pytest.raises(ImportError, match=r"needs vLLM: pip install .* \(option --eval.generation_backend\)$"):
+        EvalSettings(generation_backend="vllm")

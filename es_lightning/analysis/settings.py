@@ -119,6 +119,8 @@ class EvalSettings:
             check_generation_options(self.generation_backend, self.generation_options)
         except ValueError as err:
             raise ValueError(f"{err} (options --eval.generation_backend, --eval.generation_options)") from None
+        except ImportError as err:  # vllm without its extra: the install line, and the option that asked for it
+            raise ImportError(f"{err} (option --eval.generation_backend)") from None
 
     def pass_at_ks(self, default: Sequence[int] | None = None) -> list[int]:
         """The k to report: ``ks`` when set, else the command's ``default``, else 1, 2, 4, … n; sorted, each <= n."""
