@@ -610,8 +610,9 @@ def test_eval_refuses_bad_input(tmp_path):
             EvalSettings(**bad)
     with pytest.raises(ValueError, match="max_new_tokens is null"):
         EvalSettings(max_new_tokens=None).completion_cap()
-    with pytest.raises(ValueError, match=r"'hf' takes no generation_options.*--eval.generation_backend"):
+    with pytest.raises(ValueError, match=r"'hf' takes no generation_options.*add --eval.generation_backend vllm") as err:
         EvalSettings(generation_options={"max_model_len": 64})  # engine settings without the vllm backend
+    assert "configs/generation" not in str(err.value)  # a fit's config fragment: no option of an evaluation
     with pytest.raises(ValueError, match=r"generation_backend must be one of \('hf', 'vllm'\), got 'vlm'"):
         EvalSettings(generation_backend="vlm")
     small = EvalSettings(num_problems=2, num_samples=2)

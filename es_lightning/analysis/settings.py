@@ -115,6 +115,10 @@ class EvalSettings:
         resolve_device(self.device)  # a device this machine lacks: refused now, not after the models load
         from es_lightning.generation import check_generation_options
 
+        if self.generation_backend == "hf" and self.generation_options:  # the fit's hint names a fit's config fragment
+            raise ValueError(f"eval.generation_backend 'hf' takes no generation_options, got "
+                             f"{sorted(self.generation_options)}; they are vLLM engine settings: add "
+                             "--eval.generation_backend vllm, or drop --eval.generation_options")
         try:  # an unknown backend or engine option: refused now, named as an evaluation option
             check_generation_options(self.generation_backend, self.generation_options)
         except ValueError as err:
