@@ -953,3 +953,22 @@ def test_eval_settings_without_vllm_name_the_option():
         pytest.skip("vllm is installed")
     with pytest.raises(ImportError, match=r"needs vLLM: pip install .* \(option --eval.generation_backend\)$"):
         EvalSettings(generation_backend="vllm")
+
+
+@pytest.mark.parametrize("command", ["drift", "ablation", "forgetting"])
+def test_analyze_dtype_help_quotes_the_real_default(command, tmp_path, capsys):
+    """--dtype's help said "the checkpoint's own", but a model directory (a bf16 export) is loaded in float32 when no
+    --dtype is given: the help says so, as eval's does."""
+    import torch
+
+    from es_lightning.analysis.checkpoints import load_model
+
+    with pytest.raises(SystemExit):
+        cli_main(["analyze", command, "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    dtype_help = help_text.split("--dtype DTYPE ", 1)[1].split("(type:", 1)[0]
+    assert "else float32" in dtype_help and "the checkpoint's own" not in dtype_help
+    policy = load_policy("builtin:countdown-tiny")
+    policy.model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    policy.tokenizer.save_pretrained(tmp_path / "bf16")
+    assert next(load_model(str(tmp_path / "bf16")).policy.model.parameters()).dtype == torch.float32

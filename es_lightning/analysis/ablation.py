@@ -235,7 +235,7 @@ def ablation_command(
         task: the task to re-evaluate on (held-out problems); default: the task the checkpoint (or a run's export/)
             records it was trained on, else countdown.
         eval: how every ablated model is evaluated (the same problems and seeds for every setting; ks default 1 and n).
-        dtype: parameter dtype (default: the checkpoint's own).
+        dtype: parameter dtype (default: a .ckpt's own, else float32).
         save_models: also write every ablated model (save_pretrained) under out_dir/models/.
         out_dir: where ablation.json and ablation.png go.
         plot: write ablation.png.

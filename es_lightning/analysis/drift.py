@@ -252,7 +252,7 @@ def drift_command(
         tuned: the tuned model: a .ckpt of an es-lightning run, an exported HF directory, a hub id or builtin:<name>.
         base: the model it started from (default: a .ckpt's 'model' hyperparameter).
         taus: the τ grid of the sparsity s_τ = fraction of weights with |Δθ| <= τ (default 0, 1e-7, ..., 1e-2).
-        dtype: load both models in this dtype (default: the checkpoint's own).
+        dtype: load both models in this dtype (default: a .ckpt's own, else float32).
         out_dir: where drift.json and drift.png go.
         plot: write drift.png.
         trust_remote_code: run the models' own modelling code (a config.json whose auto_map names *.py files of

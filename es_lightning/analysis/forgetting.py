@@ -125,7 +125,8 @@ def forgetting_command(
             checkpoint (or a run's export/) records, else countdown (``auto``).
         eval: how both models are evaluated (the same problems and seeds for both); --eval.source gives the training
             task's problems (a data file, the hub), the suite's stay procedural.
-        dtype: parameter dtype (default: the checkpoint's own).
+        dtype: parameter dtype of both models (default: the dtype the tuned model was trained in, as a .ckpt or a run's
+            export/ records it; else float32).
         out_dir: where forgetting.json and forgetting.png go.
         plot: write forgetting.png.
         progress: show a progress bar.
