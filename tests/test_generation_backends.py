@@ -97,3 +97,14 @@ def test_vllm_rollout_logprobs_stay_fp32_under_bf16_true(policy, monkeypatch):
         rollout = gen._rollout([[3, 4]], [SimpleNamespace(outputs=[row])], 1, SamplingParams(), return_logprobs=True)
     assert rollout.logprobs.dtype == torch.float32
     assert torch.equal(rollout.logprobs, torch.tensor([values], dtype=torch.float32))
+
+
+def test_owned_engine_options_name_no_fit_only_option():
+    """The reasons a vLLM engine option is refused are read by a fit and by `es-lightning eval` alike: they named
+    model.init_args.model, a fit's option, to an evaluation (whose models are --checkpoints)."""
+    from es_lightning.generation.options import _OWNED, refuse_owned_options
+
+    for key in _OWNED:
+        with pytest.raises(ValueError, match=rf"^generation_options.{key} is set by es-lightning") as err:
+            refuse_owned_options({key: "x"})
+        assert "init_args" not in str(err.value) and "--" not in str(err.value)

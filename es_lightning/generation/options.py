@@ -14,7 +14,7 @@ from typing import Any
 #: vLLM engine arguments the backend sets itself because correctness depends on them, each with why (a
 #: ``generation_options`` entry would otherwise override them silently: the engine's ``kwargs.update``)
 _OWNED = {
-    "model": "the engine is built from the policy (model.init_args.model), whose weights it is sent",
+    "model": "the engine is built from the policy trained or evaluated, whose weights it is sent",
     "load_format": "the engine's weights come from the policy, not from disk",
     "generation_config": "the checkpoint's sampling defaults must not leak into sampling (the module's temperature, "
                          "top_p and max_new_tokens are the sampling settings)",
