@@ -85,7 +85,7 @@ def describe_hub_error(exc: BaseException, repo: str | None = None, kind: str = 
         what += f" at revision {revision!r}"
     if "RevisionNotFoundError" in names or "is not a valid git identifier" in text:
         return f"{what}: the repository has no such branch, tag or commit on the Hugging Face hub; check revision"
-    fix_local = ("point model: at a local directory" if kind == "model" else "point data.source at a local file or directory")
+    fix_local = (MODEL_FIX_LOCAL if kind == "model" else "point data.source at a local file or directory")
     if "GatedRepoError" in names:
         return f"{what} is gated on the Hugging Face hub: accept its terms on huggingface.co, then `hf auth login`"
     if names & {"RepositoryNotFoundError", "DatasetNotFoundError"} or "is not a valid model identifier" in text:
@@ -99,6 +99,10 @@ def describe_hub_error(exc: BaseException, repo: str | None = None, kind: str = 
                 f"{f' --revision {revision}' if revision is not None else ''}`) "
                 f"and copy the cache (HF_HOME), or {fix_local}")
     return None
+
+
+#: a hub model's refusal's local fix, in a fit's terms (an analysis command, whose models are not ``model:``, rewords it)
+MODEL_FIX_LOCAL = "point model: at a local directory"
 
 
 @contextlib.contextmanager

@@ -609,3 +609,17 @@ def test_a_trainer_flag_manual_optimization_refuses_names_the_modules_option(fla
     err = lines[0]
     assert err.startswith("es-lightning: error: ") and "not supported for manual optimization" in err, err
     assert option in err and "ES takes no gradient" in err, err
+
+
+def test_analysis_hub_failures_name_the_analysis_options(tmp_path):
+    """A hub model or dataset out of reach in `es-lightning eval`: the fix named a fit's `model:` / `data.source`,
+    options an evaluation does not have; it names the evaluation's (a local model directory, --eval.source)."""
+    model = _cli(["eval", "--checkpoints", "someorg/no-such-model", "--out_dir", "ev"], tmp_path, env=_env(tmp_path))
+    assert model.returncode == 2, model.stderr[-2000:]
+    assert "hub cannot be reached (offline)" in model.stderr and "give a local model directory in its place" in model.stderr
+    assert "model:" not in model.stderr.replace("error: model", ""), model.stderr
+    data = _cli(["eval", "--checkpoints", "builtin:countdown-tiny", "--tasks", "gsm8k", "--eval.source", "hub",
+                 "--eval.num_problems", "2", "--out_dir", "ev"], tmp_path, env=_env(tmp_path))
+    assert data.returncode == 2, data.stderr[-2000:]
+    assert "'openai/gsm8k'" in data.stderr and "point --eval.source at a local file" in data.stderr, data.stderr
+    assert "data." not in data.stderr, data.stderr

@@ -64,7 +64,7 @@ def heldout_problems(task: Task, num_problems: int, seed: int = 0, source: str =
         dm = ReasoningDataModule(task, source=source, train_size=None, val_size=None, test_size=num_problems,
                                  seed=seed, column_mapping=column_mapping)
         dsets = dm.load_source()
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, FileNotFoundError, ConnectionError) as err:  # ConnectionError: a hub dataset, offline
         raise _in_eval_terms(err, type(err)) from None
     name = dm.test_split if dm.test_split in dsets else next(iter(dsets)) if len(dsets) == 1 else None
     try:
