@@ -255,6 +255,8 @@ def explain(exc: BaseException) -> str | None:
         building = any(getattr(x, "raised_while_building", False) for x in chain)
         if building and isinstance(e, RuntimeError) and (line := _same_state_key(str(e))):
             return line
+        if building and isinstance(e, ImportError) and (line := _unmet_requirement(str(e))):
+            return line
         if type(e).__name__ == "MisconfigurationException" or (building and isinstance(e, ValueError)):
             line = _squash(str(e))
             if "No supported gpu backend found" in line:  # a GPU trainer fragment on a machine without one
@@ -385,6 +387,18 @@ def _missing_package(e: BaseException) -> str | None:
     if name not in _EXTRAS:
         name = next((n for n in _EXTRAS if n in text), None)
     return f"{_squash(text)} — install it: {_EXTRAS[name]}" if name else None
+
+
+def _unmet_requirement(message: str) -> str | None:
+    """Lightning's refusal of a trainer setting whose package is missing (``RequirementCache``: "Requirement 'x' not
+    met. HINT: ..."), as one line; ``precision: transformer-engine`` also needs a CUDA GPU, which pip cannot fix."""
+    if not re.match(r"Requirement '[^']+' not met", message):
+        return None
+    line = _squash(message)
+    if "transformer_engine" in message:
+        line = ("trainer.precision transformer-engine needs NVIDIA's Transformer Engine and a CUDA GPU: " + line +
+                " — on CPUs use --trainer.precision bf16-true, bf16-mixed or 32-true")
+    return line
 
 
 def _hub_problem(e: BaseException) -> str | None:
