@@ -88,6 +88,31 @@ def test_stage_progress_bar_counts_optimizer_steps_without_v_num(tmp_path):
     assert "v_num" not in bar.get_metrics(trainer, trainer.lightning_module)
 
 
+def test_progress_counts_to_the_steps_max_epochs_hold(tmp_path, monkeypatch):
+    """max_epochs without max_steps: the bar and the lines count to the steps the epochs hold (batches x epochs x a
+    batch's optimizer steps), with an eta — they showed the step alone, and the lines only the first step."""
+    from es_helpers import Writes
+
+    from es_lightning import StageProgressBar
+    from es_lightning.callbacks.progress import ProgressLines
+
+    x = torch.linspace(-1, 1, 16).unsqueeze(1)  # 4 batches of 4
+    bar = StageProgressBar()
+    trainer = L.Trainer(max_epochs=2, callbacks=[bar], logger=False, enable_checkpointing=False, accelerator="cpu",
+                        enable_model_summary=False, default_root_dir=tmp_path)
+    trainer.fit(_Regression(steps_per_batch=2), DataLoader(TensorDataset(x, 3 * x), batch_size=4))
+    assert (bar.train_progress_bar.n, bar.train_progress_bar.total) == (16, 16)
+    out = Writes()
+    monkeypatch.setattr(sys, "stdout", out)
+    trainer = L.Trainer(max_epochs=2, max_steps=100, callbacks=[ProgressLines(every_seconds=1e9)], logger=False,
+                        enable_checkpointing=False, accelerator="cpu", enable_model_summary=False, default_root_dir=tmp_path)
+    trainer.fit(_Regression(), DataLoader(TensorDataset(x, 3 * x), batch_size=4))  # the epochs end first
+    monkeypatch.undo()
+    lines = "".join(out.calls).splitlines()
+    assert lines[0].startswith("training _Regression from step 0 to 8 ")
+    assert [line.split(" [")[0] for line in lines if line.startswith("step ")] == ["step 1/8", "step 8/8"], lines
+
+
 def test_progress_lines_print_a_modules_line_in_one_write(tmp_path, monkeypatch):
     """`self.print(...)` of a module under ProgressLines (the command's progress when stdout is a log file, as under
     SLURM) raised AttributeError (Lightning reads the bar's `is_enabled`, which it lacked); now it prints, in one write

@@ -36,7 +36,16 @@ def stage_name(pl_module) -> str:
 
 
 def _total_steps(trainer) -> int | None:
-    return trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
+    """The fit's last optimizer step: ``max_steps``, or what ``max_epochs`` epochs of the data hold when that is sooner
+    or ``max_steps`` is unset (a batch makes the algorithm's ``steps_per_batch`` steps: GRPO's ``num_iterations``)."""
+    limit = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
+    batches, epochs = trainer.num_training_batches, trainer.max_epochs
+    if epochs is None or epochs < 0 or not math.isfinite(batches) or batches <= 0:
+        return limit
+    module = trainer.lightning_module
+    per_batch = getattr(getattr(module, "algorithm", module), "steps_per_batch", 1)
+    epochs_hold = int(batches) * max(epochs, 1) * (per_batch if isinstance(per_batch, int) and per_batch > 0 else 1)
+    return min(limit, epochs_hold) if limit else epochs_hold
 
 
 def _metrics(trainer, pl_module, bar: ProgressBar) -> dict[str, Any]:
