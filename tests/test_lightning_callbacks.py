@@ -131,3 +131,17 @@ def test_fast_dev_run_with_several_steps_a_batch_is_not_told_to_change_max_steps
         trainer.fit(_module(tiny_model_dir, group_size=2, num_iterations=2), datamodule=_data())
     assert trainer.global_step == 2  # the one batch's two optimizer steps
     assert not [w for w in caught if "is not reachable" in str(w.message)], [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("kind", ["es", "grpo"])
+def test_trainer_predict_is_refused_naming_what_to_use(kind, tiny_model_dir, tmp_path):
+    """trainer.predict in a script: one line naming trainer.test / es-lightning eval (it was Lightning's "`Trainer.predict`
+    requires `forward` method to run."), before the model loads."""
+    from es_lightning import ESModule
+
+    module = _module(tiny_model_dir) if kind == "grpo" else ESModule(model=tiny_model_dir, population_size=2)
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, default_root_dir=tmp_path)
+    with pytest.raises(NotImplementedError, match=r"trainer.predict: \w+Module has no prediction loop; .*trainer.test"
+                                                  r".*es-lightning eval"):
+        trainer.predict(module, datamodule=_data())
+    assert module.model is None  # refused before loading it

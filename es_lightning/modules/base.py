@@ -453,6 +453,15 @@ class ReasoningModule(L.LightningModule):
     def test_step(self, batch: list[dict[str, Any]], batch_idx: int) -> None:
         """See :meth:`validation_step`."""
 
+    def predict_step(self, batch: Any, batch_idx: int) -> None:
+        """Not offered (:meth:`setup` refuses ``trainer.predict`` before the model loads): see :meth:`_no_predict`."""
+        raise NotImplementedError(self._no_predict())
+
+    def _no_predict(self) -> str:
+        return (f"trainer.predict: {type(self).__name__} has no prediction loop; sample and score completions with "
+                "trainer.test(module, datamodule=...) (Pass@k on the held-out problems) or es-lightning eval, and "
+                "generate text with module.model.generate")
+
     def training_step(self, batch: list[dict[str, Any]], batch_idx: int) -> None:
         if self.algorithm is None:
             raise NotImplementedError(
@@ -466,6 +475,8 @@ class ReasoningModule(L.LightningModule):
     def setup(self, stage: str) -> None:
         """Check the training batch against the algorithm (before the model loads); strategies that build optimizers
         before restoring a checkpoint (FSDP, FSDP2) learn the stage first."""
+        if stage == "predict":  # Lightning said "`Trainer.predict` requires `forward` method to run."
+            raise NotImplementedError(self._no_predict())
         if self.trainer.world_size > 1:  # exit cleanly after the script is done (es_lightning/distributed.py)
             from es_lightning.distributed import destroy_process_group_at_exit
 
