@@ -111,6 +111,11 @@ def remember(argv: Sequence[str] | None = None, config: Any = None) -> None:
         _CONTEXT["config"] = config
 
 
+def remembered_argv() -> list[str]:
+    """The command line :func:`remember` was given (empty before)."""
+    return list(_CONTEXT["argv"])
+
+
 @contextlib.contextmanager
 def building() -> Iterator[None]:
     """Mark the construction of the trainer and its classes (errors raised there by Lightning are configuration's)."""

@@ -14,7 +14,7 @@ make the command a user runs (``class CommandCLI(CommandMixin, ESLightningCLI)``
 - shows a step bar on a terminal and progress lines in a log (:mod:`es_lightning.console`);
 - ``validate`` runs every validation batch when the recipe turns the validation loop off for its fit
   (``limit_val_batches: 0`` in the GRPO recipes, whose ``PassAtKCallback`` evaluates during training), and says
-  that a ``--trainer.val_check_interval`` given to such a fit runs no validation;
+  that a ``--trainer.val_check_interval`` or ``check_val_every_n_epoch`` given to such a fit runs no validation;
 - after a fit, says where everything went — or that nothing was trained; after a failure, removes the run directory
   it had just created if nothing but its startup files landed there;
 - does not offer ``predict`` (a reasoning module has no prediction loop; ``es-lightning eval`` samples completions and
@@ -215,10 +215,17 @@ class CommandMixin:
                 console.say("es-lightning validate: trainer.limit_val_batches 0 turns the validation loop off during a "
                             "fit (PassAtKCallback evaluates); validate runs every validation batch (1.0)")
         interval = trainer.get("val_check_interval") if trainer is not None else None
-        if (self.subcommand == "fit" and interval is not None and trainer.get("limit_val_batches") == 0
-                and not (isinstance(interval, float) and interval == 1.0) and rank_zero_only.rank == 0):
+        every_epochs = trainer.get("check_val_every_n_epoch") if trainer is not None else None
+        named = any(str(a).split("=")[0] == "--trainer.check_val_every_n_epoch" for a in cli_errors.remembered_argv())
+        # a value other than Lightning's default, or one named on the command line (`check_val_every_n_epoch 1` with
+        # max_epochs validated at no epoch's end either)
+        asked = [(key, value) for key, value, default in (
+            ("val_check_interval", interval, isinstance(interval, float) and interval == 1.0),
+            ("check_val_every_n_epoch", every_epochs, every_epochs == 1 and not named)) if value is not None and not default]
+        if self.subcommand == "fit" and asked and trainer.get("limit_val_batches") == 0 and rank_zero_only.rank == 0:
             # Lightning says "validation will run after every N batches" and runs none: the GRPO recipes turn it off
-            console.say(f"es-lightning fit: trainer.val_check_interval {interval} runs no validation: "
+            key, value = asked[0]
+            console.say(f"es-lightning fit: trainer.{key} {value} runs no validation: "
                         "trainer.limit_val_batches is 0 (the recipe's PassAtKCallback evaluates every_n_train_steps); "
                         "add --trainer.limit_val_batches 1.0 to validate on that interval too")
         if given is not None and str(given) not in ("best", "hpc"):  # each process's own; compared at setup

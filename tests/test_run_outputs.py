@@ -478,6 +478,20 @@ def test_a_val_check_interval_the_recipe_turns_off_is_said(interval, said, tmp_p
     assert (line in err) == said and ("add --trainer.limit_val_batches 1.0" in err) == said, err
 
 
+@pytest.mark.parametrize("value, said", [("1", True), ("3", True), (None, False)])
+def test_a_check_val_every_n_epoch_the_recipe_turns_off_is_said(value, said, tmp_path, monkeypatch, capsys):
+    """`--trainer.max_epochs 2 --trainer.check_val_every_n_epoch 1` on recipes/grpo.yaml validated at no epoch's end (the
+    recipe's `limit_val_batches: 0`) and said nothing; one line says so — also for the default value, when given."""
+    monkeypatch.chdir(tmp_path)
+    given = ["--trainer.check_val_every_n_epoch", value] if value else []
+    cli_main(["fit", "--config", str(ROOT / "recipes" / "grpo.yaml"), *given, "--trainer.max_epochs", "2",
+              "--trainer.max_steps", "0", "--trainer.logger", "false", "--trainer.enable_checkpointing", "false",
+              "--data.init_args.val_size", "2", "--data.init_args.train_size", "8", "--data.init_args.batch_size", "2"])
+    err = capsys.readouterr().err
+    line = f"es-lightning fit: trainer.check_val_every_n_epoch {value} runs no validation: trainer.limit_val_batches is 0"
+    assert (line in err) == said and ("add --trainer.limit_val_batches 1.0" in err) == said, err
+
+
 def test_validate_with_a_grpo_recipe_evaluates(tmp_path, monkeypatch, capsys):
     """`es-lightning validate --config recipes/grpo.yaml` (README: validate / test with --ckpt_path last evaluate a run's
     checkpoint) ran no batch — the recipe's `limit_val_batches: 0` turns the loop off during fit — printed nothing and
