@@ -77,6 +77,19 @@ def _trains_in_workers(trainer: L.Trainer) -> bool:
     return isinstance(trainer.strategy.launcher, _MultiProcessingLauncher)
 
 
+def _profiler_outputs(trainer: L.Trainer, root: Path) -> list[str]:
+    """What ``trainer.profiler`` wrote into the run directory (its default ``dirpath``): the report of a profiler given a
+    ``filename`` (``fit-<filename>.txt``) and the PyTorch profiler's Chrome traces."""
+    profiler = getattr(trainer, "profiler", None)
+    dirpath = getattr(profiler, "dirpath", None)
+    if not dirpath or Path(dirpath).expanduser().resolve() != root.expanduser().resolve():
+        return []
+    name = getattr(profiler, "filename", None)
+    reports = sorted(p.name for p in root.glob(f"*{name}*.txt")) if name else []
+    traces = len(list(root.glob("*.pt.trace.json")))
+    return reports + ([f"{traces} profiler trace{'s' if traces > 1 else ''} (*.pt.trace.json)"] if traces else [])
+
+
 @rank_zero_only
 def fit_summary(trainer: L.Trainer, start: int | None, log_dir: str | None) -> None:
     """After a fit: where everything went, or that nothing was trained (and why)."""
@@ -100,6 +113,7 @@ def fit_summary(trainer: L.Trainer, start: int | None, log_dir: str | None) -> N
             found.append(f"config.yaml: {config}")
         if any(root.glob("events.out.tfevents.*")):  # a TensorBoardLogger's metrics
             found.insert(1, "TensorBoard events")
+        found += _profiler_outputs(trainer, root)
         lines.append(f"run directory: {root}/ ({', '.join(found)})")
         others = [f"{type(lg).__name__}: {lg.log_dir}/" for lg in trainer.loggers[1:] if isinstance(lg, (CSVLogger, TensorBoardLogger))
                   and lg.log_dir is not None and Path(lg.log_dir).expanduser() != root and Path(lg.log_dir).expanduser().is_dir()]

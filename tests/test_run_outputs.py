@@ -1362,6 +1362,18 @@ def test_a_wandb_runs_report_and_export_go_into_its_own_run_directory(tmp_path, 
     assert not (tmp_path / "lightning_logs" / "export").exists() and (runs[0] / "export" / "config.json").is_file()
 
 
+@pytest.mark.parametrize("profiler, named", [
+    ("lightning.pytorch.profilers.SimpleProfiler --trainer.profiler.filename perf", "fit-perf.txt"),
+    ("pytorch", "1 profiler trace (*.pt.trace.json)")])
+def test_the_closing_lines_name_the_profilers_files(profiler, named, tmp_path, monkeypatch, capsys):
+    """`--trainer.profiler pytorch` (or a profiler given a filename) writes into the run directory, which the closing
+    line lists: it did not name the profiler's report or traces."""
+    monkeypatch.chdir(tmp_path)
+    cli_main([*_tiny_fit(), "--trainer.max_steps", "2", "--trainer.profiler", *profiler.split()])
+    run = Path("lightning_logs") / "es" / "version_0"
+    assert f"run directory: {run}/ (config.yaml, metrics.csv, report.json, report.png, {named})" in capsys.readouterr().out
+
+
 def test_the_closing_lines_name_tensorboards_metrics_and_a_second_loggers_directory(tmp_path, monkeypatch, capsys):
     """A TensorBoard logger's metrics (its events file) were not among the run directory's files the closing line
     lists; a second logger given the recipe's save_dir and name numbers its own version (CSV version_0, TensorBoard
