@@ -20,6 +20,7 @@ Local data files (which files a path names, their splits, reading them, slicing 
 
 from __future__ import annotations
 
+import os
 import zlib
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -565,6 +566,8 @@ class ReasoningDataModule(L.LightningDataModule):
                            "batches from here are not those the interrupted run would have trained on")
             return
         changed = [k for k in changed if k != "train_rows"]  # a setting that changed explains them
+        if _tuner_restore(self.trainer):  # BatchSizeFinder putting the fit back where it was: it chose the batch size
+            changed = [k for k in changed if k != "batch_size"]
         if changed:
             from lightning.pytorch.utilities import rank_zero_warn
 
@@ -602,3 +605,10 @@ class ReasoningDataModule(L.LightningDataModule):
 
     def test_dataloader(self) -> DataLoader:
         return self._loader("test", self.val_batch_size, shuffle=False)
+
+
+def _tuner_restore(trainer: Any) -> bool:
+    """Whether the checkpoint being restored is Lightning's ``BatchSizeFinder`` / ``Tuner.scale_batch_size`` one (saved
+    before its trials, restored after them with the batch size it found), not a resume."""
+    path = getattr(getattr(trainer, "_checkpoint_connector", None), "_ckpt_path", None)
+    return bool(path) and os.path.basename(str(path)).startswith(".scale_batch_size_")

@@ -145,3 +145,21 @@ def test_trainer_predict_is_refused_naming_what_to_use(kind, tiny_model_dir, tmp
                                                   r".*es-lightning eval"):
         trainer.predict(module, datamodule=_data())
     assert module.model is None  # refused before loading it
+
+
+def test_batch_size_finder_does_not_warn_of_a_resume_with_other_data(tiny_model_dir, tmp_path, recwarn):
+    """BatchSizeFinder restores the checkpoint it saved before its trials with the batch size it found: the data module
+    warned "resuming with the configured data settings; the checkpoint's differ in ['batch_size'] ... resume with its
+    batch_size=2", as if the user had resumed another run. The fit then trains at the size found."""
+    from lightning.pytorch.callbacks import BatchSizeFinder
+
+    from es_lightning import ESModule
+
+    module = ESModule(model=tiny_model_dir, population_size=2, max_new_tokens=4)
+    data = _data(train_size=32, val_size=2)
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                        enable_checkpointing=False, enable_model_summary=False, limit_val_batches=0,
+                        default_root_dir=tmp_path, callbacks=[BatchSizeFinder(max_trials=2, steps_per_trial=1)])
+    trainer.fit(module, data)
+    assert data.batch_size == 4 and trainer.global_step == 1
+    assert not [w for w in recwarn if "resuming with the configured data settings" in str(w.message)]
