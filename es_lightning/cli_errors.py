@@ -254,7 +254,8 @@ def explain(exc: BaseException) -> str | None:
         if isinstance(e, _DELIBERATE) and _raised_on_purpose_here(e):
             return _install_hint(_with_location(e))
     for e in chain:
-        line = _hub_problem(e) or _missing_package(e) or _unwritable(e) or _weights_only_checkpoint(e)
+        line = (_hub_problem(e) or _missing_package(e) or _unwritable(e) or _weights_only_checkpoint(e)
+                or _val_check_beyond_an_epoch(e))
         if line:
             return line
         building = any(getattr(x, "raised_while_building", False) for x in chain)
@@ -404,6 +405,21 @@ def _unmet_requirement(message: str) -> str | None:
         line = ("trainer.precision transformer-engine needs NVIDIA's Transformer Engine and a CUDA GPU: " + line +
                 " — on CPUs use --trainer.precision bf16-true, bf16-mixed or 32-true")
     return line
+
+
+def _val_check_beyond_an_epoch(e: BaseException) -> str | None:
+    """Lightning's ValueError (raised when the fit's data is set up) for an integer ``val_check_interval`` longer than
+    an epoch while ``check_val_every_n_epoch`` is set — e.g. ``--trainer.max_epochs 2 --trainer.check_val_every_n_epoch
+    1`` on a recipe that validates every 15 steps — as one line with both fixes."""
+    m = re.match(r"\s*`val_check_interval` \((\S+)\) must be less than or equal to the number of the training "
+                 r"batches \((\d+)\)", str(e)) if isinstance(e, ValueError) else None
+    if m is None:
+        return None
+    every, batches = m.groups()
+    return (f"trainer.val_check_interval {every} is longer than an epoch ({batches} training batches), and "
+            "trainer.check_val_every_n_epoch is set, which validates within each epoch; use "
+            f"--trainer.check_val_every_n_epoch null to validate every {every} steps across epochs, or "
+            f"--trainer.val_check_interval {batches} or less (1.0: at each epoch's end)")
 
 
 def _hub_problem(e: BaseException) -> str | None:

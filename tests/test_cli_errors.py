@@ -193,6 +193,10 @@ CASES = [
      ["compare needs at least one method and one seed", "--methods"]),
     ("generation_backend vllm without vLLM", GRPO + SMALL + ["--model.init_args.generation_backend", "vllm"],
      ["--model.init_args.generation_backend", "vllm", 'pip install "es-lightning[vllm]"', "make test-vllm"]),
+    ("val_check_interval longer than an epoch", ES + SMALL + ["--trainer.max_steps", "-1", "--trainer.max_epochs", "2",
+                                                              "--trainer.check_val_every_n_epoch", "1"],
+     ["trainer.val_check_interval 15 is longer than an epoch (2 training batches)",
+      "--trainer.check_val_every_n_epoch null", "--trainer.val_check_interval 2 or less"]),
 ]
 
 if not torch.cuda.is_available():  # a machine without a GPU (CI's): GPU settings are refused with the CPU fix
