@@ -119,11 +119,7 @@ def check_model_weights(path: str | os.PathLike) -> None:
                                 f"or sharded index); it holds {sorted(files)}. Save them beside config.json: "
                                 "model.save_pretrained(<dir>)")
     for name in read:
-        with (path / name).open("rb") as f:
-            if f.read(len(_LFS_POINTER)) == _LFS_POINTER:  # `git clone` of a hub repository without git-lfs
-                raise ValueError(f"model directory {str(path)!r}: {name} is a Git LFS pointer, not the weights (cloned "
-                                 "without git-lfs); run `git lfs pull` in it, or download it with `hf download <id> "
-                                 "--local-dir <dir>`")
+        _refuse_lfs_pointer(path / name, "the weights")  # `git clone` of a hub repository without git-lfs
         size, expected = (path / name).stat().st_size, safetensors_size(path / name)
         if expected is None or size < expected:
             raise ValueError(f"model directory {str(path)!r}: {name} is cut short ({size:,} bytes"
@@ -132,6 +128,16 @@ def check_model_weights(path: str | os.PathLike) -> None:
 
 #: how a Git LFS pointer file begins (what `git clone` without git-lfs leaves in place of a large file)
 _LFS_POINTER = b"version https://git-lfs"
+
+
+def _refuse_lfs_pointer(file: Path, what: str) -> None:
+    """Refuse, in one line, a model directory's ``file`` that is a Git LFS pointer in place of ``what`` (a ``git
+    clone`` of a hub repository without git-lfs)."""
+    with file.open("rb") as f:
+        if f.read(len(_LFS_POINTER)) == _LFS_POINTER:
+            raise ValueError(f"model directory {str(file.parent)!r}: {file.name} is a Git LFS pointer, not {what} (cloned "
+                             "without git-lfs); run `git lfs pull` in it, or download it with `hf download <id> "
+                             "--local-dir <dir>`")
 
 
 def safetensors_size(file: Path) -> int | None:
@@ -255,13 +261,8 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, revision:
                                 f"{list(_VOCABULARY_FILES)}); copy the tokenizer's files too (tokenizer.json), or save "
                                 "it whole: tokenizer.save_pretrained(<dir>)")
     for name in _VOCABULARY_FILES if Path(path).is_dir() else ():
-        file = Path(path) / name
-        if file.is_file():
-            with file.open("rb") as f:
-                if f.read(len(_LFS_POINTER)) == _LFS_POINTER:  # tokenizer.json is an LFS file of most hub repositories
-                    raise ValueError(f"model directory {name_or_path!r}: {name} is a Git LFS pointer, not the tokenizer "
-                                     "(cloned without git-lfs); run `git lfs pull` in it, or download it with `hf "
-                                     "download <id> --local-dir <dir>`")
+        if (Path(path) / name).is_file():  # tokenizer.json is an LFS file of most hub repositories
+            _refuse_lfs_pointer(Path(path) / name, "the tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, revision=revision)
     if not tokenizer("Hello, 12", add_special_tokens=False)["input_ids"]:
         raise ValueError(f"the tokenizer of {name_or_path!r} encodes text to no tokens (its vocabulary is missing or "

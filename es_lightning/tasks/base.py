@@ -28,6 +28,7 @@ REWARD_FUNCTION_FIX = ("a reward function is a task's method here: subclass a ta
                        "reward(self, completions, examples) -> list[float] (one float per completion, in order), then "
                        "pass task=MyTask() (README \"Pointing at a real model and dataset\")")
 
+
 class Task(ABC):
     """Base class of all tasks. Subclasses set ``name``/``required_columns`` and implement three methods.
 
