@@ -26,8 +26,11 @@ def test_dtype_choice(tiny_model_dir):
         resolve_dtype("float8")
 
 
-def test_torch_dtype_is_read_as_dtype(tiny_model_dir):
-    """transformers' older name, as TRL's model_init_kwargs carry it: the default dtype float32 silently won."""
+@pytest.mark.parametrize("fixture", ["tiny_model_dir", "qwen_like_small_dir"])
+def test_torch_dtype_is_read_as_dtype(fixture, request):
+    """transformers' older name, as TRL's model_init_kwargs carry it: the default dtype float32 silently won (the
+    Qwen-like fixture, bf16 on disk, was loaded in fp32 too)."""
+    tiny_model_dir = request.getfixturevalue(fixture)
     assert next(load_policy(tiny_model_dir, torch_dtype=torch.bfloat16).model.parameters()).dtype == torch.bfloat16
     assert next(load_policy(tiny_model_dir, dtype="bf16", torch_dtype="bfloat16").model.parameters()).dtype == torch.bfloat16
     with pytest.raises(ValueError, match="give one of them"):
