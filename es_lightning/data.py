@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import lightning as L
@@ -98,6 +98,13 @@ def carve_problems(keys: list[str], n: int, seed: int) -> tuple[list[int], list[
             chosen.add(keys[i])
             held.append(i)
     return [i for i in order if keys[i] not in chosen], held
+
+
+def count_trained(task: Task, problems: Sequence[dict[str, Any]], train_examples: Sequence[dict[str, Any]]) -> int:
+    """How many of ``problems`` are also among ``train_examples`` (the same problem by ``Task.pool_key``): scores on
+    them are of problems trained on, not held out."""
+    trained = {task.pool_key(e) for e in train_examples}
+    return sum(task.pool_key(p) in trained for p in problems)
 
 
 def _shown(value: Any) -> str:
@@ -341,9 +348,8 @@ class ReasoningDataModule(L.LightningDataModule):
         problems (``Task.pool_key``) are also training problems: its scores would be of problems trained on."""
         if not read or not splits["train"]:
             return
-        trained = {self.task.pool_key(e) for e in splits["train"]}
         for split in read:
-            shared = sum(self.task.pool_key(e) in trained for e in splits[split])
+            shared = count_trained(self.task, splits[split], splits["train"])
             if shared:
                 from lightning.pytorch.utilities import rank_zero_warn
 

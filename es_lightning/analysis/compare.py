@@ -230,6 +230,7 @@ def compare_methods(
             fit_s = time.perf_counter() - start
             if budget == "time" and pace is None:
                 pace = train_s
+            own_code = settings.trust_remote_code or module.trust_remote_code  # as the fit loaded it
             if problems is None:  # the same problems and samples for every row
                 now_doing("preparing the held-out problems", finished, kept)
                 task = tasks_as_trained([fit_data.task], settings.chat_template, [])[0]  # the recipe's; --eval.chat_template
@@ -237,7 +238,6 @@ def compare_methods(
                                             settings.column_mapping)
                 base_model = module.model_name
                 now_doing(f"evaluating the base model ({base_model})", finished, kept)
-                own_code = settings.trust_remote_code or module.trust_remote_code  # as the fit loaded it
                 # in the fits' dtype (bf16 for a Qwen recipe), attention and revision: the rows differ by weights alone
                 base_policy = load_policy(base_model, **{**module.policy_load_options(), "trust_remote_code": own_code})
                 base_dtype = str(base_policy.model.dtype).removeprefix("torch.")
@@ -248,7 +248,6 @@ def compare_methods(
                 warn_trained_problems(task, problems, fit_data.splits["train"], settings.source,
                                       f"{run} (data.source {fit_data.source!r})")
             now_doing(f"evaluating {run}", finished, kept)
-            own_code = settings.trust_remote_code or module.trust_remote_code
             results[int(seed)][method] = {**evaluate(module.policy, own_code), "updates": updates, "train_s": round(train_s, 1),
                                           "fit_s": round(fit_s, 1)}
             print(f"seed {seed} {method}: " + _summary(results[int(seed)][method])

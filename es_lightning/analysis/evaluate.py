@@ -35,7 +35,7 @@ import torch
 from es_lightning.analysis.checkpoints import LoadedModel, TrainedWith, check_model_spec, load_model, trained_with
 from es_lightning.analysis.output import check_out_dir, format_table, markdown_table, write_json
 from es_lightning.analysis.settings import PAPER_EVAL, REMOTE_CODE_OPTION, EvalSettings, resolve_device
-from es_lightning.data import DROP_INVALID_HINT, ReasoningDataModule, procedural_split
+from es_lightning.data import DROP_INVALID_HINT, ReasoningDataModule, count_trained, procedural_split
 from es_lightning.data_files import HUB_CONFIG_HINT
 from es_lightning.policy import Policy
 from es_lightning.tasks import Task, get_task
@@ -123,8 +123,7 @@ def warn_trained_problems(task: Task, problems: Sequence[dict[str, Any]], train_
     training problems of ``whose`` (by ``Task.pool_key``): its scores on them would pass for held out."""
     import warnings
 
-    trained_on = {task.pool_key(e) for e in train_examples}
-    shared = sum(task.pool_key(p) in trained_on for p in problems)
+    shared = count_trained(task, problems, train_examples)
     if shared:
         warnings.warn(f"{shared} of the {len(problems)} {task.name} problems evaluated (--eval.source {source!r}) are "
                       f"training problems of {whose}: its scores on them are not held out; evaluate on problems it did "
