@@ -210,13 +210,10 @@ class HFGenerator(Generator):
         model, tokenizer = self.policy.model, self.policy.tokenizer
         device = next(model.parameters()).device
         enc = encode_prompts(tokenizer, list(prompts))
-        lengths = enc["attention_mask"].sum(-1).tolist()  # [B] each prompt's tokens
-        refuse_overlong_prompts(prompts, lengths, position_limit(getattr(model, "config", None)),
-                                "the model's max_position_embeddings", "shorten the prompt (the task's prompt format or system_prompt)")
+        self._check_positions(model, prompts, enc["attention_mask"].sum(-1).tolist(), params.max_new_tokens)
         prompt_ids = enc["input_ids"].repeat_interleave(num_samples, 0).to(device)  # [B*n, P]
         prompt_mask = enc["attention_mask"].repeat_interleave(num_samples, 0).to(device)  # [B*n, P]
         rows, P = prompt_ids.shape
-        self._check_positions(model, P, params.max_new_tokens)
 
         eos_ids = self.eos_token_ids
         # the pad token marks finished rows; when it is not an EOS it is never a real token, so it is never sampled
@@ -262,14 +259,19 @@ class HFGenerator(Generator):
             entropy=entropy,
         )
 
-    def _check_positions(self, model: torch.nn.Module, longest: int, max_new_tokens: int) -> None:
-        """One warning per position limit when completions may run past the model's ``max_position_embeddings``
-        (unscaled RoPE): transformers generates on, at positions the model was never trained at (Qwen2.5-Math: 4096,
-        which a MATH recipe's prompt + 4096 new tokens passes), where the vLLM backend stops the completion there. It
-        names the longest prompt seen so far and the ``max_new_tokens`` that fits it: a MATH run's prompts of many
-        lengths get one line, not one per length."""
-        worst = self._prompt_lengths.see(longest)
+    def _check_positions(self, model: torch.nn.Module, prompts: Sequence[str], lengths: Sequence[int],
+                         max_new_tokens: int) -> None:
+        """A prompt of the model's ``max_position_embeddings`` tokens or more (``lengths``: each prompt's) is refused
+        in one line naming it (:func:`~es_lightning.generation.base.refuse_overlong_prompts`); otherwise one warning
+        per position limit when completions may run past it (unscaled RoPE): transformers generates on, at positions
+        the model was never trained at (Qwen2.5-Math: 4096, which a MATH recipe's prompt + 4096 new tokens passes),
+        where the vLLM backend stops the completion there. It names the longest prompt seen so far and the
+        ``max_new_tokens`` that fits it: a MATH run's prompts of many lengths get one line, not one per length."""
         limit = position_limit(getattr(model, "config", None))
+        refuse_overlong_prompts(prompts, lengths, limit, "the model's max_position_embeddings",
+                                "shorten the prompt (the task's prompt format or system_prompt)")
+        longest = max(lengths, default=0)
+        worst = self._prompt_lengths.see(longest)
         if limit is None or longest + max_new_tokens <= limit or not self._prompt_lengths.first_warning(limit):
             return
         fix = f"lower max_new_tokens to {limit - worst} or shorten the prompts"  # a prompt of limit tokens is refused
