@@ -888,11 +888,15 @@ def test_task_record_rebuilds_a_task_whose_constructor_fixes_its_parents():
     assert {"prompt_format", "num_numbers", "format_reward", "use_chat_template", "max_completion_chars"} <= set(full["init_args"])
 
 
-def test_eval_of_a_model_of_its_own_code_takes_eval_trust_remote_code(tiny_model_dir, tmp_path, capsys):
+@pytest.mark.parametrize("fixture", ["tiny_model_dir", "qwen_like_small_dir"])
+def test_eval_of_a_model_of_its_own_code_takes_eval_trust_remote_code(fixture, request, tmp_path, capsys):
     """A model directory whose auto_map names its own modelling code: `eval` had no way to allow it (the refusal said
     "set trust_remote_code: true", a setting of fits only); now it names --eval.trust_remote_code, which evaluates it —
-    with the weights the directory holds (the same scores as the plain Qwen2 it was made from)."""
+    with the weights the directory holds (the same scores as the plain Qwen2 it was made from; the Qwen-like fixture:
+    bf16 on disk, chat template, pad = EOS)."""
+    tiny_model_dir = request.getfixturevalue(fixture)
     custom = str(model_of_its_own_code(tiny_model_dir, tmp_path / "custom"))
+    capsys.readouterr()  # a fixture built just now wrote its progress
     small = ["--tasks", "addition", "--eval.num_problems", "2", "--eval.num_samples", "2", "--eval.max_new_tokens", "4",
              "--progress", "false", "--plot", "false"]
     with pytest.raises(SystemExit) as exit_info:
