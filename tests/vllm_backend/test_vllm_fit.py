@@ -458,3 +458,69 @@ def test_qwen_lowrank_recipe_with_the_vllm_command_of_its_header(tmp_path, fit, 
     assert next(module.model.parameters()).dtype == torch.bfloat16
     rows = list(csv.DictReader(open(next((tmp_path / "logs").rglob("metrics.csv")))))
     assert len([r for r in rows if r.get("train/reward_mean")]) == 2 and any(r.get("val/pass@1") for r in rows)
+
+
+BLOCK_MATRICES = r"\.(down_proj|gate_proj|k_proj|o_proj|q_proj|up_proj|v_proj)\.weight$"
+
+
+@pytest.fixture
+def text_reward(tmp_path, monkeypatch) -> list[str]:
+    """Arguments setting a Countdown task whose reward varies with the completion's text: the random-weight fixture
+    solves nothing, so only such a reward makes members / a group's completions score apart and the updates move."""
+    (tmp_path / "text_reward_task.py").write_text(
+        "from es_lightning.tasks.countdown import CountdownTask\n\n\nclass TextReward(CountdownTask):\n"
+        "    def reward(self, completions, examples):\n        return [float(sum(map(ord, c)) % 7) for c in completions]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return ["--data.init_args.task", "text_reward_task.TextReward"]
+
+
+@pytest.mark.parametrize("mode", ["engine-side", "low-rank"])
+def test_es_fit_of_a_model_of_its_own_code_on_vllm_equals_hf(tmp_path, fit, qwen_like_dir, text_reward, mode):
+    """A model whose config.json's auto_map names modelling code of its own (``trust_remote_code: true``), fitted with
+    ES on vLLM — which builds it through its Transformers backend (``TransformersForCausalLM``), so the engine's weight
+    names and layers are that backend's, not vLLM's Qwen2 ones: full-rank members perturbed inside the engine, and
+    rank-1 members as LoRA adapters. Two greedy steps give the same rewards and weights as the transformers backend on
+    the plain Qwen-like fixture the code subclasses (fp32: the same arithmetic up to kernels)."""
+    from es_helpers import model_of_its_own_code
+    from transformers import AutoModelForCausalLM
+
+    custom = str(model_of_its_own_code(qwen_like_dir, tmp_path / "custom"))
+    recipe = _recipe(tmp_path, "es.yaml")
+    args = [*ES_SMALL, "--model.init_args.temperature", "0", "--model.init_args.samples_per_member", "1",
+            "--model.init_args.sigma", "0.02", "--model.init_args.dtype", "float32", *text_reward]
+    if mode == "low-rank":
+        args += ["--model.init_args.noise_rank", "1", "--model.init_args.trainable", BLOCK_MATRICES]
+    engine = [*VLLM, "--model.init_args.generation_options.max_model_len", "256", "--model.init_args.trust_remote_code",
+              "true"]
+    hf, _ = fit(recipe, *args, "--model.init_args.model", qwen_like_dir)
+    ours, trainer = fit(recipe, *args, "--model.init_args.model", custom, *engine)
+    assert trainer.global_step == 2 and type(ours.model).__name__ == "CustomForCausalLM"
+    assert ours.generator.llm.llm_engine.model_config._architecture == "TransformersForCausalLM"  # vLLM's own log line
+    assert type(ours.algorithm.evaluator).__name__ == {"engine-side": "VLLMEngineEvaluator",
+                                                       "low-rank": "VLLMLowRankEvaluator"}[mode]
+    assert hf.last_rewards.std() > 0 and torch.equal(ours.last_rewards, hf.last_rewards)
+    theirs, mine = _weights(hf), _weights(ours)
+    base = dict(AutoModelForCausalLM.from_pretrained(qwen_like_dir, dtype=torch.float32).named_parameters())
+    assert any(not torch.equal(weight, base[name].detach()) for name, weight in theirs.items())  # the updates moved it
+    for name, weight in theirs.items():
+        assert torch.allclose(mine[name], weight, atol=1e-6), name
+    _engine_matches_policy(ours)
+
+
+def test_grpo_fit_of_a_model_of_its_own_code_pushes_to_vllm(tmp_path, fit, qwen_like_dir, text_reward):
+    """GRPO on vLLM with a model of its own code (vLLM's Transformers backend): each optimizer step's weights reach the
+    engine under that backend's names — after two steps the engine's greedy log-probs equal the policy's forward."""
+    from es_helpers import model_of_its_own_code
+    from transformers import AutoModelForCausalLM
+
+    custom = str(model_of_its_own_code(qwen_like_dir, tmp_path / "custom"))
+    module, trainer = fit(_recipe(tmp_path, "grpo.yaml"), *SMALL, "--model.init_args.model", custom, *VLLM,
+                          "--model.init_args.generation_options.max_model_len", "256",
+                          "--model.init_args.trust_remote_code", "true", "--model.init_args.group_size", "2",
+                          "--data.init_args.batch_size", "2", "--model.init_args.mini_batch_size", "2",
+                          "--model.init_args.lr", "0.01", *text_reward)
+    assert trainer.global_step == 2 and module.last_rewards.std() > 0
+    assert module.generator.llm.llm_engine.model_config._architecture == "TransformersForCausalLM"
+    base = dict(AutoModelForCausalLM.from_pretrained(qwen_like_dir).named_parameters())  # the steps moved the weights
+    assert any(not torch.equal(weight.float(), base[name].detach().float()) for name, weight in _weights(module).items())
+    _engine_matches_policy(module)
