@@ -13,7 +13,7 @@ origin, a user's mistake rather than a bug:
   accelerator);
 - the Hugging Face hub unreachable or the repository unknown (with the offline hint), a missing optional package
   (``vllm``, ``tensorboard``, ``wandb``, ``math-verify``: with the install command), an output directory that cannot be
-  written.
+  written, memory run out (what ran, torch's account of the allocation, the settings that lower it there).
 
 A mistake raised in ``ddp_spawn`` workers reaches the command as torch's ``ProcessRaisedException`` holding only the
 traceback's text; the same rule is applied to that text (the last frame's ``raise`` and the exception's type), and the
@@ -255,7 +255,7 @@ def explain(exc: BaseException) -> str | None:
             return _install_hint(_with_location(e))
     for e in chain:
         line = (_hub_problem(e) or _missing_package(e) or _unwritable(e) or _weights_only_checkpoint(e)
-                or _val_check_beyond_an_epoch(e))
+                or _val_check_beyond_an_epoch(e) or _out_of_memory(e))
         if line:
             return line
         building = any(getattr(x, "raised_while_building", False) for x in chain)
@@ -434,6 +434,72 @@ def _unwritable(e: BaseException) -> str | None:
         return (f"{what}: {e.filename} ({e.strerror}); choose a writable output directory, e.g. "
                 "--trainer.logger.init_args.save_dir /path/with/space")
     return None
+
+
+#: what ran out of memory (the innermost es-lightning code on the traceback: its directory or file) → what lowers it
+_MEMORY_HINTS = {
+    "es": ("generating the ES population's completions",
+           "lower members_per_batch (members per generate call; with full-rank noise each is a copy of the weights), "
+           "data.batch_size (prompts per step), samples_per_member or max_new_tokens"),
+    "grpo-rollouts": ("generating GRPO's rollouts", "lower data.batch_size (prompts per step; x group_size rows per "
+                      "generate call) or max_new_tokens"),
+    "grpo": ("in GRPO's training forward/backward", "set gradient_checkpointing: true, lower mini_batch_size (rows per "
+             "backward) or logprob_chunk_size, or shard the optimizer state (configs/trainer/fsdp2.yaml)"),
+    "callbacks/pass_at_k.py": ("in the fit's Pass@K evaluation", "lower data.val_batch_size (problems per generate "
+                               "call; the callback's batch_size outside a fit), its num_samples or max_new_tokens"),
+    "analysis": ("evaluating", "lower --eval.batch_size (problems per generate call), --eval.num_samples or "
+                 "--eval.max_new_tokens"),
+    "policy.py": ("loading the model", "load it in bfloat16 (dtype: bfloat16) or shard it over several devices "
+                  "(configs/trainer/fsdp2.yaml)"),
+}
+
+
+def _out_of_memory(e: BaseException) -> str | None:
+    """An allocation that failed — torch's ``OutOfMemoryError`` (CUDA, XPU) or the ``RuntimeError`` of the CPU
+    allocator or MPS — said in one line: what was running (the innermost es-lightning code on the traceback), the
+    first sentences of torch's own message (how much was asked for, how much the device has free) and the settings
+    that lower it there. A traceback of the allocator's frames tells a user nothing they can change; ``--debug`` still
+    shows it."""
+    import torch
+
+    text = _squash(str(e))
+    if not (isinstance(e, torch.OutOfMemoryError) or (isinstance(e, RuntimeError) and (
+            "can't allocate memory" in text or "out of memory" in text.lower()))):
+        return None
+    text = re.sub(r"^\[enforce fail at [^\]]*\] (err == 0\. )?", "", text)
+    told = " ".join(re.split(r"(?<=\.) (?=[A-Z])", text)[:3])  # torch's first sentences, before its advice
+    asked = re.search(r"tried to allocate (\d+) bytes", told)
+    if asked:  # the CPU allocator counts bytes: said as torch's CUDA message says it
+        told = told.replace(asked.group(0), f"tried to allocate {int(asked.group(1)) / 2**30:.2f} GiB")
+    where = None
+    generating = False
+    for frame in reversed(traceback.extract_tb(e.__traceback__)):  # innermost first
+        path = Path(frame.filename).resolve()
+        if _PACKAGE_DIR not in path.parents:
+            continue
+        rel = path.relative_to(_PACKAGE_DIR).as_posix()
+        generating = generating or rel.startswith("generation/")
+        top = rel.split("/")[0]
+        where = ("grpo-rollouts" if top == "grpo" and generating else top if top in ("es", "grpo", "analysis")
+                 else rel if rel in _MEMORY_HINTS else None)
+        if where:
+            break
+    what, fix = _MEMORY_HINTS.get(where, ("", "lower data.batch_size / data.val_batch_size or max_new_tokens"))
+    if _configured("model", "generation_backend") == "vllm":  # the engine's share is memory training cannot use
+        fix += ("; the colocated vLLM engine keeps generation_options.gpu_memory_utilization of the GPU (weights and "
+                "KV cache): lower it to leave training more")
+    return f"out of memory{' ' + what if what else ''} ({told}); {fix} ({DEBUG_FLAG} for the traceback)"
+
+
+def _configured(section: str, key: str) -> Any:
+    """``section``'s ``key`` (under its ``init_args``) in the parsed fit config :func:`remember` holds, else None."""
+    config = _CONTEXT["config"]
+    try:
+        part = config[section] if isinstance(config, dict) else getattr(config, section)
+        args = part.get("init_args", part) if isinstance(part, dict) else getattr(part, "init_args", part)
+        return args.get(key) if isinstance(args, dict) else getattr(args, key, None)
+    except (AttributeError, KeyError, TypeError):
+        return None
 
 
 def _weights_only_checkpoint(e: BaseException) -> str | None:

@@ -630,3 +630,54 @@ def test_analysis_hub_failures_name_the_analysis_options(tmp_path):
     assert data.returncode == 2, data.stderr[-2000:]
     assert "'openai/gsm8k'" in data.stderr and "point --eval.source at a local file" in data.stderr, data.stderr
     assert "data." not in data.stderr, data.stderr
+
+
+def test_running_out_of_memory_is_one_line_naming_what_ran_and_what_lowers_it(tmp_path, monkeypatch, capsys,
+                                                                               qwen_like_dir):
+    """A fit that runs out of memory — here for real: the CPU allocator refusing the 37 GiB that 1,024 batched
+    full-rank members of the Qwen-like fixture (a 151,936-row embedding) ask for — ended in a traceback through
+    torch's frames. It is one line: what ran (the ES population's generation), torch's own account of the allocation
+    and the settings that lower it there."""
+    from es_lightning.cli import cli_main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit:
+        cli_main(["fit", "--config", str(RECIPES / "es.yaml"), "--model.init_args.model", qwen_like_dir,
+                  "--model.init_args.population_size", "1024", "--model.init_args.members_per_batch", "1024",
+                  "--data.init_args.batch_size", "1", "--model.init_args.max_new_tokens", "2", "--trainer.max_steps",
+                  "1", "--trainer.logger", "false", "--trainer.enable_checkpointing", "false", "--trainer.callbacks",
+                  "null", "--data.init_args.val_size", "2"])
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("es-lightning")]
+    assert exit.value.code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("es-lightning: error: out of memory generating the ES population's completions "
+                               "(DefaultCPUAllocator: can't allocate memory: you tried to allocate 37.09 GiB."), lines
+    assert "lower members_per_batch" in lines[0] and "(--debug for the traceback)" in lines[0], lines
+
+
+def test_a_cuda_out_of_memory_keeps_torchs_account_and_drops_its_advice():
+    """torch's CUDA message: what was asked for and what the GPU has free stay; its allocator advice and link go (the
+    line names the settings instead); any other RuntimeError is still a bug with its traceback."""
+    import torch
+    from jsonargparse import Namespace
+
+    from es_lightning import cli_errors
+    from es_lightning.cli_errors import explain
+
+    message = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.10 GiB of which 1.06 "
+               "GiB is free. Including non-PyTorch memory, this process has 78.03 GiB memory in use. Of the allocated "
+               "memory 75.20 GiB is allocated by PyTorch. If reserved but unallocated memory is large try setting "
+               "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.")
+    line = explain(torch.OutOfMemoryError(message))
+    assert line == ("out of memory (CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.10 "
+                    "GiB of which 1.06 GiB is free.); lower data.batch_size / data.val_batch_size or max_new_tokens "
+                    "(--debug for the traceback)"), line
+    assert explain(RuntimeError("mat1 and mat2 shapes cannot be multiplied (2x3 and 4x5)")) is None
+    # a fit whose rollouts come from a colocated vLLM engine: the engine's share of the GPU is named too
+    cli_errors.remember(config=Namespace(model=Namespace(class_path="es_lightning.GRPOModule", init_args=Namespace(
+        generation_backend="vllm"))))
+    try:
+        line = explain(torch.OutOfMemoryError(message))
+    finally:
+        cli_errors.remember(config=Namespace())
+    assert line.endswith("; the colocated vLLM engine keeps generation_options.gpu_memory_utilization of the GPU "
+                         "(weights and KV cache): lower it to leave training more (--debug for the traceback)"), line
