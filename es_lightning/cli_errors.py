@@ -436,7 +436,8 @@ def _unwritable(e: BaseException) -> str | None:
     return None
 
 
-#: what ran out of memory (the innermost es-lightning code on the traceback: its directory or file) → what lowers it
+#: what ran out of memory (the innermost es-lightning code on the traceback: its directory, file or function) → what
+#: lowers it
 _MEMORY_HINTS = {
     "es": ("generating the ES population's completions",
            "lower members_per_batch (members per generate call; with full-rank noise each is a copy of the weights), "
@@ -449,7 +450,7 @@ _MEMORY_HINTS = {
                                "call; the callback's batch_size outside a fit), its num_samples or max_new_tokens"),
     "analysis": ("evaluating", "lower --eval.batch_size (problems per generate call), --eval.num_samples or "
                  "--eval.max_new_tokens"),
-    "policy.py": ("loading the model", "load it in bfloat16 (dtype: bfloat16) or shard it over several devices "
+    "load_policy": ("loading the model", "load it in bfloat16 (dtype: bfloat16) or shard it over several devices "
                   "(configs/trainer/fsdp2.yaml)"),
 }
 
@@ -481,7 +482,7 @@ def _out_of_memory(e: BaseException) -> str | None:
         generating = generating or rel.startswith("generation/")
         top = rel.split("/")[0]
         where = ("grpo-rollouts" if top == "grpo" and generating else top if top in ("es", "grpo", "analysis")
-                 else rel if rel in _MEMORY_HINTS else None)
+                 else "load_policy" if frame.name == "load_policy" else rel if rel in _MEMORY_HINTS else None)
         if where:
             break
     what, fix = _MEMORY_HINTS.get(where, ("", "lower data.batch_size / data.val_batch_size or max_new_tokens"))

@@ -681,3 +681,38 @@ def test_a_cuda_out_of_memory_keeps_torchs_account_and_drops_its_advice():
         cli_errors.remember(config=Namespace())
     assert line.endswith("; the colocated vLLM engine keeps generation_options.gpu_memory_utilization of the GPU "
                          "(weights and KV cache): lower it to leave training more (--debug for the traceback)"), line
+
+
+@pytest.mark.parametrize("when, what", [(False, "out of memory generating GRPO's rollouts"),
+                                        (True, "out of memory in GRPO's training forward/backward")])
+def test_out_of_memory_names_the_phase_of_grpo_it_ran_out_in(when, what, tmp_path, monkeypatch, capsys):
+    """Which of GRPO's phases ran out decides the settings named (the rollouts: prompts per step and new tokens;
+    the training forward/backward: gradient checkpointing, mini-batches). A GPU's allocator cannot be made to run out
+    here, so the built-in model's forward raises torch's CUDA error itself — in generation (no grad) or in the
+    training forward (grad enabled)."""
+    import torch
+
+    from es_lightning.cli import cli_main
+    from es_lightning.policy import load_policy
+
+    model_class = type(load_policy("builtin:countdown-tiny").model)
+    real_forward = model_class.forward
+
+    def forward(self, *args, **kwargs):
+        if torch.is_grad_enabled() == when:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB. GPU 0 has a total capacity "
+                                         "of 79.10 GiB of which 1.06 GiB is free. Including non-PyTorch memory, ...")
+        return real_forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(model_class, "forward", forward)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit:
+        cli_main(["fit", "--config", str(RECIPES / "grpo.yaml"), "--trainer.max_steps", "1", "--trainer.logger",
+                  "false", "--trainer.enable_checkpointing", "false", "--trainer.callbacks", "null",
+                  "--data.init_args.train_size", "8", "--data.init_args.val_size", "2", "--data.init_args.batch_size",
+                  "2", "--model.init_args.max_new_tokens", "4"])
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("es-lightning")]
+    assert exit.value.code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith(f"es-lightning: error: {what} (CUDA out of memory. Tried to allocate 9.00 GiB. GPU 0 "
+                               "has a total capacity of 79.10 GiB of which 1.06 GiB is free.); "), lines
+    assert ("set gradient_checkpointing: true" in lines[0]) == when, lines
