@@ -342,6 +342,15 @@ class VLLMGenerator(Generator):
         ``seed``, ``logprobs_mode`` are ``ModelConfig`` fields too); any other error that names an option given
         beyond this class's own (``quantization``, ``block_size`` as "block size") is that setting's."""
         reason = _first_line(err)
+        if (isinstance(err, torch.OutOfMemoryError) or "out of memory" in reason.lower()
+                or "less than requested memory" in reason):  # the memory it was set to take is not there: not the model
+            share = (f"generation_options.cpu_kv_cache_gib={self.cpu_kv_cache_gib:g} of host memory for its KV cache"
+                     if self.on_cpu else f"generation_options.gpu_memory_utilization="
+                     f"{(options or {}).get('gpu_memory_utilization', 'its default')} of the GPU for weights and KV "
+                     "cache, beside the policy and optimizer state training holds there")
+            return (f"the vLLM engine cannot get the memory it was set to take ({reason.split('. Decrease')[0]}): it "
+                    f"takes {share}; lower that" + ("" if self.on_cpu else
+                                                     " (or generation_options.max_model_len / max_num_seqs)"))
         if self.on_cpu and "memory for the cache blocks" in reason:  # its advice (gpu_memory_utilization) is for GPUs
             return (f"generation_options.cpu_kv_cache_gib={self.cpu_kv_cache_gib:g} holds no KV-cache block for this "
                     f"model on a CPU: raise it (e.g. 0.25)")

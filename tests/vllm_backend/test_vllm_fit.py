@@ -236,6 +236,16 @@ def test_a_cpu_kv_cache_too_small_names_its_option(tmp_path, fit):
             "0.00001")
 
 
+def test_a_cpu_kv_cache_larger_than_the_host_names_its_option(tmp_path, fit):
+    """A KV cache asked larger than the host's free memory: vLLM's refusal named its own flags (--kv-cache-memory-bytes,
+    VLLM_CPU_KVCACHE_SPACE) under "vLLM cannot load this model"; the line names the option that set it."""
+    with pytest.raises(ValueError, match=r"^the vLLM engine cannot get the memory it was set to take \(Available memory "
+                       r"on node \d+ .*\): it takes generation_options.cpu_kv_cache_gib=2000 of host memory for its KV "
+                       r"cache; lower that$"):
+        fit(_recipe(tmp_path, "grpo.yaml"), *SMALL, *VLLM, "--model.init_args.generation_options.cpu_kv_cache_gib",
+            "2000")
+
+
 def test_bf16_engine_side_keeps_the_trainers_master(es_fit):
     """bf16 policy, fp32 master in the ES optimizer (master_dtype float32): after 3 updates the engine's copy of θ is
     the trainer's fp32 master bit for bit and the engine's weights are the policy's bf16 weights (= bf16(master));
