@@ -342,8 +342,7 @@ class VLLMGenerator(Generator):
         ``seed``, ``logprobs_mode`` are ``ModelConfig`` fields too); any other error that names an option given
         beyond this class's own (``quantization``, ``block_size`` as "block size") is that setting's."""
         reason = _first_line(err)
-        if (isinstance(err, torch.OutOfMemoryError) or "out of memory" in reason.lower()
-                or "less than requested memory" in reason):  # the memory it was set to take is not there: not the model
+        if isinstance(err, torch.OutOfMemoryError) or any(words in reason.lower() for words in _NO_MEMORY):
             share = (f"generation_options.cpu_kv_cache_gib={self.cpu_kv_cache_gib:g} of host memory for its KV cache"
                      if self.on_cpu else f"generation_options.gpu_memory_utilization="
                      f"{(options or {}).get('gpu_memory_utilization', 'its default')} of the GPU for weights and KV "
@@ -706,6 +705,12 @@ def _invalid_field(err: BaseException) -> str | None:
     if len(lines) > 1 and "validation error" in lines[0] and lines[1].isidentifier():
         return lines[1]
     return None
+
+
+#: vLLM's words when the memory an engine was set to take is not there (not the model's fault): torch's out of memory
+#: while it is built; the free memory at startup below gpu_memory_utilization (vllm/v1/worker/utils.py); a CPU KV
+#: cache larger than the free host memory (vllm/v1/worker/cpu_worker.py)
+_NO_MEMORY = ("out of memory", "less than desired", "less than requested memory")
 
 
 def _first_line(err: BaseException) -> str:
