@@ -155,6 +155,14 @@ def run_analysis(args: list[str]):
     except (FileNotFoundError, ValueError) as err:  # bad input (paths, tasks, k > n, τ < 0, ...): the message, no traceback
         say(f"es-lightning {name}: error: {err}")
         raise SystemExit(2) from err
+    except Exception as err:  # the hub unreachable, a missing optional package, ...: the command's own line, if a mistake
+        from es_lightning.cli_errors import debug_requested, explain
+
+        line = None if debug_requested() else explain(err, name_owner=False)
+        if line is None:  # a bug: its traceback
+            raise
+        say(f"es-lightning {name}: error: {line}")
+        raise SystemExit(2) from err
 
 
 def _command_options(run, args: list[str]) -> list[str]:

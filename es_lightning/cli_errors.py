@@ -238,8 +238,10 @@ def _deliberate_frame(filename: str, source: str | None) -> bool:
     return (source or "").lstrip().startswith("raise")
 
 
-def explain(exc: BaseException) -> str | None:
-    """The one line for a user's mistake, or ``None`` for anything that should keep its traceback."""
+def explain(exc: BaseException, name_owner: bool = True) -> str | None:
+    """The one line for a user's mistake, or ``None`` for anything that should keep its traceback. ``name_owner=False``
+    (the analysis commands, whose options their messages name) leaves out the class of the raising object when no
+    configured section owns it (``EvalSettings: ...`` says nothing to a user of ``es-lightning eval``)."""
     chain = _chain(exc)
     for e in chain:
         if isinstance(e, ConfigError):
@@ -252,7 +254,7 @@ def explain(exc: BaseException) -> str | None:
             return _worker_mistake(e.msg)
     for e in chain:
         if isinstance(e, _DELIBERATE) and _raised_on_purpose_here(e):
-            return _install_hint(_with_location(e))
+            return _install_hint(_with_location(e, name_owner))
     for e in chain:
         line = (_hub_problem(e) or _missing_package(e) or _unwritable(e) or _weights_only_checkpoint(e)
                 or _val_check_beyond_an_epoch(e) or _out_of_memory(e))
@@ -973,7 +975,7 @@ def _config_sections(config) -> list[tuple[str, str]]:
     return out
 
 
-def _with_location(exc: BaseException) -> str:
+def _with_location(exc: BaseException, name_owner: bool = True) -> str:
     """``<where>: <message>`` for an exception raised on purpose by es-lightning code."""
     message = _squash(str(exc))
     owners = _raising_objects(exc)
@@ -985,7 +987,7 @@ def _with_location(exc: BaseException) -> str:
             if cls is None or not isinstance(owner, cls):
                 continue
             return _at(section, class_path, cls, message, argv)
-    return f"{type(owners[0]).__name__}: {message}" if owners else message
+    return f"{type(owners[0]).__name__}: {message}" if owners and name_owner else message
 
 
 def _at(section: str, class_path: str, cls, message: str, argv: Sequence[str]) -> str:
