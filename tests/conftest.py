@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# a model of its own code (trust_remote_code) is copied by transformers into HF_MODULES_CACHE (read when transformers
+# is imported: nothing above imports it); the suite's copies go to a directory of its own, removed at exit, not into
+# the user's ~/.cache/huggingface/modules (child processes inherit it)
+os.environ["HF_MODULES_CACHE"] = tempfile.mkdtemp(prefix="es-lightning-tests-hf-modules-")
+atexit.register(shutil.rmtree, os.environ["HF_MODULES_CACHE"], ignore_errors=True)
 # one thread: the suite also runs 2-process DDP tests on 2 cores, where two threads per process thrash
 torch.set_num_threads(1)
 

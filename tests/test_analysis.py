@@ -8,7 +8,9 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 import signal
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -911,6 +913,9 @@ def test_eval_of_a_model_of_its_own_code_takes_eval_trust_remote_code(fixture, r
     assert data["results"]["custom"] == data["results"]["plain"]
     loaded = load_model(custom, trust_remote_code=True)
     assert type(loaded.policy.model).__name__ == "CustomForCausalLM" and loaded.trust_remote_code
+    # the modelling code's copy is in the suite's own modules cache (tests/conftest.py), not the user's
+    code = Path(sys.modules[type(loaded.policy.model).__module__].__file__).resolve()
+    assert code.is_relative_to(Path(os.environ["HF_MODULES_CACHE"]).resolve()), code
     with pytest.raises(ValueError, match=r"runs only with trust_remote_code=True;"):  # the library's own spelling
         load_model(custom)
     with pytest.raises(SystemExit) as exit_info:  # drift, which evaluates nothing, takes it as its own option
