@@ -5,7 +5,8 @@ Every training rollout and every evaluation is scored through :func:`score_compl
 
 **The bad-reward policy** (issue 15: bad rewards never reach the weights):
 
-* ``grade()`` raises, returns the wrong number of rewards / answers / verdicts, or a reward that is not a number:
+* ``grade()`` raises, returns the wrong number of rewards / answers / verdicts, a reward that is not a number, or a
+  correctness verdict (``is_correct`` / ``check_answer``) that is no bool nor 0/1 (a score of 0.3 is not "correct"):
   the fit **stops** with a :class:`RewardError` naming the task, the step and the fix. These are bugs in a reward
   function; skipping them would hide the bug and train on whatever is left.
 * A reward that is NaN or ±inf (a reward that divides by a length that can be 0, say): the unit the reward belongs to is
@@ -31,6 +32,7 @@ import torch
 from torch import Tensor
 
 from es_lightning.tasks import Task
+from es_lightning.tasks.base import VerdictError, as_verdict
 
 __all__ = ["RewardError", "Scores", "check_reward_signature", "check_some_kept", "score_completions"]
 
@@ -67,6 +69,8 @@ def score_completions(
     check_reward_signature(task, where)
     try:
         answers, correct, rewards = task.grade(completions, examples)
+    except VerdictError as err:  # is_correct / check_answer returned no bool: a bug of the task, not a raising reward
+        raise RewardError(f"{where}: {err}") from None
     except Exception as err:
         raise RewardError(
             f"{where}: scoring {len(completions)} completions raised {type(err).__name__}: {err}{_raised_at(err)}. A "
@@ -88,9 +92,13 @@ def score_completions(
         bad = next(r for r in rewards if not _is_number(r))
         raise RewardError(f"{where}: reward {_shown(bad)} is not a number; return one float per completion (0.0 "
                           "for a completion that earns nothing)") from err
+    try:
+        verdicts = [as_verdict(c, "grade()") for c in correct]
+    except VerdictError as err:
+        raise RewardError(f"{where}: {err}") from None
     return Scores(
         answers=list(answers),
-        correct=torch.tensor([bool(c) for c in correct], dtype=torch.bool),
+        correct=torch.tensor(verdicts, dtype=torch.bool),
         rewards=torch.tensor(values, dtype=torch.float32),
     )
 

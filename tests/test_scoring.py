@@ -191,6 +191,39 @@ def test_a_reward_given_as_text_or_without_an_order_is_refused():
         score_completions(RewardSet(), ["1+2", "x"], examples)
 
 
+def test_a_correctness_verdict_that_is_no_bool_is_refused_and_0_or_1_is_read_exactly():
+    """``is_correct`` / ``check_answer`` / a ``grade()`` override returning a score (0.3, a numpy float, a tensor) was
+    read with bool(): 0.3 counted as correct — Pass@K and correct_reward paid for it — and a forgotten return (None)
+    as wrong, silently. A bool or a number equal to 0 or 1 is a verdict; anything else stops with the fix."""
+    import numpy as np
+
+    examples = [{"nums": [1, 2], "target": 3}] * 2
+
+    def task(method, value):
+        def verdict(self, *args):
+            return value(*args) if callable(value) else value
+        return type(f"Scored{method.title().replace('_', '')}", (CountdownTask,), {method: verdict})()
+
+    for value in (0.7, np.float32(0.3), torch.tensor(0.3), None, "yes", [1.0]):
+        with pytest.raises(RewardError, match=r"ScoredIsCorrect at step 3: is_correct returned .*, not a correctness "
+                                              r"verdict: return True when the completion is correct"):
+            score_completions(task("is_correct", value), ["1+2", "x"], examples, step=3)
+        with pytest.raises(RewardError, match=r"ScoredCheckAnswer: check_answer returned .*, not a correctness verdict"):
+            score_completions(task("check_answer", value), ["1+2", "x"], examples)
+
+    class GradedVerdicts(CountdownTask):
+        def grade(self, completions, examples):
+            answers, _, rewards = super().grade(completions, examples)
+            return answers, [0.3] * len(completions), rewards
+
+    with pytest.raises(RewardError, match=r"GradedVerdicts: grade\(\) returned 0.3 \(float\), not a correctness verdict"):
+        score_completions(GradedVerdicts(), ["1+2", "x"], examples)
+    for ok, wrong in ((1.0, 0.0), (np.float64(1), np.int64(0)), (torch.tensor(1.0), torch.tensor(False)), (np.bool_(1), 0)):
+        scores = score_completions(task("is_correct", lambda c, e, ok=ok, wrong=wrong: ok if c == "1+2" else wrong),
+                                   ["1+2", "x"], examples)
+        assert scores.correct.tolist() == [True, False] and scores.rewards.tolist() == [1.0, 0.0]
+
+
 def test_a_reward_written_with_trls_signature_is_named_with_the_signature_to_write():
     """TRL habits: ``reward(self, prompts, completions, **kwargs)`` was handed (completions, examples) and scored the
     examples as completions silently; ``reward(self, completions, **kwargs)`` raised a TypeError reported as "a reward

@@ -29,6 +29,35 @@ REWARD_FUNCTION_FIX = ("a reward function is a task's method here: subclass a ta
                        "pass task=MyTask() (README \"Pointing at a real model and dataset\")")
 
 
+class VerdictError(TypeError):
+    """A task's ``is_correct`` / ``check_answer`` (or an overridden ``grade``) returned a correctness verdict that is no
+    bool: the scorer stops the run with it (:class:`es_lightning.scoring.RewardError`), as for a reward that is no
+    number."""
+
+
+def as_verdict(value: Any, method: str) -> bool:
+    """``value``, returned by the task's ``method``, as a correctness verdict: a bool, or a number equal to 0 or 1
+    (``numpy.bool_``, ``1.0``, ``torch.tensor(True)``); anything else raises :class:`VerdictError` naming it.
+
+    Correctness is a bool — what Pass@K counts and the reward's ``correct_reward`` is paid for (TRL and verl read
+    accuracy the same way) — and ``bool()`` would read a score of 0.3, a tensor of 0.3 or the text ``"no"`` as correct,
+    and a forgotten ``return`` (None) as wrong, silently. A graded score belongs in :meth:`Task.reward`."""
+    if isinstance(value, bool):
+        return value
+    number = None
+    if not isinstance(value, (str, bytes)) and value is not None:
+        try:
+            number = float(value)
+        except Exception:  # a list, a tensor of several values, ...
+            number = None
+    if number not in (0.0, 1.0):
+        shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+        raise VerdictError(f"{method} returned {shown} ({type(value).__name__}), not a correctness verdict: return True "
+                           "when the completion is correct, else False (a graded score in [0, 1] belongs in "
+                           "reward(self, completions, examples), with is_correct saying which completions are right)")
+    return number == 1.0
+
+
 class Task(ABC):
     """Base class of all tasks. Subclasses set ``name``/``required_columns`` and implement three methods.
 
@@ -164,7 +193,7 @@ class Task(ABC):
         """``correct`` (the base class's verdicts), or what an overridden :meth:`is_correct` says."""
         if type(self).is_correct is Task.is_correct:
             return correct
-        return [bool(self.is_correct(c, e)) for c, e in zip(completions, examples)]
+        return [as_verdict(self.is_correct(c, e), "is_correct") for c, e in zip(completions, examples)]
 
     def _rewards(self, answers: Sequence[str | None], correct: Sequence[bool]) -> list[float]:
         """The default reward of each completion from its extracted answer and verdict."""
@@ -215,10 +244,11 @@ class Task(ABC):
         if answer is None:
             return None, False
         try:
-            return answer, bool(self.check_answer(answer, example))
+            verdict = self.check_answer(answer, example)
         except Exception as err:  # a verifier bug or hostile input must cost a sample, not a run
             self._report_raise("check_answer", err, "as a wrong answer")
             return answer, False
+        return answer, as_verdict(verdict, "check_answer")  # a verdict that is no bool stops the scoring: a bug
 
     def _safe_extract(self, completion: str) -> str | None:
         if not isinstance(completion, str) or len(completion) > self.max_completion_chars:
