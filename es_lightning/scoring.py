@@ -123,6 +123,7 @@ def check_reward_signature(task: Task, where: str | None = None) -> None:
     ``reward(prompts, completions, **kwargs)`` — would be handed the completions as ``prompts`` and the examples as
     ``completions`` and score the wrong thing silently, and ``reward(completions, **kwargs)`` would raise a TypeError
     reported as a raising reward; both are named here with the signature to write."""
+    _check_methods_of_its_class(task, where)
     reward = getattr(type(task), "reward", None)
     if reward is None or reward is Task.reward:
         return
@@ -144,6 +145,27 @@ def check_reward_signature(task: Task, where: str | None = None) -> None:
             "(the row's fields as a dict) per completion, one float per completion in order (TRL's reward_funcs "
             "signature (prompts, completions, **kwargs) is not this one: read a row's columns from its example)"
         )
+
+
+#: a task's public methods (``reward``, ``is_correct``, ``check_answer``, ``prompt``, ...)
+_TASK_METHODS = frozenset(name for name in dir(Task) if not name.startswith("_") and callable(getattr(Task, name)))
+
+
+def _check_methods_of_its_class(task: Task, where: str | None) -> None:
+    """Refuse a task method set on the instance (``task.reward = fn``, ``task.is_correct = fn``): scoring obeys a
+    subclass's override only (an instance's ``reward`` / ``is_correct`` was ignored, its ``check_answer`` obeyed), and
+    a checkpoint records its task by class and options (:func:`~es_lightning.tasks.base.task_record`), so an
+    evaluation of the run would grade without the function, and a spawned worker could not pickle a lambda. One way
+    to customise a task — a subclass, as everywhere in this package (README "Pointing at a real model and dataset")."""
+    cls = type(task).__name__
+    for name, value in vars(task).items():
+        if name in _TASK_METHODS and callable(value):
+            given = getattr(value, "__name__", type(value).__name__)
+            raise RewardError(
+                f"{where or cls}: {name} was set on the {cls} instance ({given}); a task's methods are its "
+                f"class's — a checkpoint records the task by class and options, so it would be lost (and scoring "
+                f"obeys a subclass's override only): subclass instead, class MyTask({cls}) with def {name}(self, ...) "
+                "in it, and pass task=MyTask() (README \"Pointing at a real model and dataset\")")
 
 
 def check_some_kept(kept: int, total: int, unit: str, step: int) -> None:

@@ -307,3 +307,24 @@ def test_a_reward_with_trls_signature_is_refused_before_the_first_rollout(tiny_m
     with pytest.raises(RewardError, match=r"^TRLStyle: TRLStyle.reward\(prompts, completions, \*\*kwargs\) cannot be"):
         L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
                   enable_model_summary=False).fit(module, dm)
+
+
+@pytest.mark.parametrize("method", ["reward", "is_correct", "check_answer"])
+def test_a_task_method_set_on_the_instance_is_refused_with_the_subclass_to_write(tiny_model_dir, method):
+    """``task.reward = fn`` / ``task.is_correct = fn`` were ignored (scoring obeyed a subclass's override only) while
+    ``task.check_answer = fn`` was obeyed, and a checkpoint records the task by class and options, so an evaluation of
+    the run graded without it. Each is refused — before the model loads in a fit — naming the subclass to write."""
+    examples = [{"nums": [1, 2], "target": 3}] * 2
+
+    def always(*args):
+        return [1.0] * len(args[0]) if method == "reward" else True
+
+    task = CountdownTask()
+    setattr(task, method, always)
+    line = rf"{method} was set on the CountdownTask instance \(always\); .* class MyTask\(CountdownTask\) with def {method}"
+    with pytest.raises(RewardError, match=rf"^CountdownTask at step 1: {line}"):
+        score_completions(task, ["1+2", "x"], examples, step=1)
+    dm = ReasoningDataModule(task=task, train_size=8, val_size=4, test_size=4, batch_size=4)
+    module = ESModule(model=tiny_model_dir, max_new_tokens=2, population_size=2)
+    with pytest.raises(RewardError, match=rf"^CountdownTask: {line}"):
+        _trainer().fit(module, dm)
