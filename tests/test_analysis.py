@@ -552,6 +552,31 @@ def test_ablation_command_reproduces_tuned_and_base_scores(es_checkpoint, tmp_pa
         ablation_command(tuned=path, taus=[-1e-4], out_dir=str(tmp_path), **kwargs)
 
 
+def test_ablation_of_a_bf16_runs_export_scores_its_tuned_row_as_eval_does(tmp_path, capsys):
+    """`analyze ablation` of a bf16 run's export/ loaded it in float32 (its default: "a .ckpt's own, else float32")
+    while `eval` and `analyze forgetting` load it in the dtype the run records: the ablation's "tuned" row had other
+    Pass@k than `eval` of the same export with the same settings (0.344 against 0.328 here). Both models are loaded in
+    the recorded dtype now, as forgetting does."""
+    import yaml
+
+    policy = load_policy(BUILTIN)
+    export = tmp_path / "run" / "export"
+    policy.model.to(torch.bfloat16).save_pretrained(export)
+    policy.tokenizer.save_pretrained(export)
+    run_config = {"model": {"class_path": "es_lightning.ESModule",
+                            "init_args": {"model": BUILTIN, "dtype": "bfloat16", "task": "countdown"}}}
+    (tmp_path / "run" / "config.yaml").write_text(yaml.safe_dump(run_config))
+    settings = EvalSettings(num_problems=16, num_samples=4)
+    evaluated = eval_command(checkpoints=[str(export)], tasks=["countdown"], eval=settings, plot=False,
+                                 progress=False, out_dir=str(tmp_path / "eval"))
+    report = ablation_command(tuned=str(export), base=BUILTIN, taus=[0.0], eval=settings, plot=False, progress=False,
+                              out_dir=str(tmp_path / "ablation"))
+    scores = next(iter(evaluated.results.values()))["countdown"]
+    for key in ("pass@1", "pass@4", "maj@4", "reward_mean"):
+        assert report.row("tuned")[key] == scores[key], key
+    assert "both models in bfloat16, as" in capsys.readouterr().out
+
+
 # --------------------------------------------------------------------------- eval
 def _binomial_pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)

@@ -235,7 +235,8 @@ def ablation_command(
         task: the task to re-evaluate on (held-out problems); default: the task the checkpoint (or a run's export/)
             records it was trained on, else countdown.
         eval: how every ablated model is evaluated (the same problems and seeds for every setting; ks default 1 and n).
-        dtype: parameter dtype (default: a .ckpt's own, else float32).
+        dtype: parameter dtype of both models (default: the dtype the tuned model was trained in, as a .ckpt or a run's
+            export/ records it — as eval and forgetting evaluate it; else float32).
         save_models: also write every ablated model (save_pretrained) under out_dir/models/.
         out_dir: where ablation.json and ablation.png go.
         plot: write ablation.png.
@@ -266,6 +267,11 @@ def ablation_command(
         problems = heldout_problems(task_obj, settings.num_problems, settings.seed, settings.source,
                                     settings.column_mapping)
         warn_training_overlap(tuned, record, task_obj, problems, settings.source)
+        # the models in the dtype the tuned one was trained in, as eval and forgetting evaluate it: a bf16 run's
+        # export/ evaluated in float32 gave its "tuned" row other Pass@k than `es-lightning eval` of the same export
+        if not dtype and record.dtype:
+            dtype = record.dtype
+            print(f"both models in {dtype}, as {tuned} was trained (--dtype to choose)")
         now_doing(f"loading {tuned}")
         tuned_model = load_model(tuned, dtype=dtype, trust_remote_code=eval.trust_remote_code, remote_code_option=REMOTE_CODE_OPTION)
         base = base or _base_of(tuned_model, "ablation")

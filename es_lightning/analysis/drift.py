@@ -252,7 +252,9 @@ def drift_command(
         tuned: the tuned model: a .ckpt of an es-lightning run, an exported HF directory, a hub id or builtin:<name>.
         base: the model it started from (default: a .ckpt's 'model' hyperparameter).
         taus: the τ grid of the sparsity s_τ = fraction of weights with |Δθ| <= τ (default 0, 1e-7, ..., 1e-2).
-        dtype: load both models in this dtype (default: a .ckpt's own, else float32).
+        dtype: load both models in this dtype (default: the tuned model in a .ckpt's own, else float32; the base in
+            the dtype the tuned weights are stored in, as the run started from it). Δθ is measured in float64, so
+            the numbers of a bf16 export are the same in either dtype (an upcast is exact); only memory differs.
         out_dir: where drift.json and drift.png go.
         plot: write drift.png.
         trust_remote_code: run the models' own modelling code (a config.json whose auto_map names *.py files of

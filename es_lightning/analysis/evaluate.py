@@ -468,7 +468,8 @@ def eval_command(
             ``{class_path: countdown, init_args: {prompt_format: r1, use_chat_template: true}}``.
         labels: one name per checkpoint for tables and the plot (default: from the paths).
         eval: how every model is evaluated (the same for all; defaults: Ba et al.'s n = 32 at T = 0.6).
-        dtype: parameter dtype (default: a .ckpt's own, else float32).
+        dtype: parameter dtype of every model (default: the dtype the first model that records one was trained in,
+            as a .ckpt or a run's export/ records it; else float32).
         out_dir: where eval.json, eval.md and pass_at_k.png go.
         plot: write pass_at_k.png.
         progress: show a progress bar.
