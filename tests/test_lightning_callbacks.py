@@ -3,6 +3,8 @@ a fit (EarlyStopping, ModelCheckpoint on a metric, fast_dev_run, ...) does what 
 
 from __future__ import annotations
 
+import re
+
 import lightning as L
 import pytest
 import torch
@@ -163,3 +165,31 @@ def test_batch_size_finder_does_not_warn_of_a_resume_with_other_data(tiny_model_
     trainer.fit(module, data)
     assert data.batch_size == 4 and trainer.global_step == 1
     assert not [w for w in recwarn if "resuming with the configured data settings" in str(w.message)]
+
+
+@pytest.mark.parametrize(("mode", "mini_batch_size", "fits"), [("power", 3, False), ("power", 4, True),
+                                                                ("binsearch", 4, False), ("binsearch", 2, True)])
+def test_batch_size_finder_trying_a_size_grpo_cannot_split_is_refused_at_setup(tiny_model_dir, tmp_path, mode,
+                                                                                mini_batch_size, fits):
+    """BatchSizeFinder replaces data.batch_size with its trials (init_val 2, doubled; binsearch: any size between two
+    tried): a mini_batch_size that divides the configured 3 × group_size 2 but not a tried size stopped the search with
+    a traceback naming a data.batch_size the user never set. It is refused at setup, before the model loads, naming
+    the finder, the sizes it tries and the fix; settings that fit every size search as before."""
+    from lightning.pytorch.callbacks import BatchSizeFinder
+
+    from es_lightning import GRPOModule
+
+    module = GRPOModule(model=tiny_model_dir, group_size=2, mini_batch_size=mini_batch_size, max_new_tokens=2)
+    data = _data(train_size=32, val_size=2, batch_size=3 if mini_batch_size == 3 else 2)
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                        enable_checkpointing=False, enable_model_summary=False, limit_val_batches=0,
+                        default_root_dir=tmp_path, callbacks=[BatchSizeFinder(mode=mode, max_trials=2, steps_per_trial=1)])
+    if fits:
+        trainer.fit(module, data)
+        assert trainer.global_step == 1
+        return
+    tried = "data.batch_size 2, 4 (init_val 2, doubled each trial)" if mode == "power" else "any data.batch_size from 1 to 8"
+    with pytest.raises(ValueError, match=rf"^BatchSizeFinder \(mode '{mode}'\) tries {re.escape(tried)}.*, and at \d: "
+                                         rf"mini_batch_size={mini_batch_size} does not divide .* or leave BatchSizeFinder out"):
+        trainer.fit(module, data)
+    assert module.model is None  # refused before loading it

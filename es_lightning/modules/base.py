@@ -489,6 +489,7 @@ class ReasoningModule(L.LightningModule):
             batch_size = self.train_batch_size()
             if batch_size is not None:
                 self.algorithm.check_batch(batch_size)
+            check_batch_size_finders(self.trainer, self.algorithm)
         if stage == "fit" and self.algorithm is not None and self.trainer.strategy.restore_checkpoint_after_setup:
             peek_stage_on_load(self, self.trainer.strategy)
 
@@ -615,3 +616,31 @@ class ReasoningModule(L.LightningModule):
                 "restored its optimizer state into the optimizers of the stage this module starts in, before the stage "
                 "was known (the checkpoint path could not be read ahead); resume from a local checkpoint path"
             )
+
+
+def check_batch_size_finders(trainer: L.Trainer, algorithm: Algorithm) -> None:
+    """Refuse, at fit setup, a Lightning ``BatchSizeFinder`` that would try a ``batch_size`` the algorithm cannot split
+    (GRPO's ``mini_batch_size`` must divide batch_size × group_size, ES's ``prompt_groups`` the batch).
+
+    The finder replaces the configured batch size with its own trials — ``init_val``, doubled each trial (``power``),
+    or any size between two tried (``binsearch``, after an out-of-memory) — and its trials call ``training_step``:
+    the refusal came mid-search as a traceback naming a ``data.batch_size`` the user never set."""
+    from lightning.pytorch.callbacks import BatchSizeFinder
+
+    for finder in (c for c in trainer.callbacks if isinstance(c, BatchSizeFinder)):
+        init, trials, cap = finder._init_val, finder._max_trials, finder._max_val
+        if finder._mode == "power":
+            sizes = sorted({min(init * 2**k, cap) for k in range(min(trials, 64))})
+            shown = ", ".join(map(str, sizes[:4])) + (f", ..., {sizes[-1]}" if len(sizes) > 4 else "")
+            tried = f"data.batch_size {shown} (init_val {init}, doubled each trial)"
+        else:  # binsearch: doubles, then halves the gap after an out-of-memory: any size up to the largest tried
+            sizes = range(1, min(init * 2 ** min(trials, 64), cap) + 1)
+            tried = f"any data.batch_size from 1 to {sizes[-1]} (binsearch from init_val {init})"
+        for size in sizes:
+            try:
+                algorithm.check_batch(size)
+            except ValueError as err:
+                raise ValueError(
+                    f"BatchSizeFinder (mode {finder._mode!r}) tries {tried}, and at {size}: {err}. Pick settings "
+                    "that fit every size it tries (GRPO: a mini_batch_size that divides init_val × group_size, or "
+                    "group_size with binsearch; or none), or leave BatchSizeFinder out") from None
