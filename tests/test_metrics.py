@@ -500,3 +500,47 @@ def test_every_metric_plots_as_torchmetrics_metrics_do():
         plt.close(fig)
         metric.reset()
         assert metric.plot()[1] is not None  # nothing seen: NaN figures, still a picture
+
+
+# ---------------------------------------------------------------------------------------------------------- torchmetrics habits
+
+
+def test_metrics_of_other_ks_keep_their_own_states_in_a_metric_collection():
+    """MetricCollection groups metrics whose states match after the first update (compute_groups, its default):
+    PassAtK(ks=(1, 2)) and PassAtK(ks=(1, 4)) kept one [2] vector of sums, identical after a first batch of all-wrong
+    problems, and from then on the second reported pass@2 as its pass@4 (MajorityAtK alike). States are now one per k,
+    named by it; and a state_dict of other ks is refused instead of filling the wrong entries."""
+    from torchmetrics import MetricCollection
+
+    generator = torch.Generator().manual_seed(3)
+    all_wrong, later = torch.zeros(4, 8, dtype=torch.bool), random_correctness(generator, 6, 8)
+    rng = random.Random(3)
+    answers = [[rng.choice(["1", "2", "3", None]) for _ in range(8)] for _ in range(10)]
+    votes_correct = torch.tensor([[a == "1" for a in row] for row in answers])
+    votes_correct[:4] = False
+    for compute_groups in (True, False):
+        passes = MetricCollection({"small": PassAtK(ks=(1, 2)), "large": PassAtK(ks=(1, 4))}, compute_groups=compute_groups)
+        votes = MetricCollection({"small": MajorityAtK(ks=(1, 2)), "large": MajorityAtK(ks=(1, 3))},
+                                 compute_groups=compute_groups)
+        passes.update(all_wrong)
+        passes.update(later)
+        votes.update(answers[:4], votes_correct[:4])
+        votes.update(answers[4:], votes_correct[4:])
+        result = {**passes.compute(), **votes.compute()}
+        for name, k in (("small", 1), ("small", 2), ("large", 1), ("large", 4)):
+            expected = sum(brute_force_pass_at_k(row, k) for row in torch.cat([all_wrong, later]).tolist()) / 10
+            assert result[f"{name}_pass@{k}"].item() == pytest.approx(expected, abs=1e-6), (compute_groups, name, k)
+        for name, k in (("small", 1), ("small", 2), ("large", 1), ("large", 3)):
+            expected = sum(reference_majority_correct(a, c, k) for a, c in zip(answers, votes_correct.tolist())) / 10
+            assert result[f"{name}_maj@{k}"].item() == pytest.approx(expected, abs=1e-6), (compute_groups, name, k)
+
+    saved = PassAtK(ks=(1, 2, 4))
+    saved.persistent(True)
+    saved.update(later)
+    for ks in ((1, 4), (1, 2, 4, 8)):
+        other = PassAtK(ks=ks)
+        with pytest.raises(RuntimeError, match="pass_at_"):
+            other.load_state_dict(saved.state_dict())
+    same = PassAtK(ks=(1, 2, 4))
+    same.load_state_dict(saved.state_dict())
+    assert same.compute() == saved.compute()

@@ -32,7 +32,7 @@ from collections.abc import Hashable, Sequence
 import torch
 from torchmetrics import Metric
 
-from es_lightning.metrics.pass_at_k import _check_k_le_n, _validate_correctness, _validate_ks
+from es_lightning.metrics.pass_at_k import _check_k_le_n, _PerKSums, _validate_correctness, _validate_ks
 from es_lightning.metrics.plotting import Plottable
 
 __all__ = ["MajorityAtK", "majority_vote_correct"]
@@ -53,7 +53,7 @@ def majority_vote_correct(answers: Sequence[Hashable | None], correct: Sequence[
     return bool(correct[list(answers).index(winner)])
 
 
-class MajorityAtK(Plottable, Metric):
+class MajorityAtK(_PerKSums, Plottable, Metric):
     """Maj@k averaged over problems (self-consistency, Wang et al. 2023), with sum states that sync across processes.
 
     ``update(answers, correct)``: ``answers`` is a list with one entry per problem, each a list of the ``n`` votes
@@ -72,16 +72,14 @@ class MajorityAtK(Plottable, Metric):
     plot_lower_bound = 0.0
     plot_upper_bound = 1.0
 
-    maj_at_k_sum: torch.Tensor
+    _state_stem = "maj_at"
+    _label = "maj"
     num_problems: torch.Tensor
 
     def __init__(self, ks: Sequence[int] = (1, 4, 16), **kwargs) -> None:
         super().__init__(**kwargs)
         self.ks = _validate_ks(ks)
-        self.add_state(
-            "maj_at_k_sum", default=torch.zeros(len(self.ks), dtype=torch.get_default_dtype()), dist_reduce_fx="sum"
-        )
-        self.add_state("num_problems", default=torch.zeros((), dtype=torch.long), dist_reduce_fx="sum")
+        self._add_per_k_states()  # maj_at_{k}_sum for each k, num_problems
 
     def update(self, answers: Sequence[Sequence[Hashable | None]], correct: torch.Tensor) -> None:
         correct = _validate_correctness(correct)
@@ -102,9 +100,7 @@ class MajorityAtK(Plottable, Metric):
                 )
             for j, k in enumerate(self.ks):
                 hits[j] += majority_vote_correct(problem_answers, problem_correct, k)
-        self.maj_at_k_sum += torch.tensor(hits, dtype=self.maj_at_k_sum.dtype, device=self.maj_at_k_sum.device)
-        self.num_problems += num_problems
+        self._add_per_k_sums(hits, num_problems)
 
     def compute(self) -> dict[str, torch.Tensor]:
-        mean = self.maj_at_k_sum / self.num_problems  # NaN when no problem was seen
-        return {f"maj@{k}": mean[j] for j, k in enumerate(self.ks)}
+        return self._per_k_means()  # {"maj@1": ..., ...}; NaN when no problem was seen

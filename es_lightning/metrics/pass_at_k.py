@@ -121,7 +121,52 @@ def _validate_correctness(correct: torch.Tensor, name: str = "correct") -> torch
     return correct.bool()
 
 
-class PassAtK(Plottable, Metric):
+class _PerKSums:
+    """Sum states of a metric over ks, one per k and named by it (``pass_at_4_sum``), beside a ``num_problems`` count.
+
+    Not one ``[len(ks)]`` vector: torchmetrics' ``MetricCollection`` (``compute_groups=True``, its default) shares the
+    states of metrics whose states have the same names, shapes and values after the first update, so
+    ``PassAtK(ks=(1, 2))`` and ``PassAtK(ks=(1, 4))`` on a first batch of all-wrong problems (every sum 0) shared one
+    vector from then on and the second reported pass@2 as its pass@4; and a ``state_dict`` of other ks loaded without
+    a word into the wrong entries. Named by k, only metrics with the same ks group (they compute the same figures),
+    and a ``state_dict`` of other ks is refused as missing / unexpected keys.
+    """
+
+    ks: tuple[int, ...]
+    _state_stem: str  # "pass_at" / "maj_at"
+    _label: str  # "pass" / "maj"
+
+    def _add_per_k_states(self) -> None:
+        for k in self.ks:
+            self.add_state(self._k_state(k), default=torch.zeros((), dtype=torch.get_default_dtype()), dist_reduce_fx="sum")
+        self.add_state("num_problems", default=torch.zeros((), dtype=torch.long), dist_reduce_fx="sum")
+
+    def _k_state(self, k: int) -> str:
+        return f"{self._state_stem}_{k}_sum"
+
+    def _add_per_k_sums(self, sums: Sequence[float] | torch.Tensor, num_problems: int) -> None:
+        """Add ``sums[j]`` (the batch's sum for ``ks[j]``) to each k's state and ``num_problems`` to the count."""
+        for j, k in enumerate(self.ks):
+            state = getattr(self, self._k_state(k))
+            state += torch.as_tensor(sums[j]).to(state)  # in place, as the states of a compute group are shared
+        self.num_problems += num_problems
+
+    def _per_k_means(self) -> dict[str, torch.Tensor]:
+        # NaN when no problem was seen
+        return {f"{self._label}@{k}": getattr(self, self._k_state(k)) / self.num_problems for k in self.ks}
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs) -> None:
+        # torchmetrics skips a state the dict lacks (so that a module whose metrics are not persistent loads); a dict
+        # with some of this metric's states but not all is another ks' (its own ones are unexpected keys)
+        names = [prefix + name for name in self._defaults]
+        if any(name in state_dict for name in names):
+            missing_keys.extend(name for name in names if name not in state_dict)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
+
+class PassAtK(_PerKSums, Plottable, Metric):
     """Pass@k averaged over problems, with the unbiased estimator of Chen et al. 2021 (eq. 1).
 
     Each ``update`` takes the verifier's correctness matrix ``[num_problems, n]``; the per-problem estimate depends only
@@ -146,16 +191,14 @@ class PassAtK(Plottable, Metric):
     plot_lower_bound = 0.0
     plot_upper_bound = 1.0
 
-    pass_at_k_sum: torch.Tensor
+    _state_stem = "pass_at"
+    _label = "pass"
     num_problems: torch.Tensor
 
     def __init__(self, ks: Sequence[int] = (1, 4, 16), **kwargs) -> None:
         super().__init__(**kwargs)
         self.ks = _validate_ks(ks)
-        self.add_state(
-            "pass_at_k_sum", default=torch.zeros(len(self.ks), dtype=torch.get_default_dtype()), dist_reduce_fx="sum"
-        )
-        self.add_state("num_problems", default=torch.zeros((), dtype=torch.long), dist_reduce_fx="sum")
+        self._add_per_k_states()  # pass_at_{k}_sum for each k, num_problems
 
     def update(self, correct: torch.Tensor) -> None:
         """Add problems; ``correct[i, j]``: did sample j of problem i pass (``[num_problems, n]``, bool/0-1)."""
@@ -163,13 +206,10 @@ class PassAtK(Plottable, Metric):
         num_samples = correct.shape[1]
         _check_k_le_n(max(self.ks), num_samples)
         num_correct = correct.sum(dim=1)  # [P]
-        table = torch.tensor(
-            _pass_at_k_table(num_samples, self.ks), dtype=self.pass_at_k_sum.dtype, device=self.pass_at_k_sum.device
-        )  # [K, n + 1]
+        state = getattr(self, self._k_state(self.ks[0]))
+        table = torch.tensor(_pass_at_k_table(num_samples, self.ks), dtype=state.dtype, device=state.device)  # [K, n + 1]
         estimates = table[:, num_correct.to(table.device)]  # [K, P]
-        self.pass_at_k_sum += estimates.sum(dim=1)
-        self.num_problems += correct.shape[0]
+        self._add_per_k_sums(estimates.sum(dim=1), correct.shape[0])
 
     def compute(self) -> dict[str, torch.Tensor]:
-        mean = self.pass_at_k_sum / self.num_problems  # NaN when no problem was seen
-        return {f"pass@{k}": mean[j] for j, k in enumerate(self.ks)}
+        return self._per_k_means()  # {"pass@1": ..., ...}; NaN when no problem was seen
