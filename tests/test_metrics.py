@@ -240,6 +240,23 @@ def test_majority_matches_independent_vote_on_random_answers(seed):
     assert got["maj@1"] == pytest.approx(sum(row[0] for row in correct) / len(correct))
 
 
+def test_majority_votes_on_the_values_of_tensor_answers():
+    """Answers given as a tensor of answer ids (or rows / elements that are tensors) were counted by identity — a
+    tensor hashes by id — so no two samples ever agreed and the first sample always won the vote. They are read as
+    their values, as the same answers in lists."""
+    generator = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, 3, (12, 5), generator=generator)
+    correct = ids == 1
+    expected = maj(ids.tolist(), correct.tolist(), (1, 3, 5))
+    assert expected != maj([row[:1] * 5 for row in ids.tolist()], correct.tolist(), (1, 3, 5))  # first-sample wins
+    for answers in (ids, list(ids), [list(row) for row in ids]):
+        metric = MajorityAtK(ks=(1, 3, 5))
+        metric.update(answers, correct)
+        assert {key: value.item() for key, value in metric.compute().items()} == expected
+    with pytest.raises(ValueError, match=r"answers\[0\] must list one answer per sample"):
+        MajorityAtK(ks=(1,)).update(torch.tensor([1, 2]), torch.ones(2, 1, dtype=torch.bool))
+
+
 def test_majority_rejects_mismatched_inputs():
     metric = MajorityAtK(ks=(1, 2))
     with pytest.raises(ValueError, match="one list of answers per problem"):

@@ -53,11 +53,22 @@ def majority_vote_correct(answers: Sequence[Hashable | None], correct: Sequence[
     return bool(correct[list(answers).index(winner)])
 
 
+def _by_value(votes: Sequence[Hashable | None]) -> Sequence[Hashable | None]:
+    """The votes with tensors read as their values: a tensor hashes (and so is counted by ``Counter``) by identity, so
+    ``answers`` of tensors (a row of an answer-id tensor, a list of 0-d tensors) never agreed with one another."""
+    if isinstance(votes, torch.Tensor):
+        return votes.tolist()
+    if any(isinstance(vote, torch.Tensor) for vote in votes):
+        return [vote.item() if isinstance(vote, torch.Tensor) else vote for vote in votes]
+    return votes
+
+
 class MajorityAtK(_PerKSums, Plottable, Metric):
     """Maj@k averaged over problems (self-consistency, Wang et al. 2023), with sum states that sync across processes.
 
     ``update(answers, correct)``: ``answers`` is a list with one entry per problem, each a list of the ``n`` votes
-    (``Task.votes``: hashable keys, ``None`` abstains) of that problem's samples, in sampling order; ``correct`` is the
+    (``Task.votes``: hashable keys, ``None`` abstains; tensors are read as their values, so a ``[num_problems, n]``
+    tensor of answer ids works too) of that problem's samples, in sampling order; ``correct`` is the
     ``[num_problems, n]`` bool (or 0/1 int) correctness matrix of the same samples. ``compute()`` returns
     ``{"maj@1": tensor, "maj@4": ...}``; NaN for every k when no problem was seen (torchmetrics warns). maj@1 equals
     pass@1 on the first sample.
@@ -81,8 +92,10 @@ class MajorityAtK(_PerKSums, Plottable, Metric):
         self.ks = _validate_ks(ks)
         self._add_per_k_states()  # maj_at_{k}_sum for each k, num_problems
 
-    def update(self, answers: Sequence[Sequence[Hashable | None]], correct: torch.Tensor) -> None:
+    def update(self, answers: Sequence[Sequence[Hashable | None]] | torch.Tensor, correct: torch.Tensor) -> None:
         correct = _validate_correctness(correct)
+        if isinstance(answers, torch.Tensor):  # [num_problems, n] answer ids: vote on their values (tensors hash by id)
+            answers = answers.tolist()
         num_problems, num_samples = correct.shape
         if isinstance(answers, (str, bytes)) or len(answers) != num_problems:
             raise ValueError(
@@ -93,11 +106,13 @@ class MajorityAtK(_PerKSums, Plottable, Metric):
         verdicts = correct.cpu().tolist()
         hits = [0] * len(self.ks)
         for problem, (problem_answers, problem_correct) in enumerate(zip(answers, verdicts)):
-            if isinstance(problem_answers, (str, bytes)) or len(problem_answers) != num_samples:
+            if (isinstance(problem_answers, (str, bytes)) or not hasattr(problem_answers, "__len__")
+                    or len(problem_answers) != num_samples):
                 raise ValueError(
                     f"answers[{problem}] must list one answer per sample (n={num_samples}, the width of correct), "
                     f"got {problem_answers!r:.80}"
                 )
+            problem_answers = _by_value(problem_answers)
             for j, k in enumerate(self.ks):
                 hits[j] += majority_vote_correct(problem_answers, problem_correct, k)
         self._add_per_k_sums(hits, num_problems)
