@@ -321,6 +321,19 @@ def test_token_entropy_metric_is_token_weighted_and_ignores_masked_tokens():
     assert metric.compute().item() == pytest.approx((6 + 10 + 4) / 6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_token_entropy_metric_sums_half_precision_entropies_in_its_own_dtype(dtype):
+    """Per-token entropies in fp16 / bf16 (a half-precision policy's) were summed in their own dtype: 32k tokens of ~2
+    nats overflowed fp16 (inf) and bf16 rounded the sum to 3 digits. They are summed in the metric's dtype."""
+    entropies = (torch.rand(64, 512, generator=torch.Generator().manual_seed(6)) * 4).to(dtype)  # [B, L]
+    mask = torch.ones(64, 512, dtype=torch.bool)
+    mask[:, -5:] = False
+    for args, kept in (((entropies,), entropies), ((entropies, mask), entropies[mask])):
+        metric = TokenEntropy()
+        metric.update(*args)
+        assert metric.compute().item() == pytest.approx(kept.double().mean().item(), rel=1e-5)
+
+
 def test_token_entropy_metric_errors():
     metric = TokenEntropy()
     with pytest.raises(ValueError, match="mask shape"):

@@ -109,7 +109,8 @@ class TokenEntropy(Plottable, Metric):
                 raise ValueError(f"num_tokens must be a non-negative integer scalar, got {mask!r}")
             entropy_sum = per_token_entropy.detach()
         else:  # update(per_token_entropy, mask)
-            entropy = per_token_entropy.detach()
+            # summed in the state's dtype (or wider): a bf16/fp16 sum rounds to 3 digits, and fp16 overflows at 65504
+            entropy = per_token_entropy.detach().to(torch.promote_types(per_token_entropy.dtype, self.entropy_sum.dtype))
             if mask is None:
                 entropy_sum, num_tokens = entropy.sum(), torch.tensor(entropy.numel())
             else:
