@@ -162,6 +162,24 @@ def test_pass_at_k_rejects_bad_ks(ks):
         PassAtK(ks=ks)
 
 
+def test_ks_may_be_numpy_or_torch_integers():
+    """``ks=np.array([1, 4])`` or ``torch.tensor([1, 4])`` (or a list of numpy ints) was refused as "every k in ks must
+    be a positive integer" although every k was one; they are read as Python ints (keys ``pass@1``, ``maj@4``)."""
+    import numpy as np
+
+    correct = torch.tensor([[True, False, False, False], [False, False, False, False]])
+    expected = {"pass@1": 0.125, "pass@4": 0.5}
+    for ks in (np.array([1, 4]), torch.tensor([1, 4]), [np.int64(1), np.int64(4)], [torch.tensor(1), 4]):
+        metric = PassAtK(ks=ks)
+        assert metric.ks == (1, 4) and all(type(k) is int for k in metric.ks)
+        metric.update(correct)
+        assert {key: value.item() for key, value in metric.compute().items()} == expected
+        assert MajorityAtK(ks=ks).ks == (1, 4)
+    assert PassAtK(ks=np.int64(4)).ks == (4,)
+    with pytest.raises(ValueError, match="positive integer"):
+        PassAtK(ks=np.array([1.0, 4.0]))
+
+
 def test_pass_at_k_rejects_bad_scalar_arguments():
     with pytest.raises(ValueError, match="num_correct"):
         pass_at_k(4, 5, 1)

@@ -90,17 +90,26 @@ def _pass_at_k_table(num_samples: int, ks: Sequence[int]) -> list[list[float]]:
 
 
 def _validate_ks(ks: Iterable[int]) -> tuple[int, ...]:
+    """``ks`` as a tuple of distinct Python ints; numpy / torch integers (an array or tensor of ks) are read as theirs."""
+    if hasattr(ks, "tolist"):  # a numpy array or tensor of ks, or one numpy / 0-d tensor integer
+        ks = ks.tolist()
     if isinstance(ks, int):
         ks = (ks,)
     ks = tuple(ks)
     if not ks:
         raise ValueError("ks must name at least one k, e.g. ks=(1, 4, 16)")
+    checked = []
     for k in ks:
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        try:
+            value = None if isinstance(k, bool) else operator.index(k)  # ints, numpy ints, 0-d integer tensors
+        except TypeError:
+            value = None
+        if value is None or value < 1:
             raise ValueError(f"every k in ks must be a positive integer, got ks={ks}")
-    if len(set(ks)) != len(ks):
+        checked.append(value)
+    if len(set(checked)) != len(checked):
         raise ValueError(f"ks has duplicates: {ks}")
-    return ks
+    return tuple(checked)
 
 
 def _validate_correctness(correct: torch.Tensor, name: str = "correct") -> torch.Tensor:
