@@ -352,6 +352,21 @@ def test_token_entropy_metric_sums_half_precision_entropies_in_its_own_dtype(dty
         assert metric.compute().item() == pytest.approx(kept.double().mean().item(), rel=1e-5)
 
 
+def test_token_entropy_refuses_token_counts_as_a_mask():
+    """``update(per_sequence_sums [B], token_counts [B])`` — the reduced form of the docstring, one sum per sequence —
+    read the counts as a 0/1 mask: every sequence's sum weighed as one token (18.3 nats for 2.1). An integer mask with
+    values other than 0/1 is refused, naming the scalar form."""
+    sums, counts = torch.tensor([20.0, 30.0, 5.0]), torch.tensor([10, 12, 4])
+    with pytest.raises(ValueError, match=r"values up to 12.*update\(entropy_sums.sum\(\), token_counts.sum\(\)\)"):
+        TokenEntropy().update(sums, counts)
+    with pytest.raises(ValueError, match="0/1 integers"):
+        token_entropy(torch.zeros(1, 3, 4), torch.tensor([[1, 2, 0]]))
+    metric = TokenEntropy()
+    metric.update(sums.sum(), counts.sum())
+    metric.update(torch.tensor([[1.0, 3.0]]), torch.tensor([[1, 0]]))  # 0/1 integers are a mask
+    assert metric.compute().item() == pytest.approx(56 / 27)
+
+
 def test_token_entropy_metric_errors():
     metric = TokenEntropy()
     with pytest.raises(ValueError, match="mask shape"):

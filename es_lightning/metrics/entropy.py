@@ -64,6 +64,13 @@ def _validate_mask(mask: torch.Tensor, shape: torch.Size) -> torch.Tensor:
         )
     if mask.is_floating_point() or mask.is_complex():
         raise TypeError(f"mask must be bool or 0/1 integers, got dtype {mask.dtype}")
+    if mask.dtype != torch.bool and mask.numel() and not bool(((mask == 0) | (mask == 1)).all()):
+        # counts, not a mask: per-sequence entropy sums [B] with their token counts [B] read as a mask weighed every
+        # sequence's sum as one token
+        raise ValueError(
+            f"mask must be bool or 0/1 integers, got values up to {int(mask.max())}; for per-sequence entropy sums and "
+            "token counts call update(entropy_sums.sum(), token_counts.sum())"
+        )
     return mask if mask.dtype == torch.bool else mask != 0
 
 
