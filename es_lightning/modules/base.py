@@ -72,7 +72,8 @@ class ReasoningModule(L.LightningModule):
         model: ``builtin:<name>``, a local Hugging Face directory, or a hub id (e.g. ``Qwen/Qwen2.5-1.5B-Instruct``).
         dtype: parameter dtype: ``float32``, ``bfloat16``, ``float16``, or ``auto`` / null (the checkpoint's own).
         trust_remote_code: allow custom modelling code from the model repository.
-        task: the task whose verifier scores rollouts; ``None`` takes the data module's (one place to configure it).
+        task: the task whose verifier scores rollouts; ``None`` takes the data module's (one place to configure it), else,
+            in a module from ``load_from_checkpoint``, the one its checkpoint records it was trained on.
         max_new_tokens: completion length cap for training rollouts.
         temperature: training rollout temperature (0 = greedy; ES defaults to 0 as Ba et al., GRPO to 1).
         top_p: training rollout nucleus threshold.
@@ -135,6 +136,7 @@ class ReasoningModule(L.LightningModule):
         self.attn_implementation = attn_implementation
         self.revision = revision
         self._task = get_task(task) if task is not None else None
+        self._checkpoint_task: Task | dict[str, Any] | None = None  # the task a loaded checkpoint records (`task`)
         self.sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
         self.generation_backend = generation_backend
         self.generation_options = dict(generation_options or {})
@@ -248,6 +250,11 @@ class ReasoningModule(L.LightningModule):
         dm = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
         if dm is not None and getattr(dm, "task", None) is not None:
             return dm.task
+        recorded = getattr(self, "_checkpoint_task", None)
+        if isinstance(recorded, dict):  # load_from_checkpoint: the task the checkpoint records it was trained on
+            recorded = self._checkpoint_task = get_task(recorded["class_path"], **recorded.get("init_args", {}))
+        if recorded is not None:  # kept apart from _task: a data module fitted later still gives its own
+            return recorded
         raise RuntimeError(
             f"{type(self).__name__} has no task: pass task=... or fit with a ReasoningDataModule (its task is used)"
         )
@@ -597,6 +604,9 @@ class ReasoningModule(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.policy_updated()  # the checkpoint's weights are loaded next: a vLLM engine takes them before it generates
+        # the task the checkpoint was trained on (a data module's, not a hyperparameter): a module loaded without one
+        # (``load_from_checkpoint`` in a script) samples and scores with it; a task or data module given still wins
+        self._checkpoint_task = checkpoint.get(TASK_KEY)
         self._check_checkpoint_model(checkpoint)
         # weights more precise than the parameters will be (a 32-true checkpoint resumed under bf16-true, converted
         # after this hook): kept until the optimizers exist, so their masters start from these bits (on_train_start)

@@ -1,0 +1,47 @@
+"""A Lightning user's habits with a fit's checkpoint in a script: ``ESModule.load_from_checkpoint(path)`` /
+``GRPOModule.load_from_checkpoint(path, map_location="cpu")`` gives back the trained weights, the hyperparameters and a
+module that samples and scores without being told its task again (a task is not a hyperparameter: the checkpoint
+records the one it was trained on)."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from test_grpo import _data
+
+from es_lightning import CountdownTask, ESModule, GRPOModule
+
+
+def _fit(which, model_dir, dtype, tmp_path):
+    common = dict(model=model_dir, dtype=dtype, max_new_tokens=4, seed=0, lr=1e-2)
+    module = (GRPOModule(group_size=2, **common) if which == "grpo" else
+              ESModule(population_size=2, sigma=1e-2, **common))
+    ckpt = ModelCheckpoint(dirpath=tmp_path, filename="fit")
+    L.Trainer(max_steps=1, accelerator="cpu", devices=1, logger=False, callbacks=[ckpt], enable_progress_bar=False,
+              enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0).fit(
+        module, _data(task=CountdownTask(prompt_format="compact"), train_size=2, batch_size=1))
+    return module, ckpt.best_model_path
+
+
+@pytest.mark.parametrize("which", ["grpo", "es"])
+@pytest.mark.parametrize("model", ["tiny", "qwen_like_bf16"])
+def test_load_from_checkpoint_gives_the_trained_module_and_its_task(which, model, request, tmp_path):
+    model_dir = request.getfixturevalue("tiny_model_dir" if model == "tiny" else "qwen_like_small_dir")
+    dtype = "float32" if model == "tiny" else "bfloat16"
+    trained, path = _fit(which, model_dir, dtype, tmp_path)
+    cls = type(trained)
+    loaded = cls.load_from_checkpoint(path, map_location="cpu")
+    assert dict(loaded.hparams) == dict(trained.hparams)
+    weights = trained.state_dict()
+    assert all(torch.equal(value, weights[name]) for name, value in loaded.state_dict().items())
+    # the data module's task (compact Countdown) comes back with the checkpoint: the module samples and scores
+    assert isinstance(loaded.task, CountdownTask) and loaded.task.prompt_format == "compact"
+    example = {"nums": [3, 5, 7], "target": 22}
+    rollout, scores = loaded.rollout([example], num_samples=2, seed=0)
+    assert len(rollout.texts) == 2 and len(scores.rewards) == 2
+    assert loaded.prompts([example]) == trained.prompts([example])
+    # a task given at load time, or a data module's at a later fit, wins over the recorded one
+    given = cls.load_from_checkpoint(path, map_location="cpu", task=CountdownTask(prompt_format="r1"))
+    assert given.task.prompt_format == "r1"
