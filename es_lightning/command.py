@@ -190,6 +190,47 @@ def _say_metrics_replaced(trainer: L.Trainer, subcommand: str) -> None:
                         "for a new version_N directory per run, or copy the file now")
 
 
+def _named(option_prefixes: tuple[str, ...]) -> bool:
+    """Whether the command line names one of the options (``--model.init_args.seed 1`` or ``--model.seed=1``)."""
+    return any(str(a).split("=")[0] in option_prefixes for a in cli_errors.remembered_argv())
+
+
+def _say_seed_everything_alone(config, subcommand: str) -> None:
+    """One line when ``--seed_everything N`` is the only seed changed on the command line of a fit (or an evaluation)
+    of a reasoning module: Lightning users vary it to get another run, but nothing here draws from the global
+    generators it seeds — rollouts and ES noise are a pure function of ``model.seed`` (so a resume draws what an
+    uninterrupted run draws), the problems and their order of ``data.seed``, evaluation samples of
+    ``PassAtKCallback``'s ``seed`` — so the run was the same as before, bit for bit, without a word."""
+    if not _named(("--seed_everything",)) or rank_zero_only.rank != 0:
+        return
+    model, data = config.get("model"), config.get("data")
+    model_args = model.get("init_args") if model is not None and hasattr(model, "get") else None
+    data_args = data.get("init_args") if data is not None and hasattr(data, "get") else None
+    if model_args is None or "seed" not in model_args or data_args is None or "seed" not in data_args:
+        return  # not a reasoning module and data module: its own seeds, if any, are not ours to name
+    seed = config.get("seed_everything")
+    if seed == model_args["seed"] == data_args["seed"]:
+        return  # the run a user would get by passing the other seeds as well
+    if subcommand == "fit":
+        if _named(("--model.init_args.seed", "--model.seed", "--data.init_args.seed", "--data.seed")):
+            return
+        ours = (f"the rollouts and ES noise follow model.init_args.seed ({model_args['seed']}), the problems and their "
+                f"order data.init_args.seed ({data_args['seed']}), so that a resumed run draws what an "
+                "uninterrupted one draws")
+        fix = f"pass --model.init_args.seed {seed} --data.init_args.seed {seed}"
+    else:
+        if _named(("--data.init_args.seed", "--data.seed")):
+            return
+        callbacks = (config.get("trainer") or {}).get("callbacks") or []
+        evaluators = [cb for cb in callbacks if str(getattr(cb, "class_path", "")).endswith("PassAtKCallback")]
+        sample_seed = f" ({evaluators[0].init_args.get('seed')})" if evaluators and evaluators[0].get("init_args") else ""
+        ours = (f"the problems follow data.init_args.seed ({data_args['seed']}), the samples PassAtKCallback's "
+                f"seed{sample_seed}")
+        fix = f"pass --data.init_args.seed {seed}, or set the PassAtKCallback's seed in the recipe"
+    console.say(f"es-lightning {subcommand}: --seed_everything {seed} changes nothing in this {subcommand}: it seeds "
+                f"Lightning's global generators, which nothing here draws from; {ours}; for another run {fix}")
+
+
 class CommandMixin:
     """The ``es-lightning`` command's additions to a LightningCLI (see the module docstring)."""
 
@@ -244,6 +285,8 @@ class CommandMixin:
                         "add --trainer.limit_val_batches 1.0 to validate on that interval too")
         if given is not None and str(given) not in ("best", "hpc"):  # each process's own; compared at setup
             self._record.checkpoint = (str(given), run_dirs.checkpoint_identity(config.get("ckpt_path")))
+        if self.subcommand in ("fit", "validate", "test"):
+            _say_seed_everything_alone(config, self.subcommand)
         run_dirs.check_writable(config)
 
     def instantiate_classes(self) -> None:

@@ -1393,3 +1393,18 @@ def test_the_closing_lines_name_tensorboards_metrics_and_a_second_loggers_direct
     (tb_dir,) = {p.parent for p in Path("lightning_logs/es").glob("*/events.out.tfevents.*")} - {run}
     assert csv_dir != tb_dir and f"run directory: {csv_dir}/ (config.yaml, metrics.csv, report.json" in out, out[-800:]
     assert f"other loggers' directories: TensorBoardLogger: {tb_dir}/" in out.splitlines(), out[-800:]
+
+
+def test_seed_everything_alone_says_it_changes_nothing(tmp_path, monkeypatch, capsys):
+    """`--seed_everything 5` is how a Lightning user asks for another run; here rollouts, ES noise and the problems
+    are seeded by model.seed and data.seed (a resume draws what an uninterrupted run draws), so the run was the same
+    as seed 0's bit for bit, without a word. The command says so, naming the seeds to pass; not when they are passed."""
+    monkeypatch.chdir(tmp_path)
+    base = ["fit", "--config", str(ROOT / "recipes" / "es.yaml"), "--trainer.max_steps", "0", "--seed_everything", "5",
+            "--data.init_args.val_size", "2"]
+    cli_main(base)
+    err = capsys.readouterr().err
+    assert ("es-lightning fit: --seed_everything 5 changes nothing in this fit" in err
+            and "pass --model.init_args.seed 5 --data.init_args.seed 5" in err), err
+    cli_main([*base, "--model.init_args.seed", "5"])
+    assert "seed_everything" not in capsys.readouterr().err
