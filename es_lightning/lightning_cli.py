@@ -52,6 +52,34 @@ class ESLightningCLI(LightningCLI):
             ) from err
 
 
+    def _add_configure_optimizers_method_to_model(self, subcommand: str | None) -> None:
+        """Refuse ``--optimizer`` / ``--lr_scheduler`` (or ``optimizer:`` / ``lr_scheduler:`` in a config) for a reasoning
+        module, in one line naming the module's own settings. Lightning's LightningCLI replaces the module's
+        ``configure_optimizers`` with one over ``model.parameters()``, which would bypass the algorithm's optimizer (ES's
+        seeded update, GRPO's AdamW over fp32 masters with its warm-up); built before ``configure_model`` loads the
+        policy, it even failed as "optimizer got an empty parameter list", and an ``--lr_scheduler`` alone was dropped
+        without a word. Any other LightningModule keeps Lightning's behaviour."""
+        from es_lightning.modules.base import ReasoningModule
+
+        if not isinstance(self.model, ReasoningModule):
+            return super()._add_configure_optimizers_method_to_model(subcommand)
+        given = [f"--{key}" for key in ("optimizer", "lr_scheduler") if self._get(self.config_init, key)]
+        if not given:
+            return None
+        from es_lightning.cli_errors import UserError
+
+        name, algorithm = type(self.model).__name__, self.model.algorithm
+        if algorithm is None:
+            raise UserError(f"{' / '.join(given)}: {name} evaluates only, it has no optimizer; remove {' and '.join(given)}")
+        own = {
+            "grpo": "AdamW over fp32 master weights with a linear warm-up (set model.init_args.lr, betas, weight_decay, "
+                    "warmup_steps, max_grad_norm)",
+            "es": "the ES update rule (set model.init_args.lr, the step size alpha, and sigma, update_scale)",
+        }.get(algorithm.name, "its algorithm's (set it in model.init_args)")
+        raise UserError(f"{' / '.join(given)}: {name} builds its own optimizer and schedule, {own}, which Lightning's "
+                        f"would replace; remove {' and '.join(given)}")
+
+
 class _ParseOnlyCLI(ESLightningCLI):
     """Parses and validates a command line against the code's signatures without building or running anything."""
 

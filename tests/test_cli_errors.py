@@ -203,6 +203,12 @@ CASES = [
                                                               "--trainer.check_val_every_n_epoch", "1"],
      ["trainer.val_check_interval 15 is longer than an epoch (2 training batches)",
       "--trainer.check_val_every_n_epoch null", "--trainer.val_check_interval 2 or less"]),
+    # Lightning's --optimizer replaced the algorithm's own optimizer ("optimizer got an empty parameter list": built
+    # before the policy loads); an --lr_scheduler alone was dropped without a word
+    ("Lightning's --optimizer on GRPO", GRPO + ["--optimizer", "AdamW", "--optimizer.lr", "0.1"],
+     ["--optimizer: GRPOModule builds its own optimizer", "model.init_args.lr, betas", "remove --optimizer"]),
+    ("Lightning's --lr_scheduler alone on ES", ES + ["--lr_scheduler", "CosineAnnealingLR", "--lr_scheduler.T_max", "10"],
+     ["--lr_scheduler: ESModule builds its own optimizer", "sigma", "remove --lr_scheduler"]),
 ]
 
 if not torch.cuda.is_available():  # a machine without a GPU (CI's): GPU settings are refused with the CPU fix
