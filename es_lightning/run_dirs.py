@@ -245,6 +245,10 @@ def check_ckpt_path(config: Any, fitting: bool = True) -> None:
     a ``torch.save`` archive, a run or other directory (naming the ``last.ckpt`` inside it when there is one), or a
     sharded checkpoint directory resumed without a sharding strategy."""
     path = _get(config, "ckpt_path")
+    if str(path) == "best":  # Lightning's name for the best checkpoint of this trainer's own earlier fit: none here
+        raise UserError("--ckpt_path best names the best checkpoint of a fit made earlier by the same Trainer (a script's "
+                        "trainer.fit then trainer.validate(ckpt_path='best')); the command starts a new Trainer, which "
+                        "has none: pass the checkpoint file itself, or --ckpt_path last for the newest run of the same recipe")
     if path is None or str(path) in _CKPT_NAMES or str(path).startswith("registry") or "://" in str(path):
         return  # Lightning's names, its model registry, and remote (fsspec) paths are Lightning's to check
     target = Path(os.path.expanduser(str(path)))

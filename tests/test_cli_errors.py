@@ -209,6 +209,11 @@ CASES = [
      ["--optimizer: GRPOModule builds its own optimizer", "model.init_args.lr, betas", "remove --optimizer"]),
     ("Lightning's --lr_scheduler alone on ES", ES + ["--lr_scheduler", "CosineAnnealingLR", "--lr_scheduler.T_max", "10"],
      ["--lr_scheduler: ESModule builds its own optimizer", "sigma", "remove --lr_scheduler"]),
+    # Lightning's "best" is a checkpoint of the same Trainer's earlier fit: a traceback (ModelCheckpoint "not configured
+    # to save the best model") in a command, which never has one
+    ("--ckpt_path best in validate", ["validate", "--config", str(RECIPES / "grpo.yaml"), "--ckpt_path", "best"],
+     ["--ckpt_path best names the best checkpoint of a fit made earlier by the same Trainer", "--ckpt_path last"]),
+    ("--ckpt_path best in fit", ES + ["--ckpt_path", "best"], ["the command starts a new Trainer, which has none"]),
 ]
 
 if not torch.cuda.is_available():  # a machine without a GPU (CI's): GPU settings are refused with the CPU fix
