@@ -45,3 +45,22 @@ def test_load_from_checkpoint_gives_the_trained_module_and_its_task(which, model
     # a task given at load time, or a data module's at a later fit, wins over the recorded one
     given = cls.load_from_checkpoint(path, map_location="cpu", task=CountdownTask(prompt_format="r1"))
     assert given.task.prompt_format == "r1"
+
+
+def test_a_checkpoint_of_the_other_module_class_is_refused_naming_it(tiny_model_dir, tmp_path):
+    """Lightning keeps the hyperparameters a class accepts and drops the others: a GRPOModule of an ES checkpoint
+    failed on ES's greedy temperature ("GRPO samples its groups"), an ESModule of a GRPO checkpoint came back training
+    GRPO with ES's default settings. Each is refused naming the class to load it with; ReasoningModule evaluates both."""
+    from es_lightning import ReasoningModule
+
+    paths = {}
+    for which in ("grpo", "es"):
+        paths[which] = _fit(which, tiny_model_dir, "float32", tmp_path / which)[1]
+    with pytest.raises(ValueError, match=r"a checkpoint of ESModule, not GRPOModule .*load it with ESModule"):
+        GRPOModule.load_from_checkpoint(paths["es"], map_location="cpu")
+    with pytest.raises(ValueError, match=r"a checkpoint of GRPOModule, not ESModule .*group_size.*GRPOModule\.load"):
+        ESModule.load_from_checkpoint(paths["grpo"])
+    for path in paths.values():
+        evaluator = ReasoningModule.load_from_checkpoint(path, map_location="cpu")
+        assert evaluator.algorithm is None and isinstance(evaluator.task, CountdownTask)
+    assert ESModule.load_from_checkpoint(paths["es"], "cpu", strict=False, sigma=0.5).algorithm.settings.sigma == 0.5

@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.model_helpers import _restricted_classmethod
 from torch import Tensor
 
 from es_lightning.algorithms import SAMPLING_KEYS, Algorithm, get_algorithm
@@ -153,6 +154,16 @@ class ReasoningModule(L.LightningModule):
         #: the rewards the last training update used (ES: one per member; GRPO: one per completion)
         self.last_rewards: Tensor | None = None
         self._warned_no_chat_template = False
+
+    @_restricted_classmethod
+    def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any):
+        """Lightning's ``load_from_checkpoint``, refusing in one line a checkpoint another module class wrote (an
+        ``ESModule``'s loaded as a ``GRPOModule`` or the reverse): Lightning keeps the hyperparameters the class
+        accepts and drops the others without a word, so the algorithm's settings were the class's defaults — a
+        ``GRPOModule`` of an ES checkpoint failed on ES's greedy temperature, an ``ESModule`` of a GRPO checkpoint came
+        back training GRPO (its stage record) with ES's default settings. ``ReasoningModule`` evaluates any of them."""
+        _check_checkpoint_class(cls, checkpoint_path)
+        return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
 
     # ------------------------------------------------------------------ policy
     def configure_model(self) -> None:
@@ -654,3 +665,42 @@ def check_batch_size_finders(trainer: L.Trainer, algorithm: Algorithm) -> None:
                     f"BatchSizeFinder (mode {finder._mode!r}) tries {tried}, and at {size}: {err}. Pick settings "
                     "that fit every size it tries (GRPO: a mini_batch_size that divides init_val × group_size, or "
                     "group_size with binsearch; or none), or leave BatchSizeFinder out") from None
+
+
+def _module_classes(root: type) -> list[type]:
+    """``root`` and its subclasses bound to an algorithm, depth first (``ESModule``, ``GRPOModule``, a user's own)."""
+    found = []
+    for sub in root.__subclasses__():
+        if sub.algorithm_class is not None:
+            found.append(sub)
+        found += [c for c in _module_classes(sub) if c not in found]
+    return found
+
+
+def _check_checkpoint_class(cls: type, checkpoint_path: Any) -> None:
+    """Refuse a checkpoint whose hyperparameters another module class wrote (see ``load_from_checkpoint``)."""
+    import inspect
+
+    if cls.algorithm_class is None or not isinstance(checkpoint_path, (str, os.PathLike)):
+        return  # ReasoningModule evaluates any; a stream or URL is Lightning's to read
+    path = os.fspath(checkpoint_path)
+    if not os.path.isfile(path):
+        return  # Lightning says what is wrong with it
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)  # tensors stay on disk
+    except Exception:  # not a zip archive (mmap) or not a checkpoint: Lightning's load says so
+        return
+    hparams = checkpoint.get("hyper_parameters") if isinstance(checkpoint, dict) else None
+    if not isinstance(hparams, dict) or "_class_path" in hparams:  # the command's: Lightning builds the class it names
+        return
+    accepted = inspect.signature(cls).parameters
+    foreign = [name for name in hparams if not name.startswith("_") and name not in accepted]
+    if not foreign:
+        return
+    writers = [c for c in _module_classes(ReasoningModule)
+               if c is not cls and all(name in inspect.signature(c).parameters for name in hparams if not name.startswith("_"))]
+    writer = writers[0].__name__ if writers else "another module class"
+    use = f"{writer}.load_from_checkpoint" if writers else "the class that wrote it"
+    raise ValueError(f"{path}: a checkpoint of {writer}, not {cls.__name__} (its hyperparameters {', '.join(foreign[:4])}"
+                     f"{', ...' if len(foreign) > 4 else ''} are not {cls.__name__}'s): load it with {use}, or with "
+                     "ReasoningModule.load_from_checkpoint to evaluate it")
