@@ -500,7 +500,7 @@ def test_validate_with_a_grpo_recipe_evaluates(tmp_path, monkeypatch, capsys):
     cli_main(["validate", "--config", str(ROOT / "recipes" / "grpo.yaml"), "--data.init_args.val_size", "4",
               "--data.init_args.val_batch_size", "4"])
     captured = capsys.readouterr()
-    assert "step 0 validation: pass@1" in captured.out, captured.out
+    assert "\nvalidation: pass@1" in "\n" + captured.out, captured.out
     assert "es-lightning validate: trainer.limit_val_batches 0 turns the validation loop off" in captured.err, captured.err
 
 
@@ -1408,3 +1408,29 @@ def test_seed_everything_alone_says_it_changes_nothing(tmp_path, monkeypatch, ca
             and "pass --model.init_args.seed 5 --data.init_args.seed 5" in err), err
     cli_main([*base, "--model.init_args.seed", "5"])
     assert "seed_everything" not in capsys.readouterr().err
+
+
+def test_progress_lines_of_validate_from_a_checkpoint_name_it_not_step_0(tmp_path, monkeypatch):
+    """`es-lightning validate --ckpt_path .../last.ckpt` in a log: Lightning restores the weights, not the step, so the
+    line read "step 0 validation: pass@1 ..." for a step-2 checkpoint, as if the trained weights had not loaded."""
+    from es_helpers import Writes
+
+    from es_lightning.callbacks.progress import ProgressLines
+
+    class _Validated(_Regression):
+        def validation_step(self, batch, batch_idx):
+            self.log("val/loss", torch.nn.functional.mse_loss(self.layer(batch[0]), batch[1]))
+
+    x = torch.linspace(-1, 1, 8).unsqueeze(1)
+    loader = DataLoader(TensorDataset(x, 3 * x), batch_size=4)
+    trainer = L.Trainer(max_steps=2, logger=False, accelerator="cpu", enable_model_summary=False, enable_progress_bar=False,
+                        default_root_dir=tmp_path, limit_val_batches=0)
+    trainer.fit(_Validated(), loader)
+    ckpt = trainer.checkpoint_callback.best_model_path
+    out = Writes()
+    monkeypatch.setattr(sys, "stdout", out)
+    L.Trainer(logger=False, accelerator="cpu", callbacks=[ProgressLines(every_seconds=1e9)], enable_model_summary=False,
+              default_root_dir=tmp_path).validate(_Validated(), loader, ckpt_path=ckpt)
+    monkeypatch.undo()
+    lines = [line for line in "".join(out.calls).splitlines() if "validation" in line]
+    assert lines and lines[0].startswith(f"validation of {ckpt}: loss "), lines

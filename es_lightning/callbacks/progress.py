@@ -170,8 +170,11 @@ class ProgressLines(ProgressBar):
         if trainer.sanity_checking:
             return
         figures = {k: v for k, v in trainer.callback_metrics.items() if k.startswith(("val/", "test/"))}
-        if figures:
-            self._write(f"step {trainer.global_step} validation: "
+        if figures:  # `validate --ckpt_path`: Lightning restores the weights, not the step (it read "step 0")
+            fitting = trainer.state.fn == "fit"
+            what = (f"step {trainer.global_step} validation" if fitting else
+                    f"validation of {trainer.ckpt_path}" if trainer.ckpt_path else "validation")
+            self._write(f"{what}: "
                         + "  ".join(f"{k.split('/', 1)[-1]} {float(v):.3f}" for k, v in figures.items()))
 
     def on_train_end(self, trainer, pl_module) -> None:
