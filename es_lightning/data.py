@@ -560,8 +560,8 @@ class ReasoningDataModule(L.LightningDataModule):
         trains on other prompts than the interrupted one would have. A setting the checkpoint does not record (one
         written before it was recorded, e.g. the held-out settings) is not compared: what the run used is unknown."""
         saved, now = state_dict.get("stream"), self._stream_settings()
-        if not saved:
-            return
+        if not saved or (self.trainer is not None and self.trainer.state.fn in ("validate", "test")):
+            return  # an evaluation of a checkpoint trains on no stream: nothing resumes
         changed = sorted(k for k in saved if saved[k] != now.get(k))
         if changed == ["train_rows"]:  # the same settings read other rows: the source's data changed
             from lightning.pytorch.utilities import rank_zero_warn

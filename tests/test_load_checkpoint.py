@@ -64,3 +64,24 @@ def test_a_checkpoint_of_the_other_module_class_is_refused_naming_it(tiny_model_
         evaluator = ReasoningModule.load_from_checkpoint(path, map_location="cpu")
         assert evaluator.algorithm is None and isinstance(evaluator.task, CountdownTask)
     assert ESModule.load_from_checkpoint(paths["es"], "cpu", strict=False, sigma=0.5).algorithm.settings.sigma == 0.5
+
+
+def test_validating_another_recipes_checkpoint_says_nothing_of_resuming(tiny_model_dir, tmp_path):
+    """`es-lightning validate --config recipes/es.yaml --ckpt_path <a GRPO run's last.ckpt>`: the module warned "this
+    fit continues grpo with the checkpoint's settings ... to train es, start from ..." and switched its algorithm, in
+    an evaluation; it evaluates the weights with the configured settings, without a word of resuming."""
+    import warnings
+
+    from es_lightning import PassAtKCallback
+
+    path = _fit("grpo", tiny_model_dir, "float32", tmp_path)[1]
+    module = ESModule(model=tiny_model_dir, population_size=2, max_new_tokens=6)
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[PassAtKCallback(num_samples=2, ks=(1,))])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.validate(module, _data(task=CountdownTask(prompt_format="compact"), val_size=2), ckpt_path=path)
+    said = [str(w.message) for w in caught if "stage" in str(w.message) or "resuming" in str(w.message)]
+    assert not said, said
+    assert module.algorithm.name == "es" and module.sampling.max_new_tokens == 6
+    assert all(torch.equal(v, torch.load(path, weights_only=True)["state_dict"][k]) for k, v in module.state_dict().items())

@@ -628,6 +628,14 @@ class ReasoningModule(L.LightningModule):
         if fitting and "state_dict" not in checkpoint and path is not None and os.path.isfile(path):
             self._checkpoint_weights = str(path)  # ModelParallelStrategy took the state dict out of a file checkpoint
         record = checkpoint.get(STAGE_KEY)
+        if self._trainer is not None and self._trainer.state.fn in ("validate", "test") and record is not None:
+            # an evaluation samples with the configured settings (it warned "this fit continues grpo ..." of another
+            # recipe's checkpoint), or the stage's of a switch the configured SequentialStrategy makes, as the fit did
+            from es_lightning.callbacks.sequential import SequentialStrategy
+
+            if not any(isinstance(cb, SequentialStrategy) and cb.target == record["algorithm"]
+                       for cb in self._trainer.callbacks):
+                return
         if record is None or self.algorithm is None or not self.restore_stage(record):
             return
         trainer = self._trainer
