@@ -60,6 +60,14 @@ def test_a_checkpoint_of_the_other_module_class_is_refused_naming_it(tiny_model_
         GRPOModule.load_from_checkpoint(paths["es"], map_location="cpu")
     with pytest.raises(ValueError, match=r"a checkpoint of GRPOModule, not ESModule .*group_size.*GRPOModule\.load"):
         ESModule.load_from_checkpoint(paths["grpo"])
+    # the command's checkpoint names its class: Lightning blocked it ("import the module that defines the class")
+    checkpoint = torch.load(paths["grpo"], weights_only=False)
+    checkpoint["hyper_parameters"].update(_class_path="es_lightning.modules.grpo.GRPOModule",
+                                          _instantiator="lightning.pytorch.cli.instantiate_module")
+    torch.save(checkpoint, tmp_path / "command.ckpt")
+    with pytest.raises(ValueError, match=r"a checkpoint of GRPOModule, not ESModule .*load it with GRPOModule"):
+        ESModule.load_from_checkpoint(tmp_path / "command.ckpt")
+    assert type(GRPOModule.load_from_checkpoint(tmp_path / "command.ckpt")) is GRPOModule
     for path in paths.values():
         evaluator = ReasoningModule.load_from_checkpoint(path, map_location="cpu")
         assert evaluator.algorithm is None and isinstance(evaluator.task, CountdownTask)

@@ -699,16 +699,24 @@ def _check_checkpoint_class(cls: type, checkpoint_path: Any) -> None:
     except Exception:  # not a zip archive (mmap) or not a checkpoint: Lightning's load says so
         return
     hparams = checkpoint.get("hyper_parameters") if isinstance(checkpoint, dict) else None
-    if not isinstance(hparams, dict) or "_class_path" in hparams:  # the command's: Lightning builds the class it names
+    if not isinstance(hparams, dict):
         return
     accepted = inspect.signature(cls).parameters
     foreign = [name for name in hparams if not name.startswith("_") and name not in accepted]
-    if not foreign:
+    class_path = hparams.get("_class_path")
+    if isinstance(class_path, str):  # the command's: Lightning builds the class it names, or blocks it ("import the
+        # module that defines the class"), which misleads when the class is the other of ours
+        writers = [c for c in _module_classes(ReasoningModule) if not issubclass(c, cls)
+                   and class_path in (f"{c.__module__}.{c.__qualname__}", f"es_lightning.{c.__qualname__}")]
+    elif foreign:
+        writers = [c for c in _module_classes(ReasoningModule) if c is not cls and
+                   all(name in inspect.signature(c).parameters for name in hparams if not name.startswith("_"))]
+    else:
         return
-    writers = [c for c in _module_classes(ReasoningModule)
-               if c is not cls and all(name in inspect.signature(c).parameters for name in hparams if not name.startswith("_"))]
+    if class_path is not None and not writers:
+        return
     writer = writers[0].__name__ if writers else "another module class"
     use = f"{writer}.load_from_checkpoint" if writers else "the class that wrote it"
-    raise ValueError(f"{path}: a checkpoint of {writer}, not {cls.__name__} (its hyperparameters {', '.join(foreign[:4])}"
-                     f"{', ...' if len(foreign) > 4 else ''} are not {cls.__name__}'s): load it with {use}, or with "
-                     "ReasoningModule.load_from_checkpoint to evaluate it")
+    which = f" (its hyperparameters {', '.join(foreign[:4])}{', ...' if len(foreign) > 4 else ''} are not {cls.__name__}'s)"
+    raise ValueError(f"{path}: a checkpoint of {writer}, not {cls.__name__}{which if foreign else ''}: load it with {use}, "
+                     "or with ReasoningModule.load_from_checkpoint to evaluate it")
