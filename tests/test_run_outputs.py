@@ -1064,8 +1064,10 @@ def test_ckpt_path_names_and_remote_paths_are_left_to_lightning(tmp_path):
     from es_lightning.cli_errors import UserError
     from es_lightning.run_dirs import check_ckpt_path
 
-    for path in ("last", "best", "hpc", "registry:my-model", "s3://bucket/run/last.ckpt", None):
+    for path in ("last", "hpc", "registry:my-model", "s3://bucket/run/last.ckpt", None):
         check_ckpt_path(SimpleNamespace(ckpt_path=path))  # nothing to refuse here
+    with pytest.raises(UserError, match="the command starts a new Trainer, which has none"):  # a command never has one
+        check_ckpt_path(SimpleNamespace(ckpt_path="best"))
     with pytest.raises(UserError, match="no such file"):
         check_ckpt_path(SimpleNamespace(ckpt_path=str(tmp_path / "x.ckpt")))
 
