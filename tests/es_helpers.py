@@ -228,3 +228,35 @@ def model_of_its_own_code(model_dir: str, path: Path) -> Path:
                             "AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"})
     (path / "config.json").write_text(json.dumps(config))
     return path
+
+
+#: tiny sizes of other architectures than the fixtures' (Qwen2, Llama) for ``tiny_architecture``
+ARCHITECTURES = {
+    "gpt2": dict(n_embd=64, n_layer=2, n_head=2, n_positions=256),
+    "phi3": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1),
+    "gemma2": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                   head_dim=32),
+    "qwen2_moe": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48),
+    "mixtral": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                    num_local_experts=4, num_experts_per_tok=2),
+}
+
+
+def tiny_architecture(model_type: str, path: Path, **overrides) -> str:
+    """A random fp32 model of ``model_type`` (``ARCHITECTURES``' sizes, 1024 embedding rows) with the Qwen-like
+    tokenizer, written to ``path`` as a user's checkpoint directory of that architecture."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from es_lightning.builtin.qwen_like import ENDOFTEXT, IM_END, build_qwen_like_tokenizer, special_token_ids
+
+    ids = special_token_ids(1024)
+    config = AutoConfig.for_model(model_type, vocab_size=1024, bos_token_id=ids[ENDOFTEXT], eos_token_id=ids[IM_END],
+                                  pad_token_id=ids[ENDOFTEXT], **{**ARCHITECTURES[model_type], **overrides})
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    build_qwen_like_tokenizer(1024).save_pretrained(path)
+    return str(path)

@@ -12,7 +12,10 @@ that member's weights:
 - norms, whose only per-member parameter is a weight vector (checked on a probe, never assumed): the members'
   weights broadcast over their blocks in the module's own forward, or ``g(x)`` once and one multiply for the form
   ``w ⊙ g(x)`` (``_norm_forward``);
-- anything else with parameters: ``torch.func.vmap`` of ``functional_call`` over the members.
+- anything else with parameters: ``torch.func.vmap`` of ``functional_call`` over the members, a tensor argument with the
+  input's rows split with it (an MoE's experts get each row's routing) and a tuple output (a router's logits, weights,
+  indices) kept; a module ``vmap`` cannot batch (an MoE's experts loop over the experts routed to) runs each member's
+  block through its own forward, one call per member.
 
 Modules without parameters (attention, rotary embeddings, activations) act row by row and need nothing. This is the
 population-batched evaluation that EvoX/"ES at scale" implementations use on accelerators; it trades memory — the
@@ -119,15 +122,48 @@ def _batched_forward(module: nn.Module, members: dict[str, Tensor], k: int):
         if scale is not None:
             return scale
 
-    def generic(self, x: Tensor, *args, **kwargs) -> Tensor:  # x [k·R, ...]; other arguments shared by all members
-        def one(params: dict[str, Tensor], xi: Tensor) -> Tensor:
-            return torch.func.functional_call(module, params, (xi, *args), kwargs, strict=False)
-
+    def generic(self, x: Tensor, *args, **kwargs):  # x [k·R, ...]
+        rows = x.shape[0]
+        # a tensor argument with x's rows is per row, split with x (an MoE's experts get each row's routing: indices
+        # and weights [k·R, top_k]); any other argument is shared by all members
+        per_row = [isinstance(a, Tensor) and a.dim() > 0 and a.shape[0] == rows for a in (x, *args)]
+        names = [n for n, a in kwargs.items() if isinstance(a, Tensor) and a.dim() > 0 and a.shape[0] == rows]
+        inputs = [_split(a, k) if split else a for a, split in zip((x, *args), per_row)]
+        row_kwargs = {n: _split(kwargs[n], k) for n in names}
+        shared = {n: a for n, a in kwargs.items() if n not in row_kwargs}
         with _unpatched(module, cls_forward):
-            out = torch.func.vmap(one)(members, _split(x, k))  # [k, R, ...]
-        return out.reshape(x.shape[0], *out.shape[2:])
+            if _GENERIC_PATHS.get(module) != "loop":
+                def one(params: dict[str, Tensor], positional: list, named: dict):
+                    args_j = [positional.pop(0) if split else a for a, split in zip((x, *args), per_row)]
+                    return torch.func.functional_call(module, params, tuple(args_j), {**shared, **named}, strict=False)
+
+                try:
+                    out = torch.func.vmap(one)(members, [a for a, s in zip(inputs, per_row) if s], row_kwargs)
+                    return tree_map(lambda t: t.reshape(rows, *t.shape[2:]), out)  # [k, R, ...] -> [k·R, ...]
+                except Exception:  # data-dependent control flow (an MoE's experts loop over the experts routed to)
+                    _GENERIC_PATHS[module] = "loop"
+            outs = [torch.func.functional_call(module, {n: t[j] for n, t in members.items()},
+                                               tuple(a[j] if s else a for a, s in zip(inputs, per_row)),
+                                               {**shared, **{n: t[j] for n, t in row_kwargs.items()}}, strict=False)
+                    for j in range(k)]
+        return tree_map(lambda *blocks: torch.cat(blocks), *outs) if len(outs) > 1 else outs[0]
 
     return generic
+
+
+#: modules whose forward ``vmap`` cannot batch (data-dependent control flow or shapes: the loop of an MoE's experts over
+#: the experts its rows were routed to), learned on their first call: each member's block of rows then runs through
+#: the module's own forward with that member's parameters, one call per member
+_GENERIC_PATHS: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+
+
+def tree_map(fn, *trees):
+    """``fn`` over the tensors of ``trees`` (a tensor, or tuples/lists of them, as a router returns: logits, weights,
+    indices), keeping the structure."""
+    first = trees[0]
+    if isinstance(first, Tensor):
+        return fn(*trees)
+    return type(first)(tree_map(fn, *parts) for parts in zip(*trees))
 
 
 #: per module, the verdict of :func:`_norm_forward`'s probe — ``"broadcast"``, ``"scale"`` or ``None`` (generic) — keyed

@@ -1,0 +1,67 @@
+"""Checkpoints of other architectures than Qwen2/Llama (GPT-2's Conv1D, Gemma's scaled embedding, MoE experts as 3-D
+tensors and routers that return tuples): ES members batched full-rank or low-rank compute what each member's merged
+weights compute, and a short fit runs (tiny random models with the Qwen-like tokenizer, tests/es_helpers.py)."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from es_helpers import tiny_architecture
+from transformers import AutoModelForCausalLM
+
+from es_lightning.es.evaluators import perturbed_parameters
+from es_lightning.es.lowrank import LowRankPopulationForward, lowrank_factors
+from es_lightning.es.noise import param_noise
+from es_lightning.es.population import PopulationForward
+
+SEED, STEP, SIGMA = 7, 3, 0.05
+MEMBERS = [(0, 1.0), (0, -1.0), (1, 1.0)]  # (noise id, sign): an antithetic pair and one more
+
+
+def _noise(member, name, p, rank):
+    """E (rank > 0, matrices) or ε of one member, float64, in the parameter's own layout."""
+    if rank and p.dim() == 2:
+        a, b = lowrank_factors(SEED, STEP, member, name, p.shape, rank)
+        return a.double() @ b.double().T / math.sqrt(rank)
+    return param_noise(SEED, STEP, member, name, p.numel()).double().view(p.shape)
+
+
+def _merged_logits(model, named, member, sign, rank, ids, positions):
+    """Logits of a plain copy of ``model`` holding one member's merged weights θ + sign·σ·E."""
+    plain = copy.deepcopy(model)
+    params = dict(plain.named_parameters())
+    with torch.no_grad():
+        for name, p in named:
+            params[name].copy_((p.double() + sign * SIGMA * _noise(member, name, p, rank)).float())
+        return plain(ids, position_ids=positions).logits
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_moe_members_batched_equal_their_merged_weights(model_type, rank, tmp_path):
+    """A router returning (logits, weights, indices) and experts that loop over the experts routed to (which vmap
+    cannot batch) under population-batched members, full-rank and low-rank: each member's block of logits is its
+    merged weights' (the forward raised AttributeError on the router's tuple)."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_architecture(model_type, tmp_path), dtype=torch.float32).eval()
+    named = perturbed_parameters(model, None)
+    assert any(p.dim() == 3 for _, p in named)  # fused experts [E, out, in]
+    ids = torch.randint(0, 700, (2, 9), generator=torch.Generator().manual_seed(0))
+    batch, positions = ids.repeat(len(MEMBERS), 1), torch.arange(9).expand(2 * len(MEMBERS), 9)
+    with torch.no_grad():
+        if rank:
+            with pytest.warns(UserWarning, match="merged copies"), LowRankPopulationForward(
+                    model, named, MEMBERS, seed=SEED, step=STEP, sigma=SIGMA, rank=rank):
+                got = model(batch, position_ids=positions).logits
+        else:
+            stacked = {name: torch.stack([(p.double() + s * SIGMA * _noise(i, name, p, 0)).float() for i, s in MEMBERS])
+                       for name, p in named}
+            with PopulationForward(model, stacked):
+                got = model(batch, position_ids=positions).logits
+        base = model(ids, position_ids=positions[:2]).logits
+    for j, (member, sign) in enumerate(MEMBERS):
+        want = _merged_logits(model, named, member, sign, rank, ids, positions[:2])
+        torch.testing.assert_close(got[2 * j:2 * j + 2], want, rtol=0, atol=5e-5)
+        assert (want - base).abs().max() > 0.1  # the member really differs from the centre
