@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 import types
 import warnings
+import weakref
 from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 
 import torch
@@ -124,6 +125,7 @@ class LowRankPopulationForward:
       [k, R, r]×[k, r, m] into the output (no [R, m] temporary per member); a perturbed bias is added per block;
     - ``nn.Embedding`` [V, d]: ``W[ids] + A_j[ids] (s B_jᵀ)`` (a lookup in the stacked A's, one ``baddbmm_``). A tied
       ``lm_head`` is the same parameter, so the same factors perturb it as a Linear — exactly ``W + σE`` in both uses;
+      a scaled embedding (Gemma's ``W[ids]·√d``, checked on a probe: :func:`_embedding_scale`) the same, times its scale;
     - modules whose perturbed parameters are vectors (RMSNorm, LayerNorm): the members' full-rank perturbed copies through
       the batched forwards of :mod:`es_lightning.es.population` (norm fast path or ``vmap``);
     - any other module holding a perturbed matrix (not ``nn.Linear``/``nn.Embedding``, e.g. GPT-2's ``Conv1D``):
@@ -230,8 +232,9 @@ class LowRankPopulationForward:
                 continue
             if type(module) is nn.Linear:
                 forward = self._linear(module, own, share_of.get(id(module)))
-            elif type(module) is nn.Embedding and module.max_norm is None and set(own) == {"weight"}:
-                forward = self._embedding(module)
+            elif (type(module) is nn.Embedding or _embedding_scale(module) is not None) and module.max_norm is None \
+                    and set(own) == {"weight"}:
+                forward = self._embedding(module, None if type(module) is nn.Embedding else _embedding_scale(module))
             else:
                 members = {}
                 for n, p in module.named_parameters(recurse=False):
@@ -295,7 +298,7 @@ class LowRankPopulationForward:
 
         return linear
 
-    def _embedding(self, module: nn.Embedding):
+    def _embedding(self, module: nn.Embedding, scale: Tensor | None = None):
         k, w = self.k, module.weight
         a, b = self._factors(self._names[id(w)], w)  # [k, V, r], [k, d, r]
         vocab = w.shape[0]
@@ -308,9 +311,38 @@ class LowRankPopulationForward:
             rows = F.embedding(_split(ids, k) + offset, a_rows)  # [k, R, T, r]
             flat = out.view(k, -1, out.shape[-1])  # [k, R·T, d]
             _add_term(flat, rows.reshape(k, -1, a_rows.shape[-1]).to(out.dtype), b_out_t.to(out.dtype))
-            return out
+            return out if scale is None else out.mul_(scale)  # a scaled embedding's (W + σE)[ids]·c
 
         return embedding
+
+
+#: per scaled embedding (and weight dtype), its scale or ``None``: the verdict of :func:`_embedding_scale`'s probe
+_EMBEDDING_SCALES: weakref.WeakKeyDictionary[nn.Module, dict[tuple, Tensor | None]] = weakref.WeakKeyDictionary()
+
+
+def _embedding_scale(module: nn.Module) -> Tensor | None:
+    """The constant ``c`` of an ``nn.Embedding`` subclass whose forward is the lookup times ``c`` — Gemma's
+    ``ScaledWordEmbedding`` (``W[ids] · √d``, its ``embed_scale``) and the other ``*ScaledWordEmbedding`` s of
+    transformers — in the weight's dtype, so that its low-rank member is ``(W[ids] + σ(A Bᵀ)[ids]/√r)·c`` without a
+    merged copy of the table per member; ``None`` for any other module. Checked on a probe against the class forward
+    (bitwise), never assumed from the class, once per module, dtype and device."""
+    if not isinstance(module, nn.Embedding) or not isinstance(getattr(module, "embed_scale", None), (Tensor, float, int)):
+        return None
+    w = module.weight
+    verdicts = _EMBEDDING_SCALES.setdefault(module, {})
+    key = (w.dtype, w.device)
+    if key not in verdicts:
+        scale = torch.as_tensor(module.embed_scale).to(device=w.device, dtype=w.dtype)
+        verdict = None
+        try:
+            with torch.no_grad():
+                ids = torch.arange(min(6, module.num_embeddings), device=w.device).view(2, -1)
+                got = type(module).forward(module, ids)
+                verdict = scale if scale.numel() == 1 and torch.equal(got, F.embedding(ids, w) * scale) else None
+        except Exception:  # a forward the probe cannot run (a sharded weight): merged copies, as any other module
+            verdict = None
+        verdicts[key] = verdict
+    return verdicts[key]
 
 
 class _CastOnce:
