@@ -22,12 +22,12 @@ SEED, STEP, SIGMA = 7, 3, 0.05
 MEMBERS = [(0, 1.0), (0, -1.0), (1, 1.0)]  # (noise id, sign): an antithetic pair and one more
 
 
-def _noise(member, name, p, rank):
+def _noise(member, name, p, rank, seed=SEED, step=STEP):
     """E (rank > 0, matrices) or ε of one member, float64, in the parameter's own layout."""
     if rank and p.dim() == 2:
-        a, b = lowrank_factors(SEED, STEP, member, name, p.shape, rank)
+        a, b = lowrank_factors(seed, step, member, name, p.shape, rank)
         return a.double() @ b.double().T / math.sqrt(rank)
-    return param_noise(SEED, STEP, member, name, p.numel()).double().view(p.shape)
+    return param_noise(seed, step, member, name, p.numel()).double().view(p.shape)
 
 
 def _merged_logits(model, named, member, sign, rank, ids, positions):
@@ -89,3 +89,32 @@ def test_lowrank_members_of_dense_architectures_equal_their_merged_weights(model
     for j, (member, sign) in enumerate(MEMBERS):
         torch.testing.assert_close(got[2 * j:2 * j + 2], _merged_logits(model, named, member, sign, 2, ids, positions[:2]),
                                    rtol=0, atol=5e-5)
+
+
+def test_lowrank_step_of_an_moe_with_a_one_row_gate_updates_every_tensor_in_its_layout(tmp_path):
+    """Qwen2-MoE's shared-expert gate is a [1, d] matrix: noise_rank=2 was refused (rank above its smaller side). Its
+    r factors give it a full-rank perturbation; one fit step moves every tensor — the thin gate, the router [E, d],
+    the experts [E, out, in] (full-rank noise) — by α/N Σ z_n E_n, each E_n in the tensor's own layout."""
+    import lightning as L
+    from es_helpers import CharSumTask
+
+    from es_lightning import ESModule, ReasoningDataModule
+    from es_lightning.tasks import CountdownTask
+
+    n, sigma, lr, rank = 4, 0.05, 0.01, 2
+    module = ESModule(model=tiny_architecture("qwen2_moe", tmp_path), population_size=n,
+                      sigma=sigma, lr=lr, noise_rank=rank, members_per_batch=n, max_new_tokens=4, temperature=0.0,
+                      reward_normalization="zscore", task=CharSumTask())
+    module.configure_model()
+    theta0 = {name: p.detach().clone() for name, p in module.model.named_parameters()}
+    assert theta0["model.layers.0.mlp.shared_expert_gate.weight"].shape == (1, 64)
+    L.Trainer(max_steps=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, limit_val_batches=0,
+              enable_progress_bar=False, enable_model_summary=False).fit(
+        module, ReasoningDataModule(task=CountdownTask(), train_size=8, val_size=2, test_size=2, batch_size=2, seed=0))
+    rewards = module.last_rewards.double()
+    z = (rewards - rewards.mean()) / rewards.std(unbiased=False)
+    for name, p in module.model.named_parameters():
+        e = [_noise(member, name, p, rank, seed=module.seed, step=0) for member in range(n)]
+        want = theta0[name].double() + lr / n * sum(z[m] * e[m] for m in range(n))
+        torch.testing.assert_close(p.double(), want, rtol=0, atol=1e-6, msg=name)
+        assert not torch.equal(p, theta0[name]), name

@@ -57,11 +57,14 @@ def _weights(module):
 def test_noise_rank_is_validated_with_the_fix(tiny_model_dir):
     with pytest.raises(ValueError, match=r"noise_rank must be an integer >= 0.*got -1"):
         ESModule(model=tiny_model_dir, noise_rank=-1)
-    module = ESModule(model=tiny_model_dir, noise_rank=17)  # the tiny model's smallest matrix side is 16
-    with pytest.raises(ValueError, match=r"noise_rank=17 exceeds .*k_proj.weight \(16, 32\).*use noise_rank <= 16"):
+    module = ESModule(model=tiny_model_dir, noise_rank=33)  # no matrix of the tiny model has both sides above 32
+    with pytest.raises(ValueError, match=r"noise_rank=33 exceeds the smaller side of every perturbed matrix \(the "
+                                         r"largest is .* \(\d+, 32\)\).*use noise_rank <= 32"):
         module.configure_model()  # once the model is loaded: before any step
-    # trainable restricts the matrices the bound is taken over: the MLP's smallest side is 32
-    ESModule(model=tiny_model_dir, noise_rank=17, trainable=r"mlp\.").configure_model()
+    ESModule(model=tiny_model_dir, noise_rank=17).configure_model()  # k_proj [16, 32] thinner than r: its full rank
+    # trainable restricts the matrices the bound is taken over: k_proj's smaller side is 16
+    with pytest.raises(ValueError, match=r"noise_rank=17 exceeds .*k_proj.weight \(16, 32\).*use noise_rank <= 16"):
+        ESModule(model=tiny_model_dir, noise_rank=17, trainable=r"k_proj").configure_model()
     assert ESSettings().noise_rank == 0  # full rank by default (Ba et al.)
 
 

@@ -535,16 +535,17 @@ def test_optimizer_with_noise_rank_applies_the_explicit_update(tiny):
 
 # ---------------------------------------------------------------------------------------------------- bad input
 def test_noise_rank_is_validated(tiny):
-    named = list(tiny.model.named_parameters())  # the smallest matrix side is 16 (k_proj [16, 32])
+    named = list(tiny.model.named_parameters())  # smaller sides 16 (k_proj [16, 32]) and 32 (the others)
     check_noise_rank(0, named)
     check_noise_rank(16, named)
     with pytest.raises(ValueError, match=r"noise_rank must be an integer >= 0.*got -1"):
         check_noise_rank(-1, named)
     with pytest.raises(ValueError, match=r"noise_rank must be an integer"):
         check_noise_rank(True, named)
-    with pytest.raises(ValueError, match=r"noise_rank=17 exceeds the smaller side of .*k_proj.weight \(16, 32\).*"
-                                         r"use noise_rank <= 16"):
-        check_noise_rank(17, named)
+    check_noise_rank(17, named)  # k_proj [16, 32] is thinner: its r factors give it a full-rank perturbation
+    with pytest.raises(ValueError, match=r"noise_rank=33 exceeds the smaller side of every perturbed matrix .*"
+                                         r"use noise_rank <= 32"):
+        check_noise_rank(33, named)
     with pytest.raises(ValueError, match="rank 0 is full-rank"):
         LowRankPopulationForward(tiny.model, named, MEMBERS, seed=0, step=0, sigma=0.1, rank=0)
 

@@ -107,7 +107,7 @@ class ESAlgorithm(Algorithm):
                     group.update(values)
 
     def configure_model(self, module: ReasoningModule) -> None:
-        if self.settings.noise_rank:  # its bound is the perturbed matrices' smaller side: known once the model is loaded
+        if self.settings.noise_rank:  # its bound is the perturbed matrices' sides: known once the model is loaded
             check_noise_rank(self.settings.noise_rank, perturbed_parameters(module.model, self.settings.trainable))
 
     def check_batch(self, batch_size: int) -> None:

@@ -49,7 +49,12 @@ NoiseCache = MutableMapping[tuple[int, str], "Tensor | tuple[Tensor, Tensor]"]
 
 
 def check_noise_rank(noise_rank: int, named_params: Iterable[tuple[str, Tensor]]) -> None:
-    """Validate ``noise_rank`` against the matrices ES perturbs; raises one-line ``ValueError`` s naming the fix."""
+    """Validate ``noise_rank`` against the matrices ES perturbs; raises one-line ``ValueError`` s naming the fix.
+
+    A matrix thinner than r (an MoE's shared-expert gate [1, d]) is fine: its r factors give it a perturbation of rank
+    min(m, n) (full), entries of variance 1 as everywhere. A rank above the smaller side of *every* matrix is refused:
+    there every matrix's factors (r·(m+n) numbers a member) outweigh the matrix (m·n), which is what full-rank noise
+    costs."""
     if isinstance(noise_rank, bool) or not isinstance(noise_rank, int) or noise_rank < 0:
         raise ValueError(
             f"noise_rank must be an integer >= 0 (0 = full-rank noise; EGGROLL uses small ranks such as 1-16), "
@@ -57,13 +62,14 @@ def check_noise_rank(noise_rank: int, named_params: Iterable[tuple[str, Tensor]]
         )
     if noise_rank == 0:
         return
-    matrices = [(min(p.shape), name, tuple(p.shape)) for name, p in named_params if p.dim() == 2]
+    matrices = [(min(p.shape), p.numel(), name, tuple(p.shape)) for name, p in named_params if p.dim() == 2]
     if matrices:
-        side, name, shape = min(matrices)
+        side, _, name, shape = max(matrices)
         if noise_rank > side:
             raise ValueError(
-                f"noise_rank={noise_rank} exceeds the smaller side of {name} {shape}: a rank-r perturbation of that "
-                f"matrix needs r <= {side}; use noise_rank <= {side} (or noise_rank=0 for full-rank noise)"
+                f"noise_rank={noise_rank} exceeds the smaller side of every perturbed matrix (the largest is {name} "
+                f"{shape}): a rank-r perturbation costs more than the matrix; use noise_rank <= {side} (or "
+                f"noise_rank=0 for full-rank noise)"
             )
 
 

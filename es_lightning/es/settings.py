@@ -48,9 +48,10 @@ class ESSettings:
     full-rank noise. Members then run through the shared weights, adding a rank-r term each: no weight copies, so with
     members_per_batch = population_size the whole population is one batched generate at any model size (O(N·r·(m+n))
     extra per matrix, not O(N·m·n)); the update Σ z E is still full-rank (rank up to N·r), one matmul per matrix.
-    EGGROLL learns from r = 1. At most any perturbed matrix's smaller side; one device, DDP or FSDP2 (every rank runs
-    the members on its share of the prompts; FSDP1 is refused); on vLLM each member is a LoRA adapter over the blocks'
-    linear layers (set trainable to them: es_lightning/es/vllm_lora.py)."""
+    EGGROLL learns from r = 1. At most the largest smaller side of a perturbed matrix (a thinner matrix, such as an
+    MoE's shared-expert gate [1, d], gets a perturbation of its full rank from the r factors); one device, DDP or FSDP2
+    (every rank runs the members on its share of the prompts; FSDP1 is refused); on vLLM each member is a LoRA adapter
+    over the blocks' linear layers (set trainable to them: es_lightning/es/vllm_lora.py)."""
     prompt_groups: int = 1
     """G: split the population into G groups of consecutive members (N/G each; antithetic pairs stay together) and
     each step's batch into G equal slices of consecutive prompts; group g is scored only on slice g, and
