@@ -53,9 +53,14 @@ def test_moe_members_batched_equal_their_merged_weights(model_type, rank, tmp_pa
     batch, positions = ids.repeat(len(MEMBERS), 1), torch.arange(9).expand(2 * len(MEMBERS), 9)
     with torch.no_grad():
         if rank:
-            with pytest.warns(UserWarning, match="merged copies"), LowRankPopulationForward(
-                    model, named, MEMBERS, seed=SEED, step=STEP, sigma=SIGMA, rank=rank):
-                got = model(batch, position_ids=positions).logits
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                with LowRankPopulationForward(model, named, MEMBERS, seed=SEED, step=STEP, sigma=SIGMA, rank=rank):
+                    got = model(batch, position_ids=positions).logits
+            said = " ".join(str(w.message) for w in caught)
+            assert "mlp.gate.weight" in said and "merged copies" in said  # the router [E, d], not an nn.Linear
+            # the experts, most of the model, get full-rank noise and k copies: said, not silent
+            assert "full-rank noise" in said and "model.layers.0.mlp.experts.gate_up_proj (4, " in said
         else:
             stacked = {name: torch.stack([(p.double() + s * SIGMA * _noise(i, name, p, 0)).float() for i, s in MEMBERS])
                        for name, p in named}

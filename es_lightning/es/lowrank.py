@@ -17,7 +17,9 @@ dimension grow). Three consequences, all used here:
   factors side by side (``A_stack`` [m, N·r]): one matmul per matrix (:func:`lowrank_delta`), of rank up to N·r.
 - **Vectors stay full-rank.** Biases and norm weights are small; they get the ordinary noise of
   :func:`~es_lightning.es.noise.param_noise` (the paper does the same), batched as :mod:`es_lightning.es.population`
-  does. Any parameter whose ``dim() != 2`` is a "vector" here.
+  does. Any parameter whose ``dim() != 2`` is a "vector" here — an MoE's experts stored as one ``[E, out, in]`` tensor
+  (Mixtral, Qwen2/3-MoE in transformers 5) too: full-rank noise, ``k`` perturbed copies in a population forward
+  (warned: they are most of such a model).
 
 The factors obey the noise discipline of README "Design": they are pure functions of (seed, step, noise id, parameter name),
 drawn by :func:`~es_lightning.es.noise.param_noise` as one flat draw of ``(m + n)·r`` elements under the key
@@ -223,7 +225,7 @@ class LowRankPopulationForward:
         return self
 
     def _patch(self) -> None:
-        fallback = []
+        fallback, stacked = [], []
         shares: dict[tuple[int, int, torch.dtype], _SharedInput] = {}
         for parent in self.model.modules():  # sibling linears that may read one input (q/k/v, gate/up) share Bᵀx
             for child in parent.children():
@@ -252,6 +254,8 @@ class LowRankPopulationForward:
                         delta = torch.bmm(a, b.transpose(1, 2)) * self._scales(p.device).view(-1, 1, 1)
                         members[n] = (self._centre(self._names[id(p)], p) + delta).to(p.dtype)
                     else:
+                        if p.dim() > 2:  # an MoE's experts [E, out, in]: full-rank noise, as a vector's
+                            stacked.append(f"{mod_name}.{n} {tuple(p.shape)}")
                         members[n] = self._vectors(self._names[id(p)], p)
                 forward = _batched_forward(module, members, self.k)
             self._patched.append((module, module.__dict__.get("forward")))
@@ -260,6 +264,14 @@ class LowRankPopulationForward:
             warnings.warn(
                 "low-rank ES batches nn.Linear and nn.Embedding matrices without copies; these matrices are held as k "
                 f"merged copies instead (memory k·m·n each): {', '.join(fallback)}",
+                stacklevel=3,
+            )
+        if stacked:
+            warnings.warn(
+                f"low-rank ES perturbs matrices only: {len(stacked)} tensors of more than two dimensions (an MoE's "
+                f"experts) get full-rank noise and are held as k perturbed copies (memory k × their size): "
+                f"{', '.join(stacked[:4])}{', …' if len(stacked) > 4 else ''}; leave them out of trainable to keep "
+                "the population's memory that of one model",
                 stacklevel=3,
             )
 
