@@ -136,7 +136,8 @@ class LowRankPopulationForward:
       a scaled embedding (Gemma's ``W[ids]·√d``, checked on a probe: :func:`_embedding_scale`) the same, times its scale;
     - modules whose perturbed parameters are vectors (RMSNorm, LayerNorm): the members' full-rank perturbed copies through
       the batched forwards of :mod:`es_lightning.es.population` (norm fast path or ``vmap``);
-    - any other module holding a perturbed matrix (not ``nn.Linear``/``nn.Embedding``, e.g. GPT-2's ``Conv1D``):
+    - GPT-2's ``Conv1D`` (weight [in, out], E in that layout): as ``nn.Linear`` with the factors' roles swapped;
+    - any other module holding a perturbed matrix (not ``nn.Linear``/``nn.Embedding``/``Conv1D``, e.g. an MoE router):
       falls back to explicitly merged per-member copies ``W + σE`` (k copies of that matrix), with a warning.
 
     Precision: the rank-r term is computed in the activation dtype (the model's, e.g. bf16; matmuls accumulate in fp32
@@ -240,6 +241,8 @@ class LowRankPopulationForward:
                 continue
             if type(module) is nn.Linear:
                 forward = self._linear(module, own, share_of.get(id(module)))
+            elif _is_conv1d(module):
+                forward = self._linear(module, own, transposed=True)
             elif (type(module) is nn.Embedding or _embedding_scale(module) is not None) and module.max_norm is None \
                     and set(own) == {"weight"}:
                 forward = self._embedding(module, None if type(module) is nn.Embedding else _embedding_scale(module))
@@ -287,12 +290,18 @@ class LowRankPopulationForward:
         self._patched.clear()
 
     # ------------------------------------------------------------------ batched forwards
-    def _linear(self, module: nn.Linear, own: dict[str, Tensor], share: _SharedInput | None = None):
+    def _linear(self, module: nn.Module, own: dict[str, Tensor], share: _SharedInput | None = None,
+                transposed: bool = False):
+        """``nn.Linear`` (weight [m = out, n = in]), or with ``transposed`` GPT-2's ``Conv1D`` (weight [in, out],
+        ``y = x W + b``): its E = A Bᵀ is in the same [in, out] layout as its update, so ``x E = (x A) Bᵀ`` — the
+        factors swap roles, A reading the input and B writing the output."""
         k = self.k
         b_t = a_out_t = None
         if "weight" in own:
             w = own["weight"]
             a, b = self._factors(self._names[id(w)], w)  # [k, m, r], [k, n, r]
+            if transposed:
+                a, b = b, a  # output side [k, out, r], input side [k, in, r]
             b_t = _dense(b.transpose(1, 2).to(w.dtype))  # [k, r, n]
             a_out_t = _dense((a.transpose(1, 2) * self._scales(w.device).view(-1, 1, 1)).to(w.dtype))  # [k, r, m]
             if share is not None:
@@ -304,7 +313,8 @@ class LowRankPopulationForward:
 
         def linear(self, x: Tensor) -> Tensor:  # x [k·R, ..., n]
             xs = _split(x, k).reshape(k, -1, x.shape[-1])  # [k, R·…, n]
-            out = F.linear(x, self.weight, None if bias is not None else self.bias).contiguous()  # [k·R, ..., m]
+            weight = self.weight.t() if transposed else self.weight  # [m, n]
+            out = F.linear(x, weight, None if bias is not None else self.bias).contiguous()  # [k·R, ..., m]
             flat = out.view(k, -1, out.shape[-1])  # [k, R·…, m], shares out's storage
             if bias is not None:
                 flat.add_(cast(bias, out.dtype))
@@ -377,6 +387,15 @@ class _CastOnce:
         if key not in self._made:
             self._made[key] = tensor.to(dtype)
         return self._made[key]
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    """GPT-2's ``Conv1D`` (transformers' own class, exactly: a subclass may compute something else)."""
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return False
+    return type(module) is Conv1D
 
 
 def _whole(t: Tensor) -> Tensor:
