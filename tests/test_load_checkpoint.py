@@ -93,3 +93,24 @@ def test_validating_another_recipes_checkpoint_says_nothing_of_resuming(tiny_mod
     assert not said, said
     assert module.algorithm.name == "es" and module.sampling.max_new_tokens == 6
     assert all(torch.equal(v, torch.load(path, weights_only=True)["state_dict"][k]) for k, v in module.state_dict().items())
+
+
+class _Planted:
+    """A pickled object that, unpickled, writes a file: what a checkpoint from an untrusted source may carry."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_the_class_check_does_not_run_a_checkpoints_pickled_code(tmp_path):
+    """load_from_checkpoint's look at which class wrote a checkpoint loads it weights_only, as Lightning's own load:
+    a checkpoint carrying pickled code is refused without running it (the look loaded it with weights_only=False)."""
+    planted = tmp_path / "ran"
+    path = tmp_path / "untrusted.ckpt"
+    torch.save({"state_dict": {}, "hyper_parameters": {"population_size": 2, "payload": _Planted(str(planted))}}, path)
+    with pytest.raises(Exception, match="weights_only|Weights only|Unsupported global"):
+        ESModule.load_from_checkpoint(path, map_location="cpu")
+    assert not planted.exists()

@@ -695,8 +695,9 @@ def _check_checkpoint_class(cls: type, checkpoint_path: Any) -> None:
     if not os.path.isfile(path):
         return  # Lightning says what is wrong with it
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)  # tensors stay on disk
-    except Exception:  # not a zip archive (mmap) or not a checkpoint: Lightning's load says so
+        # weights_only: a peek must not run a checkpoint's pickled code, which Lightning's own load refuses to
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # tensors stay on disk
+    except Exception:  # not a zip archive (mmap), objects weights_only refuses, not a checkpoint: Lightning's load says
         return
     hparams = checkpoint.get("hyper_parameters") if isinstance(checkpoint, dict) else None
     if not isinstance(hparams, dict):
