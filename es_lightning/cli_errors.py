@@ -452,8 +452,10 @@ _MEMORY_HINTS = {
                                "call; the callback's batch_size outside a fit), its num_samples or max_new_tokens"),
     "analysis": ("evaluating", "lower --eval.batch_size (problems per generate call), --eval.num_samples or "
                  "--eval.max_new_tokens"),
-    "load_policy": ("loading the model", "load it in bfloat16 (dtype: bfloat16) or shard it over several devices "
-                  "(configs/trainer/fsdp2.yaml)"),
+    "analysis-weights": ("comparing the models' weights", "load them in a smaller --dtype (bfloat16), or run it where "
+                         "there is memory for both models"),
+    "load_policy": ("loading the model", "load it in bfloat16 (a fit's dtype: bfloat16, eval / analyze: --dtype "
+                    "bfloat16) or shard it over several devices (configs/trainer/fsdp2.yaml)"),
 }
 
 
@@ -483,7 +485,8 @@ def _out_of_memory(e: BaseException) -> str | None:
         rel = path.relative_to(_PACKAGE_DIR).as_posix()
         generating = generating or rel.startswith("generation/")
         top = rel.split("/")[0]
-        where = ("grpo-rollouts" if top == "grpo" and generating else top if top in ("es", "grpo", "analysis")
+        where = ("grpo-rollouts" if top == "grpo" and generating else "analysis-weights" if top == "analysis"
+                 and not generating else top if top in ("es", "grpo", "analysis")
                  else "load_policy" if frame.name == "load_policy" else rel if rel in _MEMORY_HINTS else None)
         if where:
             break

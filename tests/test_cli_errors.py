@@ -733,3 +733,28 @@ def test_out_of_memory_names_the_phase_of_grpo_it_ran_out_in(when, what, tmp_pat
     assert lines[0].startswith(f"es-lightning: error: {what} (CUDA out of memory. Tried to allocate 9.00 GiB. GPU 0 "
                                "has a total capacity of 79.10 GiB of which 1.06 GiB is free.); "), lines
     assert ("set gradient_checkpointing: true" in lines[0]) == when, lines
+
+
+def test_out_of_memory_in_analyze_drift_names_its_dtype_not_evaluation_settings(tmp_path, monkeypatch, capsys):
+    """`analyze drift` generates nothing: running out while it pairs the two models' weights names --dtype, not the
+    evaluation's batch size (which drift has no option for). torch's CUDA error is raised where the weights are paired
+    (a GPU's allocator cannot be made to run out here)."""
+    import torch
+
+    from es_lightning.analysis import drift
+    from es_lightning.cli import cli_main
+
+    def paired(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 26.00 GiB. GPU 0 has a total capacity of "
+                                     "79.10 GiB of which 3.06 GiB is free. Including non-PyTorch memory, ...")
+
+    monkeypatch.setattr(drift, "paired_weights", paired)
+    with pytest.raises(SystemExit) as exit:
+        cli_main(["analyze", "drift", "--tuned", "builtin:countdown-tiny", "--base", "builtin:countdown-tiny",
+                  "--out_dir", str(tmp_path / "drift"), "--plot", "false"])
+    lines = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert exit.value.code == 2 and len(lines) == 1, lines
+    assert lines[0] == ("es-lightning analyze drift: error: out of memory comparing the models' weights (CUDA out of "
+                        "memory. Tried to allocate 26.00 GiB. GPU 0 has a total capacity of 79.10 GiB of which 3.06 GiB "
+                        "is free.); load them in a smaller --dtype (bfloat16), or run it where there is memory for both "
+                        "models (--debug for the traceback)"), lines
