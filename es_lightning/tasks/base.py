@@ -158,7 +158,8 @@ class Task(ABC):
 
     # ----------------------------------------------------------------- the public face
     def is_correct(self, completion: str, example: dict[str, Any]) -> bool:
-        """True when ``completion`` answers ``example`` correctly. Never raises."""
+        """True when ``completion`` answers ``example`` correctly. A verifier that raises costs the sample (a wrong
+        answer), never the run; a :meth:`check_answer` verdict that is no bool raises :class:`VerdictError` (a bug)."""
         return self._verify(completion, example)[1]
 
     def reward(self, completions: Sequence[str], examples: Sequence[dict[str, Any]]) -> list[float]:
@@ -239,7 +240,8 @@ class Task(ABC):
         return keys
 
     def _verify(self, completion: str, example: dict[str, Any]) -> tuple[str | None, bool]:
-        """``(extracted answer, correct)`` for one completion, the base class's way. Never raises."""
+        """``(extracted answer, correct)`` for one completion, the base class's way. A raising ``check_answer`` is a
+        wrong answer; a verdict that is no bool raises :class:`VerdictError`."""
         answer = self._safe_extract(completion)
         if answer is None:
             return None, False
