@@ -65,6 +65,21 @@ def qwen_pair(qwen_like_dir):
 
 
 @pytest.fixture(scope="session")
+def llama_pair(tmp_path_factory):
+    """(policy, its vLLM generator) for the Llama-3.2-Instruct look-alike (2,048 rows: one token per byte, so its
+    chat template's system turn takes ~100 tokens; fp32). The engine is LoRA-enabled (three rank-2 adapters a call,
+    tests/vllm_backend/test_vllm_lora.py) and has the ES worker extension: one engine serves the full-rank and the
+    low-rank tests."""
+    from es_lightning.builtin.llama_like import build_llama_like
+
+    policy = _policy(build_llama_like(tmp_path_factory.mktemp("llama-like"), vocab_size=2048))
+    gen = _engine(policy, max_model_len=256, max_num_seqs=32, enable_lora=True, max_lora_rank=8, max_loras=3,
+                  max_cpu_loras=3)
+    yield policy, gen
+    gen.close()
+
+
+@pytest.fixture(scope="session")
 def hf_generate():
     """HFGenerator.generate on a policy (a new generator per call: it holds no state between calls)."""
     from es_lightning.generation import HFGenerator

@@ -32,8 +32,9 @@ GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0)
 
 
 @pytest.fixture(scope="module")
-def lora_engines(qwen_like_dir, keep_alive):
-    """LoRA-enabled engines (three adapters per call) for the built-in model and the Qwen-like fixture."""
+def lora_engines(qwen_like_dir, keep_alive, llama_pair):
+    """LoRA-enabled engines (three adapters per call) for the built-in model, the Qwen-like and the Llama-like
+    fixtures (the last shared with other files: conftest's ``llama_pair``)."""
     from es_lightning.generation.vllm import VLLMGenerator
     from es_lightning.policy import load_policy
 
@@ -44,6 +45,7 @@ def lora_engines(qwen_like_dir, keep_alive):
         gen = VLLMGenerator(policy, max_model_len=length, cpu_kv_cache_gib=0.0625, max_num_seqs=32, **options)
         keep_alive.append(gen)
         out[name] = (policy, gen)
+    out["llama_like"] = llama_pair
     return out
 
 
@@ -64,7 +66,7 @@ def _write(tmp_path, policy, members, sigma, step=STEP):
     return named, paths
 
 
-@pytest.mark.parametrize("name", ["builtin", "qwen_like"])
+@pytest.mark.parametrize("name", ["builtin", "qwen_like", "llama_like"])
 def test_lora_members_equal_the_hf_lowrank_path(name, lora_engines, tmp_path):
     """Three members in one engine call, each through its adapter, generate what HF's LowRankPopulationForward
     generates for the same members (greedy ids and masks equal; log-probs within 1e-4, fp32)."""

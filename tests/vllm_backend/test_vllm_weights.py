@@ -14,7 +14,7 @@ from es_lightning.es.noise import param_noise  # noqa: E402
 from es_lightning.es.update import ESOptimizer  # noqa: E402
 from es_lightning.generation import SamplingParams  # noqa: E402
 
-PAIRS = {"builtin": "builtin_pair", "qwen_like": "qwen_pair"}
+PAIRS = {"builtin": "builtin_pair", "qwen_like": "qwen_pair", "llama_like": "llama_pair"}
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0)
 SEED, STEP = 5, 3
 
@@ -73,7 +73,7 @@ def test_push_after_an_optimizer_step(name, request, hf_generate):
         assert (after.logprobs - before.logprobs).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("name", ["builtin", "qwen_like"])
+@pytest.mark.parametrize("name", ["builtin", "qwen_like", "llama_like"])
 def test_members_pushed_in_place_and_engine_side_are_the_same_and_restore_is_exact(name, request, hf_generate):
     """ES: a member perturbed in the policy and pushed, and the same member perturbed inside the engine from its seed,
     leave the engine's parameters bitwise equal and generate what HF generates on the perturbed policy; es_restore
