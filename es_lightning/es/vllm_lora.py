@@ -63,6 +63,12 @@ def check_lora_coverage(model: nn.Module, named: Sequence[tuple[str, Tensor]], n
     missing = [name for name, _ in named if name not in covered]
     if not missing:
         return
+    if not covered:  # GPT-2's Conv1D layers, say: no pattern selects anything LoRA perturbs
+        raise ValueError(
+            f"noise_rank={noise_rank} on vLLM runs each member as a LoRA adapter over the transformer blocks' nn.Linear "
+            f"layers, and {type(model).__name__} has none (e.g. GPT-2's Conv1D layers; vLLM serves no LoRA for it): use "
+            "generation_backend: hf (low-rank members batched there), or noise_rank: 0"
+        )
     leaves = sorted({m.rsplit(".", 1)[-1] for m in covered.values()})
     pattern = r"\.(" + "|".join(re.escape(leaf) for leaf in leaves) + r")\.weight$"
     shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")

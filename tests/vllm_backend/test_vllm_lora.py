@@ -155,6 +155,23 @@ def test_what_lora_cannot_cover_is_refused(lora_engines):
     assert options == {"enable_lora": True, "max_lora_rank": 16, "max_loras": 64, "max_cpu_loras": 64}
 
 
+def test_a_model_without_linear_layers_is_refused_without_an_empty_pattern(tmp_path):
+    """GPT-2's blocks are Conv1D layers, which vLLM's LoRA (and its GPT-2, which has no LoRA support) does not cover:
+    the refusal named trainable: '\\.()\\.weight$', a pattern matching no parameter, and called the Conv1D matrices
+    embeddings or norms; it names the backend and noise_rank instead."""
+    from es_helpers import tiny_architecture
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_architecture("gpt2", tmp_path))
+    assert lora_matrices(model) == {}
+    for trainable in (None, r"\.(c_attn|c_proj|c_fc)\.weight$"):
+        with pytest.raises(ValueError) as err:
+            check_lora_coverage(model, perturbed_parameters(model, trainable), RANK)
+        message = str(err.value)
+        assert "GPT2LMHeadModel has none" in message and "generation_backend: hf" in message, message
+        assert "()" not in message and "\n" not in message
+
+
 def test_member_adapters_checks_the_call(lora_engines, builtin_pair, tmp_path):
     policy, gen = lora_engines["builtin"]
     _, paths = _write(tmp_path, policy, MEMBERS, 0.05)
