@@ -215,6 +215,45 @@ def test_drift_command_on_a_checkpoint_writes_json_and_png(es_checkpoint, tmp_pa
         drift_command(tuned=BUILTIN, out_dir=str(tmp_path))
 
 
+def _strict_json(path: Path):
+    """``json.loads`` as a strict reader (JavaScript, jq) parses: NaN and Infinity are refused."""
+
+    def refuse(constant: str):
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+def test_drift_of_a_kind_whose_base_is_all_zeros_is_undefined_not_nan(tmp_path, capsys):
+    """A base whose norm weights are all 0 (two real model directories of the built-in model): the norms' D_rel is
+    undefined — said so in the table, null in a drift.json that strict JSON readers parse, ranked after every kind
+    with a D_rel; an undefined kind listed first does not scramble the ranking (a NaN sort key did)."""
+    policy = load_policy(BUILTIN)
+    base = {n: t.detach().clone() for n, t in policy.model.named_parameters()}
+    base.update({n: torch.zeros_like(t) for n, t in base.items() if module_kind(n) == "norms"})
+    gen = torch.Generator().manual_seed(0)
+    tuned = {n: t + 1e-3 * torch.randn(t.shape, generator=gen) for n, t in base.items()}
+    for name, weights in (("base", base), ("tuned", tuned)):
+        policy.model.load_state_dict(weights, strict=False)  # tied head: the embedding's tensor
+        policy.model.save_pretrained(tmp_path / name)
+        policy.tokenizer.save_pretrained(tmp_path / name)
+    report = drift_command(tuned=str(tmp_path / "tuned"), base=str(tmp_path / "base"), out_dir=str(tmp_path / "out"),
+                           plot=False)
+    out = capsys.readouterr().out
+    assert [line for line in out.splitlines() if line.startswith("norms ")][0].split()[1:5] == \
+        ["1152", "undefined", "(base", "norm"]
+    data = _strict_json(tmp_path / "out" / "drift.json")
+    assert data["per_kind"]["norms"]["relative_drift"] is None and data["per_kind"]["norms"]["update_norm"] > 0
+    assert data["per_kind"]["lm_head"]["mean_abs_update"] is None  # a kind without parameters (tied head)
+    assert all(p["relative_drift"] is None for p in data["per_parameter"] if p["kind"] == "norms")
+    defined = sorted((k for k in ("embeddings", "attention", "mlp")), key=lambda k: -report.per_kind[k]["relative_drift"])
+    assert report.largest == data["largest_relative_drift"] == [*defined, "norms"]
+    zero_embeddings = {n: torch.zeros_like(t) if module_kind(n) == "embeddings" else t for n, t in base.items()}
+    ranked = parameter_drift(zero_embeddings, tuned, [0.0])  # the undefined kind first in the per-kind order
+    assert ranked.largest == sorted(("attention", "mlp"), key=lambda k: -ranked.per_kind[k]["relative_drift"]) + \
+        ["embeddings", "norms"]
+
+
 def test_drift_against_an_unrelated_base_warns(es_checkpoint, tmp_path, capsys):
     """--base of another model of the same architecture (freshly initialised): the numbers are computed, and two
     warnings say the checkpoint was trained from another base and the drift is no fine-tune's."""

@@ -23,6 +23,7 @@ buffer.
 
 from __future__ import annotations
 
+import math
 import re
 import sys
 import time
@@ -177,13 +178,20 @@ class DriftReport:
 
     @property
     def largest(self) -> list[str]:
-        """Kinds with any parameters, by relative drift, largest first (Ba et al. §4's comparison)."""
+        """Kinds with any parameters, by relative drift, largest first (Ba et al. §4's comparison); kinds whose D_rel
+        is undefined (NaN: every base weight of the kind is 0) last, in ``KINDS`` order (a NaN sort key orders
+        nothing)."""
         kinds = [k for k, v in self.per_kind.items() if v["num_params"]]
-        return sorted(kinds, key=lambda k: -self.per_kind[k]["relative_drift"])
+        drift = {k: self.per_kind[k]["relative_drift"] for k in kinds}
+        return sorted(kinds, key=lambda k: (math.isnan(drift[k]), 0.0 if math.isnan(drift[k]) else -drift[k]))
 
     def table(self) -> str:
+        def d_rel(v: dict[str, Any]) -> float | str:
+            undefined = v["num_params"] and math.isnan(v["relative_drift"])
+            return "undefined (base norm 0)" if undefined else v["relative_drift"]
+
         rows = [
-            [k, v["num_params"], v["relative_drift"], v["update_share"], v["mean_abs_update"], v["max_abs_update"]]
+            [k, v["num_params"], d_rel(v), v["update_share"], v["mean_abs_update"], v["max_abs_update"]]
             for k, v in [*((k, self.per_kind[k]) for k in self.largest), ("all", self.overall)]
         ]
         return format_table(["module kind", "params", "D_rel", "share ‖Δθ‖²", "mean |Δθ|", "max |Δθ|"], rows, digits=4)
@@ -195,11 +203,24 @@ class DriftReport:
         return format_table(["τ", "s_τ all", *kinds], rows, digits=4)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        """The report as strict JSON: an undefined value (the D_rel of a kind or parameter whose base weights are all
+        0, the means and s_τ of a kind without parameters) is ``null``, not NaN, which strict parsers (JavaScript,
+        ``json.loads(..., parse_constant=...)``, jq) refuse."""
+        return _nan_to_none({
             "sources": self.sources, "taus": self.taus, "overall": self.overall, "per_kind": self.per_kind,
             "largest_relative_drift": self.largest, "tied_embeddings": self.tied_embeddings, "masters": self.masters,
             "per_parameter": self.per_parameter,
-        }
+        })
+
+
+def _nan_to_none(value: Any) -> Any:
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _nan_to_none(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_nan_to_none(v) for v in value]
+    return value
 
 
 def parameter_drift(
