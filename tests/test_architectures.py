@@ -73,6 +73,30 @@ def test_moe_members_batched_equal_their_merged_weights(model_type, rank, tmp_pa
         assert (want - base).abs().max() > 0.1  # the member really differs from the centre
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_gpt2_members_batched_with_one_row_of_positions_equal_their_merged_weights(rank, tmp_path):
+    """GPT-2 looks its positions up in a learned table (wpe, perturbed per member) and, called without position_ids,
+    builds them as one row [1, T] broadcast over the batch; a caller may pass them so too. Each member's block of
+    logits is its merged weights' (the batched lookup raised: 1 row, not a multiple of k members)."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_architecture("gpt2", tmp_path), dtype=torch.float32).eval()
+    named = perturbed_parameters(model, None)
+    assert "transformer.wpe.weight" in dict(named)
+    ids = torch.randint(0, 700, (2, 9), generator=torch.Generator().manual_seed(0))
+    batch = ids.repeat(len(MEMBERS), 1)
+    stacked = {name: torch.stack([(p.double() + s * SIGMA * _noise(i, name, p, 0)).float() for i, s in MEMBERS])
+               for name, p in named}
+    for positions in (None, torch.arange(9).unsqueeze(0)):  # [1, T]
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # low-rank: GPT-2's Conv1D is batched without copies; nothing to check here
+            forward = (LowRankPopulationForward(model, named, MEMBERS, seed=SEED, step=STEP, sigma=SIGMA, rank=rank)
+                       if rank else PopulationForward(model, stacked))
+            with forward:
+                got = model(batch, position_ids=positions).logits
+        for j, (member, sign) in enumerate(MEMBERS):
+            want = _merged_logits(model, named, member, sign, rank, ids, positions)
+            torch.testing.assert_close(got[2 * j:2 * j + 2], want, rtol=0, atol=5e-5)
+
+
 @pytest.mark.parametrize("model_type", ["gemma2", "phi3", "gpt2"])
 def test_lowrank_members_of_dense_architectures_equal_their_merged_weights(model_type, tmp_path):
     """Gemma's scaled embedding (W[ids]·√d, tied to the head), Phi-3's fused qkv / gate_up, GPT-2's Conv1D stored

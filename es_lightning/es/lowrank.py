@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from es_lightning.es.noise import param_noise
-from es_lightning.es.population import _batched_forward, _split
+from es_lightning.es.population import BatchRows, _batched_forward, _split, broadcast_rows
 from es_lightning.es.sharding import is_dtensor
 
 #: what a step's noise cache holds per (noise id, parameter name): flat fp32 noise (vectors) or fp32 factors (A, B)
@@ -188,6 +188,7 @@ class LowRankPopulationForward:
         self._patched: list[tuple[nn.Module, object]] = []
         self._shares: list[_SharedInput] = []
         self._scale_of: dict[tuple[torch.device, bool], Tensor] = {}
+        self._batch: BatchRows | None = None
 
     # ------------------------------------------------------------------ member tensors
     def _scales(self, device, *, factors: bool = True) -> Tensor:
@@ -226,6 +227,7 @@ class LowRankPopulationForward:
         return self
 
     def _patch(self) -> None:
+        self._batch = BatchRows(self.model)
         fallback, stacked = [], []
         shares: dict[tuple[int, int, torch.dtype], _SharedInput] = {}
         for parent in self.model.modules():  # sibling linears that may read one input (q/k/v, gate/up) share Bᵀx
@@ -279,6 +281,9 @@ class LowRankPopulationForward:
             )
 
     def __exit__(self, *exc) -> None:
+        if self._batch is not None:
+            self._batch.remove()
+            self._batch = None
         for share in self._shares:
             share.release()
         self._shares.clear()
@@ -327,13 +332,14 @@ class LowRankPopulationForward:
         return linear
 
     def _embedding(self, module: nn.Embedding, scale: Tensor | None = None):
-        k, w = self.k, module.weight
+        k, w, batch = self.k, module.weight, self._batch
         a, b = self._factors(self._names[id(w)], w)  # [k, V, r], [k, d, r]
         vocab = w.shape[0]
         a_rows = a.reshape(k * vocab, self.rank).to(w.dtype)  # [k·V, r]
         b_out_t = _dense((b.transpose(1, 2) * self._scales(w.device).view(-1, 1, 1)).to(w.dtype))  # [k, r, d]
 
-        def embedding(self, ids: Tensor) -> Tensor:  # ids [k·R, T]
+        def embedding(self, ids: Tensor) -> Tensor:  # ids [k·R, T], or [1, T] broadcast over the batch
+            ids = broadcast_rows(ids, k, batch)  # [k·R, T]
             out = F.embedding(ids, self.weight).contiguous()  # [k·R, T, d]
             offset = (torch.arange(k, device=ids.device) * vocab).view(k, *([1] * ids.dim()))
             rows = F.embedding(_split(ids, k) + offset, a_rows)  # [k, R, T, r]

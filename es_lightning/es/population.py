@@ -64,20 +64,25 @@ class PopulationForward:
             by_id[id(p)] = value
         self._by_id = by_id
         self._patched: list[tuple[nn.Module, object]] = []  # (module, the instance forward it had, if any)
+        self._batch: BatchRows | None = None
 
     # ------------------------------------------------------------------ context
     def __enter__(self) -> PopulationForward:
+        self._batch = BatchRows(self.model)
         for module in self.model.modules():
             own = dict(module.named_parameters(recurse=False))
             if not own or not any(id(p) in self._by_id for p in own.values()):
                 continue
             members = {n: self._by_id.get(id(p), p.unsqueeze(0).expand(self.k, *p.shape)) for n, p in own.items()}
-            batched = types.MethodType(_batched_forward(module, members, self.k), module)
+            batched = types.MethodType(_batched_forward(module, members, self.k, self._batch), module)
             self._patched.append((module, module.__dict__.get("forward")))
             module.forward = batched
         return self
 
     def __exit__(self, *exc) -> None:
+        if self._batch is not None:
+            self._batch.remove()
+            self._batch = None
         for module, previous in self._patched:
             if previous is None:
                 del module.forward  # the class's forward again
@@ -86,14 +91,46 @@ class PopulationForward:
         self._patched.clear()
 
 
+class BatchRows:
+    """The number of rows of the batch ``model`` was last called with (its ``input_ids``' or ``inputs_embeds``'),
+    recorded by a forward pre-hook until :meth:`remove`.
+
+    A position embedding may be looked up with one row of positions broadcast over the batch: GPT-2 builds
+    ``position_ids`` ``[1, T]`` when the caller gives none (and a caller may pass them so). Its batched lookup needs the
+    batch's rows to give each member's block of rows that member's table (:func:`broadcast_rows`)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.rows: int | None = None
+        self._handle = model.register_forward_pre_hook(self._record, with_kwargs=True)
+
+    def _record(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        for x in (*args[:1], kwargs.get("input_ids"), kwargs.get("inputs_embeds")):
+            if isinstance(x, Tensor) and x.dim() > 0:
+                self.rows = x.shape[0]
+                return
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+
+def broadcast_rows(ids: Tensor, k: int, batch: BatchRows | None) -> Tensor:
+    """``ids`` of one row broadcast over the batch (``[1, T]`` position ids) expanded to the batch's ``k·R`` rows (a
+    view), so that each member's block is looked up in its own table; any other ``ids`` as they are."""
+    rows = None if batch is None else batch.rows
+    if ids.dim() > 1 and ids.shape[0] == 1 and k > 1 and rows is not None and rows % k == 0:
+        return ids.expand(rows, *ids.shape[1:])
+    return ids
+
+
 def _split(x: Tensor, k: int) -> Tensor:
     if x.shape[0] % k:
         raise ValueError(f"a population-batched forward got {x.shape[0]} rows, not a multiple of {k} members")
     return x.reshape(k, x.shape[0] // k, *x.shape[1:])
 
 
-def _batched_forward(module: nn.Module, members: dict[str, Tensor], k: int):
-    """The replacement ``forward`` of one module: each member's block of rows through that member's parameters."""
+def _batched_forward(module: nn.Module, members: dict[str, Tensor], k: int, batch: BatchRows | None = None):
+    """The replacement ``forward`` of one module: each member's block of rows through that member's parameters
+    (``batch``: the model's batch rows, for an embedding looked up with one row of ids broadcast over the batch)."""
     if type(module) is nn.Linear:
         weight_t = members["weight"].transpose(1, 2)  # [k, in, out]
         bias = members.get("bias")
@@ -110,7 +147,8 @@ def _batched_forward(module: nn.Module, members: dict[str, Tensor], k: int):
         vocab = table.shape[1]
         flat_table = table.reshape(k * vocab, table.shape[-1])  # [k·V, d]
 
-        def embedding(self, ids: Tensor) -> Tensor:  # ids [k·R, T]
+        def embedding(self, ids: Tensor) -> Tensor:  # ids [k·R, T], or [1, T] broadcast over the batch
+            ids = broadcast_rows(ids, k, batch)  # [k·R, T]
             offset = (torch.arange(k, device=ids.device) * vocab).view(k, *([1] * ids.dim()))
             return F.embedding(_split(ids, k) + offset, flat_table).reshape(*ids.shape, flat_table.shape[-1])
 
