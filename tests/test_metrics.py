@@ -3,6 +3,7 @@ Jensen–Shannon divergence, hand-worked votes and entropies, and a real 2-proce
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 import random
@@ -461,6 +462,12 @@ def _sync_worker(rank, world_size, init_file, parts, out_dir):
         maj_metric.update(part["answers"], part["maj_correct"])
         entropy_metric.update(part["entropy"], part["mask"])
         diversity_metric.update(part["success"])
+        # copies that refused a batch in forward before computing: they must sync as the others do
+        refused = [copy.deepcopy(metric) for metric in (pass_metric, maj_metric, entropy_metric, diversity_metric)]
+        for metric, bad_batch in zip(refused, [(torch.ones(1, 2),), ([[1]], torch.ones(1, 1)), (torch.ones(2), torch.ones(3)),
+                                               (torch.full((2, 2), 2.0),)]):
+            with pytest.raises((ValueError, TypeError)):
+                metric(*bad_batch)
         results = {
             **pass_metric.compute(),
             **maj_metric.compute(),
@@ -468,6 +475,8 @@ def _sync_worker(rank, world_size, init_file, parts, out_dir):
             **diversity_metric.compute(),
         }
         torch.save(results, f"{out_dir}/rank{rank}.pt")
+        refused_results = {**refused[0].compute(), **refused[1].compute(), "entropy": refused[2].compute(), **refused[3].compute()}
+        torch.save(refused_results, f"{out_dir}/rank{rank}-refused.pt")
     finally:
         dist.destroy_process_group()
 
@@ -513,16 +522,55 @@ def test_metrics_sync_across_two_processes(tmp_path):
                 process.kill()
             pytest.fail("distributed workers did not finish within 120 s")
 
-    for rank in range(2):
-        synced = torch.load(tmp_path / f"rank{rank}.pt")
+    for rank, name in itertools.product(range(2), ("", "-refused")):
+        synced = torch.load(tmp_path / f"rank{rank}{name}.pt")
         assert synced.keys() == single.keys()
         for key, value in single.items():
-            torch.testing.assert_close(synced[key], value, msg=f"rank {rank}, {key}")
+            torch.testing.assert_close(synced[key], value, msg=f"rank {rank}{name}, {key}")
     # the parts really differ, so a missing sync would have been caught
     local = PassAtK(ks=(1, 2, 4))
     for correct in parts[0]["correct"]:
         local.update(correct)
     assert any(not torch.allclose(local.compute()[k], single[k]) for k in local.compute())
+
+
+def test_a_refused_forward_keeps_what_was_accumulated():
+    """torchmetrics' `forward` resets the metric to run `update` on the batch alone; when `update` refused the batch
+    (k > n, a 1-D matrix, a bad mask or success rate) everything accumulated before was lost (compute gave NaN) and
+    `compute` no longer synced across processes. The refusal now leaves the metric as it was, and it goes on."""
+    generator = torch.Generator().manual_seed(0)
+    first, second = random_correctness(generator, 5, 6), random_correctness(generator, 3, 4)
+    metric = PassAtK(ks=(1, 4))
+    metric.update(first)
+    for refused in (first[:, :3], first[0], first.float()):  # k=4 > n=3; not [P, n]; not bool
+        with pytest.raises((ValueError, TypeError)):
+            metric(refused)
+    batch = metric(second)
+    for k in (1, 4):
+        expected = [brute_force_pass_at_k(row, k) for row in first.tolist() + second.tolist()]
+        assert metric.compute()[f"pass@{k}"].item() == pytest.approx(sum(expected) / len(expected), abs=1e-6)
+        batch_expected = [brute_force_pass_at_k(row, k) for row in second.tolist()]
+        assert batch[f"pass@{k}"].item() == pytest.approx(sum(batch_expected) / len(batch_expected), abs=1e-6)
+
+    majority = MajorityAtK(ks=(1, 3))
+    majority.update([["4", "5", "5"], [None, "2", "2"]], torch.tensor([[True, False, False], [False, True, True]]))
+    with pytest.raises(ValueError, match="needs at least k=3"):
+        majority([["4", "4"]], torch.tensor([[True, True]]))
+    assert {key: value.item() for key, value in majority.compute().items()} == {"maj@1": 0.5, "maj@3": 0.5}
+
+    entropy = TokenEntropy()
+    entropy.update(torch.tensor([[1.0, 2.0, 6.0]]), torch.tensor([[True, True, False]]))
+    with pytest.raises(ValueError, match="mask shape"):
+        entropy(torch.ones(2, 3), torch.ones(2, 2, dtype=torch.bool))
+    assert entropy.compute().item() == pytest.approx(1.5)
+
+    diversity = PopulationDiversity()
+    success = torch.tensor([[1.0, 0.0], [0.0, 0.0]])  # prompt 0: split population (ln 2), prompt 1: all agree (0)
+    diversity.update(success)
+    with pytest.raises(ValueError, match=r"in \[0, 1\]"):
+        diversity(torch.full((2, 2), 2.0))
+    assert diversity.compute()["js_succ"].item() == pytest.approx(math.log(2) / 2)
+    assert diversity.compute()["population_pass"].item() == pytest.approx(0.5)
 
 
 def test_every_metric_plots_as_torchmetrics_metrics_do():

@@ -24,6 +24,7 @@ import torch
 from torchmetrics import Metric
 
 from es_lightning.metrics.plotting import Plottable
+from es_lightning.metrics.state import KeepsStateOnError
 
 __all__ = ["PopulationDiversity", "binary_entropy", "js_succ", "population_pass"]
 
@@ -86,7 +87,7 @@ def population_pass(success: torch.Tensor, per_prompt: bool = False) -> torch.Te
     return per_prompt_pass if per_prompt else per_prompt_pass.mean()
 
 
-class PopulationDiversity(Plottable, Metric):
+class PopulationDiversity(KeepsStateOnError, Plottable, Metric):
     """Prompt-averaged ``js_succ`` and ``population_pass`` over every ES step seen since the last reset.
 
     ``update(success)`` takes one step's ``[num_members, num_prompts]`` success matrix (the population size may change

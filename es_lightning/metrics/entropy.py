@@ -13,6 +13,7 @@ import torch
 from torchmetrics import Metric
 
 from es_lightning.metrics.plotting import Plottable
+from es_lightning.metrics.state import KeepsStateOnError
 
 __all__ = ["TokenEntropy", "token_entropy"]
 
@@ -74,7 +75,7 @@ def _validate_mask(mask: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     return mask if mask.dtype == torch.bool else mask != 0
 
 
-class TokenEntropy(Plottable, Metric):
+class TokenEntropy(KeepsStateOnError, Plottable, Metric):
     """Token-weighted mean entropy (nats) of the policy over generated tokens, synced as sums across processes.
 
     The entropy is the policy's next-token distribution's at the sampling temperature (T = 1 for a greedy evaluation,

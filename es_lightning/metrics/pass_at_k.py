@@ -23,6 +23,7 @@ import torch
 from torchmetrics import Metric
 
 from es_lightning.metrics.plotting import Plottable
+from es_lightning.metrics.state import KeepsStateOnError
 
 __all__ = ["PassAtK", "pass_at_k"]
 
@@ -175,7 +176,7 @@ class _PerKSums:
                                       error_msgs)
 
 
-class PassAtK(_PerKSums, Plottable, Metric):
+class PassAtK(_PerKSums, KeepsStateOnError, Plottable, Metric):
     """Pass@k averaged over problems, with the unbiased estimator of Chen et al. 2021 (eq. 1).
 
     Each ``update`` takes the verifier's correctness matrix ``[num_problems, n]``; the per-problem estimate depends only
