@@ -573,6 +573,35 @@ def test_a_refused_forward_keeps_what_was_accumulated():
     assert diversity.compute()["population_pass"].item() == pytest.approx(0.5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, "torch.HalfTensor", torch.int64])
+def test_set_dtype_refuses_dtypes_that_cannot_hold_the_sums(dtype):
+    """torchmetrics' `set_dtype(torch.float16)` made every state float16, counts too: 3000 problems, one a batch, were
+    counted 2048 (2048 + 1 rounds to 2048). Half precision cannot hold the sums either, so it is refused."""
+    for metric in (PassAtK(ks=(1,)), MajorityAtK(ks=(1,)), TokenEntropy(), PopulationDiversity()):
+        with pytest.raises(ValueError, match=r"set_dtype\(torch\.float64\)"):
+            metric.set_dtype(dtype)
+        assert all(getattr(metric, name).dtype in (torch.float32, torch.long) for name in metric._defaults)
+
+
+def test_set_dtype_float64_keeps_counts_exact_integers():
+    generator = torch.Generator().manual_seed(0)
+    metric = PassAtK(ks=(1, 3)).set_dtype(torch.float64)
+    assert metric.num_problems.dtype == torch.long and metric.pass_at_3_sum.dtype == torch.float64
+    rows = []
+    for _ in range(300):  # 3000 problems
+        correct = random_correctness(generator, 10, 4)
+        metric.update(correct)
+        rows += correct.tolist()
+    assert metric.num_problems.dtype == torch.long and int(metric.num_problems) == 3000
+    for k in (1, 3):
+        exact = sum(Fraction(1) - Fraction(math.comb(4 - sum(row), k), math.comb(4, k)) for row in rows) / len(rows)
+        assert metric.compute()[f"pass@{k}"].item() == pytest.approx(float(exact), abs=1e-12)
+    for other in (TokenEntropy(), PopulationDiversity(), MajorityAtK(ks=(1,))):
+        other.set_dtype(torch.float64)
+        counts = [name for name in other._defaults if name.startswith("num_")]
+        assert counts and all(getattr(other, name).dtype == torch.long for name in counts)
+
+
 def test_every_metric_plots_as_torchmetrics_metrics_do():
     """`metric.plot()` (torchmetrics' API: a result, or a list of results over time, into a matplotlib axis) raised an
     empty NotImplementedError for every metric of the project. Each now draws a point per figure for one result and a

@@ -24,7 +24,7 @@ import torch
 from torchmetrics import Metric
 
 from es_lightning.metrics.plotting import Plottable
-from es_lightning.metrics.state import KeepsStateOnError
+from es_lightning.metrics.state import CountsStayIntegers, KeepsStateOnError
 
 __all__ = ["PopulationDiversity", "binary_entropy", "js_succ", "population_pass"]
 
@@ -87,7 +87,7 @@ def population_pass(success: torch.Tensor, per_prompt: bool = False) -> torch.Te
     return per_prompt_pass if per_prompt else per_prompt_pass.mean()
 
 
-class PopulationDiversity(KeepsStateOnError, Plottable, Metric):
+class PopulationDiversity(KeepsStateOnError, CountsStayIntegers, Plottable, Metric):
     """Prompt-averaged ``js_succ`` and ``population_pass`` over every ES step seen since the last reset.
 
     ``update(success)`` takes one step's ``[num_members, num_prompts]`` success matrix (the population size may change
@@ -99,6 +99,7 @@ class PopulationDiversity(KeepsStateOnError, Plottable, Metric):
     is_differentiable = False
     higher_is_better = None
     full_state_update = False
+    _count_states = ("num_prompts",)  # int64 whatever set_dtype makes the sums
 
     js_succ_sum: torch.Tensor
     population_pass_sum: torch.Tensor

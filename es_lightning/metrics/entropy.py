@@ -13,7 +13,7 @@ import torch
 from torchmetrics import Metric
 
 from es_lightning.metrics.plotting import Plottable
-from es_lightning.metrics.state import KeepsStateOnError
+from es_lightning.metrics.state import CountsStayIntegers, KeepsStateOnError
 
 __all__ = ["TokenEntropy", "token_entropy"]
 
@@ -75,7 +75,7 @@ def _validate_mask(mask: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     return mask if mask.dtype == torch.bool else mask != 0
 
 
-class TokenEntropy(KeepsStateOnError, Plottable, Metric):
+class TokenEntropy(KeepsStateOnError, CountsStayIntegers, Plottable, Metric):
     """Token-weighted mean entropy (nats) of the policy over generated tokens, synced as sums across processes.
 
     The entropy is the policy's next-token distribution's at the sampling temperature (T = 1 for a greedy evaluation,
@@ -96,6 +96,7 @@ class TokenEntropy(KeepsStateOnError, Plottable, Metric):
     is_differentiable = False
     higher_is_better = None
     full_state_update = False
+    _count_states = ("num_tokens",)  # int64 whatever set_dtype makes the sums
     plot_lower_bound = 0.0
 
     entropy_sum: torch.Tensor

@@ -23,7 +23,7 @@ import torch
 from torchmetrics import Metric
 
 from es_lightning.metrics.plotting import Plottable
-from es_lightning.metrics.state import KeepsStateOnError
+from es_lightning.metrics.state import CountsStayIntegers, KeepsStateOnError
 
 __all__ = ["PassAtK", "pass_at_k"]
 
@@ -176,7 +176,7 @@ class _PerKSums:
                                       error_msgs)
 
 
-class PassAtK(_PerKSums, KeepsStateOnError, Plottable, Metric):
+class PassAtK(_PerKSums, KeepsStateOnError, CountsStayIntegers, Plottable, Metric):
     """Pass@k averaged over problems, with the unbiased estimator of Chen et al. 2021 (eq. 1).
 
     Each ``update`` takes the verifier's correctness matrix ``[num_problems, n]``; the per-problem estimate depends only
@@ -198,6 +198,7 @@ class PassAtK(_PerKSums, KeepsStateOnError, Plottable, Metric):
     is_differentiable = False
     higher_is_better = True
     full_state_update = False
+    _count_states = ("num_problems",)  # int64 whatever set_dtype makes the sums
     plot_lower_bound = 0.0
     plot_upper_bound = 1.0
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
+
+import torch
 
 
 class KeepsStateOnError:
@@ -25,3 +28,31 @@ class KeepsStateOnError:
             for name, value in {**state, **flags}.items():
                 setattr(self, name, value)
             raise
+
+
+class CountsStayIntegers:
+    """``set_dtype`` for metrics of sums and counts: counts (``_count_states``) stay int64, sums go to float32/float64.
+
+    torchmetrics' ``set_dtype`` converts every state, its own integer counts too, and a half-precision sum or count
+    stops being exact at 2048 (float16; bfloat16: 256), after which adding 1 adds nothing: ``set_dtype(torch.float16)``
+    on 3000 problems, one a batch, counted 2048 of them, and a token entropy summed over one real batch of tokens was
+    already rounded. So half (and non-float) dtypes are refused, naming the dtypes that work, and a count is exact
+    whatever the dtype of the sums.
+    """
+
+    _count_states: tuple[str, ...] = ()
+
+    def set_dtype(self, dst_type: str | torch.dtype) -> Any:
+        dtype = torch.empty(0).type(dst_type).dtype if isinstance(dst_type, str) else dst_type
+        if dtype not in (torch.float32, torch.float64):
+            raise ValueError(
+                f"{type(self).__name__}.set_dtype({dtype}): its states are float sums over everything seen, which "
+                f"{dtype} rounds (float16 stops counting at 2048, bfloat16 at 256); keep float32 (the default) or call "
+                "set_dtype(torch.float64) for very large evaluations"
+            )
+        return super().set_dtype(dtype)
+
+    def _apply(self, fn: Callable, exclude_state: Sequence[str] = ()) -> Any:
+        if self._dtype_convert:  # set_dtype: a dtype for the sums (a device move still moves the counts)
+            exclude_state = (*exclude_state, *self._count_states)
+        return super()._apply(fn, exclude_state=exclude_state)
