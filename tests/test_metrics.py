@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torchmetrics import MetricCollection
 
 from es_lightning.metrics import (
     MajorityAtK,
@@ -366,6 +367,28 @@ def test_token_entropy_refuses_token_counts_as_a_mask():
     metric.update(sums.sum(), counts.sum())
     metric.update(torch.tensor([[1.0, 3.0]]), torch.tensor([[1, 0]]))  # 0/1 integers are a mask
     assert metric.compute().item() == pytest.approx(56 / 27)
+
+
+def test_token_entropy_takes_the_reduced_form_by_keyword():
+    """The docstring's `update(entropy_sum, num_tokens)` refused those keywords (TypeError), and a `MetricCollection`,
+    which passes each metric the keywords its `update` names, dropped them and raised a missing argument."""
+    sums, counts = torch.tensor([20.0, 30.0, 5.0]), torch.tensor([10, 12, 4])
+    metric = TokenEntropy()
+    metric.update(entropy_sum=sums.sum(), num_tokens=counts.sum())
+    metric.update(per_token_entropy=torch.tensor([[1.0, 3.0]]), mask=torch.tensor([[True, False]]))
+    assert metric.compute().item() == pytest.approx(56 / 27)
+    collection = MetricCollection([TokenEntropy()])
+    collection.update(entropy_sum=sums.sum(), num_tokens=counts.sum())
+    assert collection(entropy_sum=torch.tensor(1.0), num_tokens=2)["TokenEntropy"].item() == pytest.approx(0.5)
+    assert collection.compute()["TokenEntropy"].item() == pytest.approx(56 / 28)
+    with pytest.raises(ValueError, match="not a mix"):
+        TokenEntropy().update(torch.ones(2, 2), num_tokens=4)
+    with pytest.raises(ValueError, match="not a mix"):
+        TokenEntropy().update(entropy_sum=1.0)
+    with pytest.raises(ValueError, match="entropy_sum must be a scalar"):
+        TokenEntropy().update(entropy_sum=torch.ones(2, 2), num_tokens=4)
+    with pytest.raises(ValueError, match="update needs per_token_entropy"):
+        TokenEntropy().update()
 
 
 def test_token_entropy_metric_errors():

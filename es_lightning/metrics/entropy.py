@@ -86,8 +86,9 @@ class TokenEntropy(KeepsStateOnError, CountsStayIntegers, Plottable, Metric):
 
     * ``update(per_token_entropy, mask=None)`` with ``[B, L]`` entropies (from :func:`token_entropy`) and an optional
       ``[B, L]`` completion mask; masked-out positions are ignored.
-    * ``update(entropy_sum, num_tokens)`` with two scalars, when the caller already reduced (e.g. a generation backend
-      that reports per-sequence sums).
+    * ``update(entropy_sum, num_tokens)`` with two scalars (or by keyword, ``update(entropy_sum=..., num_tokens=...)``,
+      as a ``MetricCollection`` passes them), when the caller already reduced (e.g. a generation backend that reports
+      per-sequence sums).
 
     ``compute()`` returns the scalar ``sum(entropy) / num_tokens`` over everything seen since the last reset: a token-
     weighted mean, not a mean of per-batch means. NaN when no token was seen (torchmetrics warns).
@@ -107,7 +108,19 @@ class TokenEntropy(KeepsStateOnError, CountsStayIntegers, Plottable, Metric):
         self.add_state("entropy_sum", default=torch.zeros((), dtype=torch.get_default_dtype()), dist_reduce_fx="sum")
         self.add_state("num_tokens", default=torch.zeros((), dtype=torch.long), dist_reduce_fx="sum")
 
-    def update(self, per_token_entropy: torch.Tensor, mask: torch.Tensor | int | None = None) -> None:
+    def update(self, per_token_entropy: torch.Tensor | None = None, mask: torch.Tensor | int | None = None, *,
+               entropy_sum: torch.Tensor | float | None = None, num_tokens: torch.Tensor | int | None = None) -> None:
+        if entropy_sum is not None or num_tokens is not None:  # update(entropy_sum=..., num_tokens=...), as documented
+            if per_token_entropy is not None or mask is not None or entropy_sum is None or num_tokens is None:
+                raise ValueError(
+                    "update takes per_token_entropy [B, L] with an optional mask, or entropy_sum= and num_tokens= "
+                    "together, not a mix"
+                )
+            if torch.as_tensor(entropy_sum).ndim != 0:
+                raise ValueError("entropy_sum must be a scalar; pass [B, L] entropies as per_token_entropy")
+            per_token_entropy, mask = entropy_sum, num_tokens
+        if per_token_entropy is None:
+            raise ValueError("update needs per_token_entropy [B, L] (with an optional mask), or entropy_sum= and num_tokens=")
         if not isinstance(per_token_entropy, torch.Tensor):
             per_token_entropy = torch.as_tensor(per_token_entropy, dtype=self.entropy_sum.dtype)
         if per_token_entropy.ndim == 0:  # update(entropy_sum, num_tokens)
