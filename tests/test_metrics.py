@@ -12,6 +12,7 @@ import warnings
 from datetime import timedelta
 from fractions import Fraction
 
+import lightning
 import pytest
 import torch
 import torch.distributed as dist
@@ -623,6 +624,47 @@ def test_set_dtype_float64_keeps_counts_exact_integers():
         other.set_dtype(torch.float64)
         counts = [name for name in other._defaults if name.startswith("num_")]
         assert counts and all(getattr(other, name).dtype == torch.long for name in counts)
+
+
+def test_metrics_of_a_bf16_true_lightning_module_sum_in_float32():
+    """Lightning's `bf16-true` makes bfloat16 the default dtype in `configure_model` and calls `.to(torch.bfloat16)` on
+    the module, metrics included (torchmetrics guards `.half()`, not `.to(dtype)`): the sums became bfloat16, which
+    stops counting at 256, and pass@1 of 1200 problems, half right, came out 0.21. Sums now stay float32."""
+    generator = torch.Generator().manual_seed(0)
+    batches = [random_correctness(generator, 300, 4) for _ in range(4)]
+    entropies = torch.rand(4, 300, 8, generator=generator) * 3  # [steps, B, L]
+
+    class Module(lightning.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.pass_in_init = PassAtK(ks=(1, 2))
+
+        def configure_model(self):  # under bf16-true: bfloat16 is the default dtype here
+            self.layer = torch.nn.Linear(1, 1)
+            self.pass_in_configure_model, self.entropy = PassAtK(ks=(1, 2)), TokenEntropy()
+
+        def training_step(self, batch, batch_idx):
+            for metric in (self.pass_in_init, self.pass_in_configure_model):
+                metric.update(batches[batch_idx])
+            self.entropy.update(entropies[batch_idx])
+            return self.layer(batch).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    module = Module()
+    trainer = lightning.Trainer(max_epochs=1, precision="bf16-true", accelerator="cpu", logger=False,
+                                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, torch.utils.data.DataLoader(torch.ones(4, 1), batch_size=1))
+    assert module.layer.weight.dtype == torch.bfloat16  # the module is bf16; its metrics' sums are not
+    rows = torch.cat(batches).tolist()
+    for metric in (module.pass_in_init, module.pass_in_configure_model):
+        result = metric.compute()
+        for k in (1, 2):
+            exact = sum(Fraction(1) - Fraction(math.comb(4 - sum(row), k), math.comb(4, k)) for row in rows) / len(rows)
+            assert result[f"pass@{k}"].dtype == torch.float32
+            assert result[f"pass@{k}"].item() == pytest.approx(float(exact), abs=1e-5)
+    assert module.entropy.compute().item() == pytest.approx(entropies.double().mean().item(), abs=1e-5)
 
 
 def test_every_metric_plots_as_torchmetrics_metrics_do():

@@ -24,7 +24,7 @@ import torch
 from torchmetrics import Metric
 
 from es_lightning.metrics.plotting import Plottable
-from es_lightning.metrics.state import CountsStayIntegers, KeepsStateOnError
+from es_lightning.metrics.state import ExactSums, KeepsStateOnError, sum_dtype
 
 __all__ = ["PopulationDiversity", "binary_entropy", "js_succ", "population_pass"]
 
@@ -87,7 +87,7 @@ def population_pass(success: torch.Tensor, per_prompt: bool = False) -> torch.Te
     return per_prompt_pass if per_prompt else per_prompt_pass.mean()
 
 
-class PopulationDiversity(KeepsStateOnError, CountsStayIntegers, Plottable, Metric):
+class PopulationDiversity(KeepsStateOnError, ExactSums, Plottable, Metric):
     """Prompt-averaged ``js_succ`` and ``population_pass`` over every ES step seen since the last reset.
 
     ``update(success)`` takes one step's ``[num_members, num_prompts]`` success matrix (the population size may change
@@ -107,7 +107,7 @@ class PopulationDiversity(KeepsStateOnError, CountsStayIntegers, Plottable, Metr
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
-        dtype = torch.get_default_dtype()
+        dtype = sum_dtype()
         self.add_state("js_succ_sum", default=torch.zeros((), dtype=dtype), dist_reduce_fx="sum")
         self.add_state("population_pass_sum", default=torch.zeros((), dtype=dtype), dist_reduce_fx="sum")
         self.add_state("num_prompts", default=torch.zeros((), dtype=torch.long), dist_reduce_fx="sum")

@@ -13,7 +13,7 @@ import torch
 from torchmetrics import Metric
 
 from es_lightning.metrics.plotting import Plottable
-from es_lightning.metrics.state import CountsStayIntegers, KeepsStateOnError
+from es_lightning.metrics.state import ExactSums, KeepsStateOnError, sum_dtype
 
 __all__ = ["TokenEntropy", "token_entropy"]
 
@@ -75,7 +75,7 @@ def _validate_mask(mask: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     return mask if mask.dtype == torch.bool else mask != 0
 
 
-class TokenEntropy(KeepsStateOnError, CountsStayIntegers, Plottable, Metric):
+class TokenEntropy(KeepsStateOnError, ExactSums, Plottable, Metric):
     """Token-weighted mean entropy (nats) of the policy over generated tokens, synced as sums across processes.
 
     The entropy is the policy's next-token distribution's at the sampling temperature (T = 1 for a greedy evaluation,
@@ -105,7 +105,7 @@ class TokenEntropy(KeepsStateOnError, CountsStayIntegers, Plottable, Metric):
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.add_state("entropy_sum", default=torch.zeros((), dtype=torch.get_default_dtype()), dist_reduce_fx="sum")
+        self.add_state("entropy_sum", default=torch.zeros((), dtype=sum_dtype()), dist_reduce_fx="sum")
         self.add_state("num_tokens", default=torch.zeros((), dtype=torch.long), dist_reduce_fx="sum")
 
     def update(self, per_token_entropy: torch.Tensor | None = None, mask: torch.Tensor | int | None = None, *,

@@ -34,7 +34,7 @@ from torchmetrics import Metric
 
 from es_lightning.metrics.pass_at_k import _check_k_le_n, _PerKSums, _validate_correctness, _validate_ks
 from es_lightning.metrics.plotting import Plottable
-from es_lightning.metrics.state import CountsStayIntegers, KeepsStateOnError
+from es_lightning.metrics.state import ExactSums, KeepsStateOnError
 
 __all__ = ["MajorityAtK", "majority_vote_correct"]
 
@@ -64,7 +64,7 @@ def _by_value(votes: Sequence[Hashable | None]) -> Sequence[Hashable | None]:
     return votes
 
 
-class MajorityAtK(_PerKSums, KeepsStateOnError, CountsStayIntegers, Plottable, Metric):
+class MajorityAtK(_PerKSums, KeepsStateOnError, ExactSums, Plottable, Metric):
     """Maj@k averaged over problems (self-consistency, Wang et al. 2023), with sum states that sync across processes.
 
     ``update(answers, correct)``: ``answers`` is a list with one entry per problem, each a list of the ``n`` votes

@@ -23,7 +23,7 @@ import torch
 from torchmetrics import Metric
 
 from es_lightning.metrics.plotting import Plottable
-from es_lightning.metrics.state import CountsStayIntegers, KeepsStateOnError
+from es_lightning.metrics.state import ExactSums, KeepsStateOnError, sum_dtype
 
 __all__ = ["PassAtK", "pass_at_k"]
 
@@ -148,7 +148,7 @@ class _PerKSums:
 
     def _add_per_k_states(self) -> None:
         for k in self.ks:
-            self.add_state(self._k_state(k), default=torch.zeros((), dtype=torch.get_default_dtype()), dist_reduce_fx="sum")
+            self.add_state(self._k_state(k), default=torch.zeros((), dtype=sum_dtype()), dist_reduce_fx="sum")
         self.add_state("num_problems", default=torch.zeros((), dtype=torch.long), dist_reduce_fx="sum")
 
     def _k_state(self, k: int) -> str:
@@ -176,7 +176,7 @@ class _PerKSums:
                                       error_msgs)
 
 
-class PassAtK(_PerKSums, KeepsStateOnError, CountsStayIntegers, Plottable, Metric):
+class PassAtK(_PerKSums, KeepsStateOnError, ExactSums, Plottable, Metric):
     """Pass@k averaged over problems, with the unbiased estimator of Chen et al. 2021 (eq. 1).
 
     Each ``update`` takes the verifier's correctness matrix ``[num_problems, n]``; the per-problem estimate depends only
@@ -184,8 +184,8 @@ class PassAtK(_PerKSums, KeepsStateOnError, CountsStayIntegers, Plottable, Metri
     (``dist_reduce_fx="sum"``): DDP/FSDP ranks that see different problems sync exactly, and ``n`` may differ between
     calls.
 
-    Sums are kept in the default float dtype (float32, as torchmetrics' own aggregators; fine on MPS); call
-    ``set_dtype(torch.float64)`` for very large evaluations.
+    Sums are kept in float32 (float64 when that is the default dtype; fine on MPS), also in a ``bf16-true`` module:
+    call ``set_dtype(torch.float64)`` for very large evaluations.
 
     ``compute()`` returns ``{"pass@1": tensor, "pass@4": tensor, ...}``. With no problems seen it returns NaN for every
     k (torchmetrics also warns that ``compute`` ran before ``update``), so an empty sanity-check epoch logs NaN rather
