@@ -749,3 +749,102 @@ def test_metrics_of_other_ks_keep_their_own_states_in_a_metric_collection():
     same = PassAtK(ks=(1, 2, 4))
     same.load_state_dict(saved.state_dict())
     assert same.compute() == saved.compute()
+
+
+def exact_pass_at_k(rows: list[list[bool]], k: int) -> float:
+    """Mean over problems of 1 - C(n - c, k) / C(n, k), in exact fractions (math.comb), for rows of n samples."""
+    return float(sum(Fraction(1) - Fraction(math.comb(len(row) - sum(row), k), math.comb(len(row), k)) for row in rows) / len(rows))
+
+
+def test_single_budget_form_works_with_torchmetrics_wrappers_and_arithmetic():
+    """compute() of PassAtK / MajorityAtK was a dict, so MetricTracker.best_metric() raised `max() received an invalid
+    combination of arguments - got (dict, int)`, and MinMaxMetric, BootStrapper and `metric + 1` failed alike.
+    PassAtK(k=...) / MajorityAtK(k=...) return one tensor, which they take as any scalar metric's."""
+    from torchmetrics.wrappers import BootStrapper, MetricTracker, MinMaxMetric
+
+    generator = torch.Generator().manual_seed(5)
+    epochs = [random_correctness(generator, 7, 6) for _ in range(3)]
+    rng = random.Random(5)
+    answers = [[[rng.choice(["1", "2", None]) for _ in range(6)] for _ in range(7)] for _ in epochs]
+    pass_tracker, maj_tracker = MetricTracker(PassAtK(k=3), maximize=True), MetricTracker(MajorityAtK(k=5), maximize=True)
+    expected_pass, expected_maj = [], []
+    for correct, votes in zip(epochs, answers):
+        pass_tracker.increment()
+        maj_tracker.increment()
+        pass_tracker.update(correct[:4])
+        pass_tracker.update(correct[4:])
+        maj_tracker.update(votes, correct)
+        expected_pass.append(exact_pass_at_k(correct.tolist(), 3))
+        expected_maj.append(sum(reference_majority_correct(a, c, 5) for a, c in zip(votes, correct.tolist())) / 7)
+    assert pass_tracker.compute_all().tolist() == pytest.approx(expected_pass, abs=1e-6)
+    assert maj_tracker.compute_all().tolist() == pytest.approx(expected_maj, abs=1e-6)
+    best, step = pass_tracker.best_metric(return_step=True)
+    assert best == pytest.approx(max(expected_pass), abs=1e-6) and step == expected_pass.index(max(expected_pass))
+    assert maj_tracker.best_metric() == pytest.approx(max(expected_maj), abs=1e-6)
+
+    rows = torch.cat(epochs)
+    min_max, shifted = MinMaxMetric(PassAtK(k=2)), PassAtK(k=2) + 1
+    bootstrap = BootStrapper(PassAtK(k=2), num_bootstraps=4, sampling_strategy="multinomial")
+    for metric in (min_max, shifted, bootstrap):
+        metric.update(rows)
+    assert min_max.compute()["raw"].item() == pytest.approx(exact_pass_at_k(rows.tolist(), 2), abs=1e-6)
+    assert shifted.compute().item() == pytest.approx(1 + exact_pass_at_k(rows.tolist(), 2), abs=1e-6)
+    assert 0.0 <= bootstrap.compute()["mean"].item() <= 1.0
+
+
+def test_single_budget_form_logs_with_self_log_in_a_lightning_module():
+    """`self.log("val/pass@4", PassAtK(ks=...))` failed only when the epoch ended ("The .compute() return of the metric
+    logged as ... must be a tensor"). PassAtK(k=...) / MajorityAtK(k=...) log as metric objects; the logged epoch values
+    are the exact ones."""
+    generator = torch.Generator().manual_seed(7)
+    batches = [random_correctness(generator, 5, 4) for _ in range(3)]
+    rng = random.Random(7)
+    votes = [[[rng.choice(["1", "2", None]) for _ in range(4)] for _ in range(5)] for _ in batches]
+
+    class Module(lightning.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(1, 1)
+            self.pass_at_2, self.maj_at_3 = PassAtK(k=2), MajorityAtK(k=3)
+
+        def training_step(self, batch, batch_idx):
+            return self.layer(batch).sum()
+
+        def validation_step(self, batch, batch_idx):
+            self.pass_at_2.update(batches[batch_idx])
+            self.maj_at_3.update(votes[batch_idx], batches[batch_idx])
+            self.log("val/pass@2", self.pass_at_2)
+            self.log("val/maj@3", self.maj_at_3)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    trainer = lightning.Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                                enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    loader = torch.utils.data.DataLoader(torch.ones(3, 1), batch_size=1)
+    trainer.validate(Module(), loader, verbose=False)
+    rows = torch.cat(batches).tolist()
+    all_votes = [problem for batch in votes for problem in batch]
+    expected_maj = sum(reference_majority_correct(a, c, 3) for a, c in zip(all_votes, rows)) / len(rows)
+    assert trainer.callback_metrics["val/pass@2"].item() == pytest.approx(exact_pass_at_k(rows, 2), abs=1e-6)
+    assert trainer.callback_metrics["val/maj@3"].item() == pytest.approx(expected_maj, abs=1e-6)
+
+
+def test_single_budget_form_keeps_the_states_of_ks_and_refuses_both():
+    """k= is ks=(k,) with a tensor result: the same states (a state_dict moves between the forms), and the k > n
+    refusal names k; giving both ks= and k=, or a k that is not one positive integer, is one line naming the forms."""
+    correct = random_correctness(torch.Generator().manual_seed(2), 6, 5)
+    several, single = PassAtK(ks=(4,)), PassAtK(k=4)
+    several.persistent(True)
+    several.update(correct)
+    single.load_state_dict(several.state_dict())
+    assert single.compute().item() == several.compute()["pass@4"].item() == pytest.approx(exact_pass_at_k(correct.tolist(), 4))
+    assert PassAtK().ks == (1, 4, 16) and PassAtK([1, 2]).ks == (1, 2)  # the ks form is as it was
+    for metric_class in (PassAtK, MajorityAtK):
+        with pytest.raises(ValueError, match=r"ks= .* or k= .*not both.*keep one"):
+            metric_class(ks=(1, 4), k=4)
+        for bad in (0, -1, True, 2.0, (1, 2)):
+            with pytest.raises(ValueError, match=r"k=\.\.\.\) takes one positive integer"):
+                metric_class(k=bad)
+    with pytest.raises(ValueError, match="n >= 8.*or lower k$"):
+        PassAtK(k=8).update(correct)

@@ -32,7 +32,7 @@ from collections.abc import Hashable, Sequence
 import torch
 from torchmetrics import Metric
 
-from es_lightning.metrics.pass_at_k import _check_k_le_n, _PerKSums, _validate_correctness, _validate_ks
+from es_lightning.metrics.pass_at_k import _PerKSums, _validate_correctness
 from es_lightning.metrics.plotting import Plottable
 from es_lightning.metrics.state import ExactSums, KeepsStateOnError
 
@@ -70,12 +70,20 @@ class MajorityAtK(_PerKSums, KeepsStateOnError, ExactSums, Plottable, Metric):
     ``update(answers, correct)``: ``answers`` is a list with one entry per problem, each a list of the ``n`` votes
     (``Task.votes``: hashable keys, ``None`` abstains; tensors are read as their values, so a ``[num_problems, n]``
     tensor of answer ids works too) of that problem's samples, in sampling order; ``correct`` is the
-    ``[num_problems, n]`` bool (or 0/1 int) correctness matrix of the same samples. ``compute()`` returns
-    ``{"maj@1": tensor, "maj@4": ...}``; NaN for every k when no problem was seen (torchmetrics warns). maj@1 equals
-    pass@1 on the first sample.
+    ``[num_problems, n]`` bool (or 0/1 int) correctness matrix of the same samples. maj@1 equals pass@1 on the first
+    sample.
+
+    As :class:`~es_lightning.metrics.PassAtK`, two forms with the same states: ``MajorityAtK(ks=(1, 4, 16))``'s
+    ``compute()`` returns ``{"maj@1": tensor, "maj@4": ...}`` (log it with ``self.log_dict(metric.compute())``;
+    Lightning's ``self.log("name", metric)``, torchmetrics' wrappers and arithmetic need a tensor), and
+    ``MajorityAtK(k=4)``'s returns one scalar tensor, for ``self.log("val/maj@4", metric)``, ``MetricTracker``,
+    ``MinMaxMetric`` and arithmetic (``BootStrapper`` resamples tensors only: pass ``answers`` as a tensor of answer
+    ids there). NaN when no problem was seen (torchmetrics warns).
 
     Args:
-        ks: the vote sizes k to report; positive integers, each at most the ``n`` of every update.
+        ks: the vote sizes k to report (default ``(1, 4, 16)``); positive integers, each at most the ``n`` of every
+            update.
+        k: instead of ``ks`` (keyword only), the one vote size to report, as a tensor.
     """
 
     is_differentiable = False
@@ -89,9 +97,9 @@ class MajorityAtK(_PerKSums, KeepsStateOnError, ExactSums, Plottable, Metric):
     _label = "maj"
     num_problems: torch.Tensor
 
-    def __init__(self, ks: Sequence[int] = (1, 4, 16), **kwargs) -> None:
+    def __init__(self, ks: Sequence[int] | None = None, *, k: int | None = None, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.ks = _validate_ks(ks)
+        self._init_ks(ks, k)
         self._add_per_k_states()  # maj_at_{k}_sum for each k, num_problems
 
     def update(self, answers: Sequence[Sequence[Hashable | None]] | torch.Tensor, correct: torch.Tensor) -> None:
@@ -104,7 +112,7 @@ class MajorityAtK(_PerKSums, KeepsStateOnError, ExactSums, Plottable, Metric):
                 f"answers must hold one list of answers per problem: correct has {num_problems} rows but answers has "
                 f"{len(answers) if not isinstance(answers, (str, bytes)) else 'a string, not a list'}"
             )
-        _check_k_le_n(max(self.ks), num_samples)
+        self._check_ks_le_n(num_samples)
         verdicts = correct.cpu().tolist()
         hits = [0] * len(self.ks)
         for problem, (problem_answers, problem_correct) in enumerate(zip(answers, verdicts)):
@@ -119,5 +127,5 @@ class MajorityAtK(_PerKSums, KeepsStateOnError, ExactSums, Plottable, Metric):
                 hits[j] += majority_vote_correct(problem_answers, problem_correct, k)
         self._add_per_k_sums(hits, num_problems)
 
-    def compute(self) -> dict[str, torch.Tensor]:
-        return self._per_k_means()  # {"maj@1": ..., ...}; NaN when no problem was seen
+    def compute(self) -> dict[str, torch.Tensor] | torch.Tensor:
+        return self._result()  # ks=: {"maj@1": ..., ...}; k=: one tensor; NaN when no problem was seen

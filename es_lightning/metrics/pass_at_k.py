@@ -35,11 +35,11 @@ def _as_int(value: object, name: str) -> int:
         raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})") from None
 
 
-def _check_k_le_n(k: int, num_samples: int) -> None:
+def _check_k_le_n(k: int, num_samples: int, fix: str = "drop k={k} from ks") -> None:
     if k > num_samples:
         raise ValueError(
             f"pass@{k} needs at least k={k} samples per problem but got n={num_samples}: sample more completions "
-            f"per problem (n >= {k}) or drop k={k} from ks"
+            f"per problem (n >= {k}) or {fix.format(k=k)}"
         )
 
 
@@ -143,8 +143,35 @@ class _PerKSums:
     """
 
     ks: tuple[int, ...]
+    k: int | None  # the single-budget form (``k=``): compute() returns one tensor instead of a dict
     _state_stem: str  # "pass_at" / "maj_at"
     _label: str  # "pass" / "maj"
+
+    def _init_ks(self, ks: Iterable[int] | None, k: int | None) -> None:
+        """``ks=`` (several budgets, compute() a dict) or ``k=`` (one budget, compute() a tensor); the same states."""
+        name = type(self).__name__
+        if ks is not None and k is not None:
+            raise ValueError(
+                f"{name} takes ks= (several budgets; compute() returns a dict) or k= (one budget; compute() returns a "
+                f"tensor), not both: got ks={ks!r}, k={k!r}; keep one, e.g. {name}(k={k}) to self.log the metric itself"
+            )
+        if k is None:
+            self.k, self.ks = None, _validate_ks((1, 4, 16) if ks is None else ks)
+            return
+        try:
+            value = None if isinstance(k, bool) else operator.index(k)  # ints, numpy ints, 0-d integer tensors
+        except TypeError:
+            value = None
+        if value is None or value < 1:
+            raise ValueError(f"{name}(k=...) takes one positive integer budget, got k={k!r}; for several use ks=(1, 4, 16)")
+        self.k, self.ks = value, (value,)
+
+    def _check_ks_le_n(self, num_samples: int) -> None:
+        _check_k_le_n(max(self.ks), num_samples, "drop k={k} from ks" if self.k is None else "lower k")
+
+    def _result(self) -> dict[str, torch.Tensor] | torch.Tensor:
+        means = self._per_k_means()
+        return means if self.k is None else means[f"{self._label}@{self.k}"]
 
     def _add_per_k_states(self) -> None:
         for k in self.ks:
@@ -187,12 +214,23 @@ class PassAtK(_PerKSums, KeepsStateOnError, ExactSums, Plottable, Metric):
     Sums are kept in float32 (float64 when that is the default dtype; fine on MPS), also in a ``bf16-true`` module:
     call ``set_dtype(torch.float64)`` for very large evaluations.
 
-    ``compute()`` returns ``{"pass@1": tensor, "pass@4": tensor, ...}``. With no problems seen it returns NaN for every
-    k (torchmetrics also warns that ``compute`` ran before ``update``), so an empty sanity-check epoch logs NaN rather
-    than crashing a run.
+    Two forms, with the same states (and so the same sync and ``state_dict`` for the same k):
+
+    * ``PassAtK(ks=(1, 4, 16))``: ``compute()`` returns ``{"pass@1": tensor, "pass@4": tensor, ...}``, every budget
+      from one pass over the samples. Log it with ``self.log_dict(metric.compute())`` at the epoch's end;
+      ``self.log("name", metric)`` is refused by Lightning (only when the epoch ends: it needs a tensor), as are
+      torchmetrics' wrappers (``MetricTracker``, ``BootStrapper``, ``MinMaxMetric``) and arithmetic (``metric + 1``).
+    * ``PassAtK(k=4)``: ``compute()`` returns one scalar tensor, like any torchmetrics metric, for
+      ``self.log("val/pass@4", metric)`` (and a ``ModelCheckpoint`` monitoring it), those wrappers and arithmetic.
+      Several budgets this way: ``MetricCollection({"pass@1": PassAtK(k=1), "pass@4": PassAtK(k=4)})`` and
+      ``self.log_dict(collection)``.
+
+    With no problems seen ``compute()`` returns NaN (for every k; torchmetrics also warns that ``compute`` ran before
+    ``update``), so an empty sanity-check epoch logs NaN rather than crashing a run.
 
     Args:
-        ks: the budgets k to report; positive integers, each at most the ``n`` of every update.
+        ks: the budgets k to report (default ``(1, 4, 16)``); positive integers, each at most the ``n`` of every update.
+        k: instead of ``ks`` (keyword only), the one budget to report, as a tensor.
     """
 
     is_differentiable = False
@@ -206,21 +244,21 @@ class PassAtK(_PerKSums, KeepsStateOnError, ExactSums, Plottable, Metric):
     _label = "pass"
     num_problems: torch.Tensor
 
-    def __init__(self, ks: Sequence[int] = (1, 4, 16), **kwargs) -> None:
+    def __init__(self, ks: Sequence[int] | None = None, *, k: int | None = None, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.ks = _validate_ks(ks)
+        self._init_ks(ks, k)
         self._add_per_k_states()  # pass_at_{k}_sum for each k, num_problems
 
     def update(self, correct: torch.Tensor) -> None:
         """Add problems; ``correct[i, j]``: did sample j of problem i pass (``[num_problems, n]``, bool/0-1)."""
         correct = _validate_correctness(correct)
         num_samples = correct.shape[1]
-        _check_k_le_n(max(self.ks), num_samples)
+        self._check_ks_le_n(num_samples)
         num_correct = correct.sum(dim=1)  # [P]
         state = getattr(self, self._k_state(self.ks[0]))
         table = torch.tensor(_pass_at_k_table(num_samples, self.ks), dtype=state.dtype, device=state.device)  # [K, n + 1]
         estimates = table[:, num_correct.to(table.device)]  # [K, P]
         self._add_per_k_sums(estimates.sum(dim=1), correct.shape[0])
 
-    def compute(self) -> dict[str, torch.Tensor]:
-        return self._per_k_means()  # {"pass@1": ..., ...}; NaN when no problem was seen
+    def compute(self) -> dict[str, torch.Tensor] | torch.Tensor:
+        return self._result()  # ks=: {"pass@1": ..., ...}; k=: one tensor; NaN when no problem was seen
