@@ -61,6 +61,15 @@ def say(line: str, stream=None) -> None:
     stream.flush()
 
 
+def progress_bar(**tqdm_options):
+    """An analysis command's tqdm bar (on stderr). On a terminal it is erased when it closes; into a log file (not a
+    TTY) it keeps its last state and ends its line, so what follows (a one-line error, a warning) starts a line of its
+    own instead of following the bar's carriage returns, where ``tail`` / ``grep`` of the log found it glued to the bar."""
+    from tqdm.auto import tqdm
+
+    return tqdm(leave=not sys.stderr.isatty(), **tqdm_options)
+
+
 def configure_threads() -> int:
     """One torch thread per process unless ``ES_LIGHTNING_NUM_THREADS`` or ``OMP_NUM_THREADS`` says otherwise."""
     import torch

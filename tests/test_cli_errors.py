@@ -758,3 +758,21 @@ def test_out_of_memory_in_analyze_drift_names_its_dtype_not_evaluation_settings(
                         "memory. Tried to allocate 26.00 GiB. GPU 0 has a total capacity of 79.10 GiB of which 3.06 GiB "
                         "is free.); load them in a smaller --dtype (bfloat16), or run it where there is memory for both "
                         "models (--debug for the traceback)"), lines
+
+
+def test_an_evaluation_failing_after_its_progress_bar_starts_its_error_on_a_line_of_its_own(tmp_path, monkeypatch, capsys):
+    """`es-lightning eval ... 2> eval.log`: the second model fails to load after the first was evaluated under the
+    progress bar. The bar, erased with carriage returns as on a terminal, left its line unended, so the error followed
+    a `\\r` and blanks on the bar's line (`tail` / `grep error` of the log showed the bar with it). The bar now ends its
+    line in a file; the error is a line of its own."""
+    from es_lightning.cli import cli_main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bad.ckpt").write_text("not a checkpoint")
+    with pytest.raises(SystemExit) as exit:
+        cli_main(["eval", "--checkpoints", "builtin:countdown-tiny", "bad.ckpt", "--tasks", "countdown",
+                  "--eval.num_problems", "2", "--eval.num_samples", "2", "--out_dir", "ev"])
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and "2/4" in err, err  # the bar was drawn: the first model was evaluated
+    lines = [line for line in err.split("\n") if "error:" in line]
+    assert len(lines) == 1 and lines[0].startswith("es-lightning eval: error: 'bad.ckpt' is not a PyTorch Lightning "), lines

@@ -243,12 +243,11 @@ def ablation_command(
         progress: show a progress bar.
     """
     check_out_dir(out_dir)  # before any model loads or fit runs
-    from tqdm.auto import tqdm
-
     from es_lightning.analysis.checkpoints import load_model, recorded_task, start_dtype, trained_with
     from es_lightning.analysis.evaluate import as_loaded, evaluate_policy, heldout_problems, tasks_as_trained, warn_training_overlap
     from es_lightning.analysis.plots import plot_ablation
     from es_lightning.analysis.runs import now_doing, now_writing, stopping_on_signals
+    from es_lightning.console import progress_bar
 
     start = time.perf_counter()
     out = Path(out_dir)
@@ -285,8 +284,8 @@ def ablation_command(
         tuned_model.say_masters()
         now_doing(f"measuring the update from {base}")
         warn_about_base(tuned, base, tuned_model.base, parameter_drift(base_weights, tuned_model.weights(), [0.0]).relative_drift)
-        bar = tqdm(total=(2 + len(taus) + len(top_percent)) * len(problems), desc="ablation", unit="problem", disable=not progress,
-                   leave=False)
+        bar = progress_bar(total=(2 + len(taus) + len(top_percent)) * len(problems), desc="ablation", unit="problem",
+                           disable=not progress)
 
         def evaluate() -> dict[str, float]:
             return evaluate_policy(policy, task_obj, problems, as_loaded(settings, tuned_model), progress=bar)

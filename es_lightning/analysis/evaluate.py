@@ -311,10 +311,9 @@ def evaluate_models(
             warn_training_overlap(spec, record, t, problems[t.name], (task_sources or {}).get(t.name, settings.source))
     names = list(labels) if labels is not None else [_label(m) for m in models]
     names = _unique(names)
-    from tqdm.auto import tqdm
+    from es_lightning.console import progress_bar
 
-    bar = tqdm(total=len(models) * sum(map(len, problems.values())), desc="eval", unit="problem", disable=not progress,
-               leave=False)
+    bar = progress_bar(total=len(models) * sum(map(len, problems.values())), desc="eval", unit="problem", disable=not progress)
     results: dict[str, dict[str, dict[str, float]]] = {}
     sources: dict[str, str] = {}
     try:
