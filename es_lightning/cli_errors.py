@@ -516,10 +516,34 @@ def _weights_only_checkpoint(e: BaseException) -> str | None:
     config = _CONTEXT["config"]
     path = getattr(config, "ckpt_path", None) if config is not None and not isinstance(config, dict) else (
         config.get("ckpt_path") if isinstance(config, dict) else None)
-    return (f"--ckpt_path {str(path)!r} holds only the weights (it was saved with RunCheckpoint's save_weights_only: "
-            "true), not the optimizer state, step and data position a fit resumes from; resume from a checkpoint "
-            "saved without save_weights_only, or evaluate this one (es-lightning validate/test --ckpt_path, "
-            "es-lightning eval --checkpoints)")
+    setters = _weights_only_callbacks(config)
+    saved = ("a checkpoint callback's save_weights_only: true" if not setters else
+             f"save_weights_only: true, as this config's {' and '.join(f'{name} ({key})' for key, name in setters)} sets")
+    unset = "" if not setters else " (" + ", ".join(f"{key}.init_args.save_weights_only: false" for key, _ in setters) + " saves those)"
+    return (f"--ckpt_path {str(path)!r} holds only the weights (it was saved with {saved}), not the optimizer state, "
+            f"step and data position a fit resumes from; resume from a checkpoint saved without save_weights_only{unset}, "
+            "or evaluate this one (es-lightning validate/test --ckpt_path, es-lightning eval --checkpoints)")
+
+
+def _weights_only_callbacks(config: Any) -> list[tuple[str, str]]:
+    """``(trainer.callbacks.N, class name)`` of the fit config's callbacks set to ``save_weights_only: true`` (a plain
+    Lightning ``ModelCheckpoint`` as well as the package's ``RunCheckpoint``), so the refusal names the one the user
+    configured."""
+    try:
+        trainer = config["trainer"] if isinstance(config, dict) else config.trainer
+        callbacks = trainer.get("callbacks") if isinstance(trainer, dict) else getattr(trainer, "callbacks", None)
+    except (AttributeError, KeyError, TypeError):
+        return []
+    if callbacks is None:
+        return []
+    found = []
+    for index, callback in enumerate(callbacks if isinstance(callbacks, list) else [callbacks]):
+        class_path = callback.get("class_path") if isinstance(callback, dict) else getattr(callback, "class_path", None)
+        init_args = callback.get("init_args") if isinstance(callback, dict) else getattr(callback, "init_args", None)
+        weights_only = init_args.get("save_weights_only") if isinstance(init_args, dict) else getattr(init_args, "save_weights_only", None)
+        if weights_only is True and isinstance(class_path, str):
+            found.append((f"trainer.callbacks.{index}", class_path.rsplit(".", 1)[-1]))
+    return found
 
 
 # ---------------------------------------------------------------------- where: config files and keys

@@ -776,3 +776,32 @@ def test_an_evaluation_failing_after_its_progress_bar_starts_its_error_on_a_line
     assert exit.value.code == 2 and "2/4" in err, err  # the bar was drawn: the first model was evaluated
     lines = [line for line in err.split("\n") if "error:" in line]
     assert len(lines) == 1 and lines[0].startswith("es-lightning eval: error: 'bad.ckpt' is not a PyTorch Lightning "), lines
+
+
+def test_a_resume_from_a_plain_model_checkpoints_weights_only_file_names_that_callback(tmp_path, monkeypatch, capsys):
+    """`--ckpt_path` of a file a plain Lightning `ModelCheckpoint(save_weights_only=True)` wrote: the refusal said it
+    was saved with RunCheckpoint's save_weights_only, a callback this config does not have. It names the callback the
+    config has and the key to turn off; a config without one says only that a checkpoint callback saved it so."""
+    from es_lightning.cli import cli_main
+
+    monkeypatch.chdir(tmp_path)
+    small = ["fit", "--config", str(RECIPES / "es.yaml"), "--model.init_args.population_size", "4",
+             "--model.init_args.members_per_batch", "4", "--data.init_args.batch_size", "2",
+             "--data.init_args.train_size", "16", "--data.init_args.val_size", "4", "--trainer.limit_val_batches", "0",
+             "--trainer.enable_progress_bar", "false", "--trainer.logger.init_args.save_dir", str(tmp_path / "logs")]
+    plain = ["--trainer.callbacks", "[]", "--trainer.callbacks+", "lightning.pytorch.callbacks.ModelCheckpoint",
+             "--trainer.callbacks.init_args.save_weights_only", "true", "--trainer.callbacks.init_args.dirpath", "ck",
+             "--trainer.callbacks.init_args.save_last", "true"]
+    cli_main([*small, *plain, "--trainer.max_steps", "1"])
+    capsys.readouterr()
+    for callbacks, named in ((plain, "save_weights_only: true, as this config's ModelCheckpoint (trainer.callbacks.0) sets"),
+                             ([], "a checkpoint callback's save_weights_only: true")):
+        with pytest.raises(SystemExit) as refused:
+            cli_main([*small, *callbacks, "--trainer.max_steps", "2", "--ckpt_path", "ck/last.ckpt"])
+        err = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+        assert refused.value.code == 2 and len(err) == 1, err
+        assert err[0].startswith(f"es-lightning: error: --ckpt_path 'ck/last.ckpt' holds only the weights (it was saved with "
+                                 f"{named}), not the optimizer state"), err
+        assert "RunCheckpoint" not in err[0], err
+        assert ("without save_weights_only (trainer.callbacks.0.init_args.save_weights_only: false saves those), or "
+                "evaluate" in err[0]) == bool(callbacks), err
