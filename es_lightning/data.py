@@ -241,6 +241,8 @@ class ReasoningDataModule(L.LightningDataModule):
         #: the held-out settings that decided the training rows (:meth:`_load_datasets`; recorded for a resume)
         self._held_out: dict[str, Any] = {}
         self._rows_digest: str | None = None  # the training rows' digest (:meth:`_train_rows_digest`)
+        #: per split of a dataset source: the source split its rows come from and their row numbers there
+        self._origins: dict[str, tuple[str, list[int]]] = {}
         for name, value in (("batch_size", batch_size), ("val_batch_size", val_batch_size)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
@@ -340,6 +342,7 @@ class ReasoningDataModule(L.LightningDataModule):
                                f"{len(ds)}; set data.{split}_size to null (every row) or at most {len(ds)} to silence this")
             drawn[split] = self.map_columns(ds, split)
         result = self._preprocess_drawn(drawn, at, source_of, source_rows)
+        self._origins = {split: (source_of[split], list(at[split])) for split in drawn}
         self._warn_overlap(result, [split for split in ("val", "test") if split not in carving], names)
         return result
 
@@ -384,6 +387,18 @@ class ReasoningDataModule(L.LightningDataModule):
                              f"{self.task.name!r}, the first (row {first}, counting from 0) as: {bad[first]} — fix those "
                              f"rows{DROP_INVALID_HINT}")
         return result
+
+    def source_row(self, split: str, index: int) -> int:
+        """The row number (counting from 0) in its source split of row ``index`` of ``split`` (after :meth:`setup`);
+        a procedural problem's is its place in the split."""
+        return self._origins[split][1][index] if split in self._origins else index
+
+    def describe_row(self, split: str, index: int) -> str:
+        """Where row ``index`` of ``split`` comes from, for a message that must let the user find it in the data."""
+        if split not in self._origins:
+            return f"problem {index} of the procedural {split!r} split"
+        return (f"row {self.source_row(split, index)} (counting from 0) of the {self._origins[split][0]!r} split of "
+                f"data.source {self.source!r}")
 
     def _refused_rows(self, mapped, with_keys: bool) -> tuple[dict[int, ValueError], list[Any] | None]:
         """One pass over ``mapped`` (a split, its columns the task's): the rows the task refuses (row number → the

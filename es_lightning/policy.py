@@ -231,6 +231,14 @@ def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: list[str]) -> di
     return BatchEncoding({key: value[index] for key, value in enc.items()})
 
 
+def prompt_token_counts(tokenizer: PreTrainedTokenizerBase, prompts: list[str]) -> list[int]:
+    """Each rendered prompt's token count as :func:`encode_prompts` encodes it, without padding a tensor of them all
+    (a whole dataset's prompts are counted at once)."""
+    plain = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
+    full = tokenizer(list(prompts), add_special_tokens=True)["input_ids"]
+    return [len(_without_repeated_prefix(p, f)) for p, f in zip(plain, full)]
+
+
 def _without_repeated_prefix(plain: list[int], full: list[int]) -> list[int]:
     """``full`` = special prefix + ``plain`` + special suffix; drop the prefix when ``plain`` already starts with it."""
     for k in range(len(full) - len(plain) + 1):

@@ -805,3 +805,39 @@ def test_a_resume_from_a_plain_model_checkpoints_weights_only_file_names_that_ca
         assert "RunCheckpoint" not in err[0], err
         assert ("without save_weights_only (trainer.callbacks.0.init_args.save_weights_only: false saves those), or "
                 "evaluate" in err[0]) == bool(callbacks), err
+
+
+def _countdown_file_with_long_rows(path: Path, long_rows: dict[int, int]) -> Path:
+    """40 Countdown rows of three numbers, those of ``long_rows`` (row → how many numbers) longer."""
+    rows = [{"nums": [a % 19 + 1, a % 7 + 2, 3], "target": (a % 19 + 1) * (a % 7 + 2) + 3} for a in range(40)]
+    for row, count in long_rows.items():
+        rows[row] = {"nums": list(range(1, count + 1)), "target": 17}
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+@pytest.mark.parametrize("recipe", ["es.yaml", "grpo.yaml"])
+def test_a_dataset_row_whose_prompt_fills_the_positions_is_refused_at_fit_start_naming_its_row(recipe, tmp_path, monkeypatch,
+                                                                                                capsys):
+    """A data file with prompts of the built-in model's 128 positions or more: the fit evaluated its start, trained,
+    and stopped at the first step whose batch drew one, naming "prompt 3 of this batch" (its place among the batch's
+    prompts, repeated per member), not the row in the file. It is refused at fit start, before anything generates,
+    naming how many there are and the first one's row in the file, its token count and the fixes."""
+    from es_lightning.cli import cli_main
+
+    monkeypatch.chdir(tmp_path)
+    source = _countdown_file_with_long_rows(tmp_path / "countdown.jsonl", {5: 59, 30: 50})
+    with pytest.raises(SystemExit) as refused:
+        cli_main(["fit", "--config", str(RECIPES / recipe), "--data.init_args.source", str(source),
+                  "--data.init_args.train_size", "32", "--data.init_args.val_size", "8", "--data.init_args.test_size", "0",
+                  "--data.init_args.batch_size", "8", "--trainer.max_steps", "2", "--trainer.enable_progress_bar", "false",
+                  "--trainer.logger.init_args.save_dir", str(tmp_path / "logs")])
+    out, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if "error:" in line]
+    assert refused.value.code == 2 and len(lines) == 1, lines
+    assert "start:" not in out + err, out  # PassAtKCallback's evaluation of the start weights: nothing generated
+    assert lines[0] == (
+        "es-lightning: error: 2 of the 32 train prompts have 128 tokens or more, and the model's max_position_embeddings "
+        f"is 128: no room for a completion; the first is row 5 (counting from 0) of the 'train' split of data.source "
+        f"'{source}' (173 tokens as prompted); shorten the prompts (the task's prompt format or system_prompt), or remove "
+        "those rows from the data"), lines[0]

@@ -193,9 +193,9 @@ def _gsm8k_with_a_long_problem(directory: Path, repeats: int = 9000) -> Path:
 
 def test_a_prompt_past_the_positions_stops_a_fit_in_one_line(qwen_like_small_dir, tmp_path):
     """A GRPO fit whose batch holds a prompt longer than the model's max_position_embeddings: one warning, then
-    generation of it (an out-of-memory traceback at Qwen's sizes). Now the first rollout refuses it before anything is
-    generated, naming the prompt's token count, the limit and the fixes; so do an ES fit's evaluation and
-    PassAtKCallback's."""
+    generation of it (an out-of-memory traceback at Qwen's sizes). Now the fit refuses it at its start, before anything
+    is generated, naming how many rows, the first one's row in the data, its token count (chat template included), the
+    limit and the fixes; so does an ES fit; a test's evaluation (PassAtKCallback's) refuses it at its first rollout."""
     import lightning as L
 
     from es_lightning import ESModule, GRPOModule, ReasoningDataModule
@@ -208,10 +208,11 @@ def test_a_prompt_past_the_positions_stops_a_fit_in_one_line(qwen_like_small_dir
         trainer = L.Trainer(max_steps=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                             enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                             num_sanity_val_steps=0)
-        with pytest.raises(ValueError, match=r"^prompt [01] of this batch has 3\d{4} tokens, and the model's "
-                                             r"max_position_embeddings is 32768: no room for a completion \(its text "
-                                             r"around the middle: '\.\.\.[1 +]+\.\.\.'\); .*remove the rows whose "
-                                             r"prompt has 32768 tokens or more from the data$"):
+        with pytest.raises(ValueError, match=r"^1 of the 2 train prompts has 32768 tokens or more, and the model's "
+                                             r"max_position_embeddings is 32768: no room for a completion; the first is "
+                                             r"row 1 \(counting from 0\) of the 'train' split of data.source '.*gsm8k' "
+                                             r"\(3\d{4} tokens as prompted\); shorten the prompts .*, or remove those "
+                                             r"rows from the data$"):
             trainer.fit(module, data)
     data = ReasoningDataModule(task="gsm8k", source=str(source), train_size=None, val_size=0, test_size=None)
     with pytest.raises(ValueError, match=r"^prompt [01] of this batch has 3\d{4} tokens"):  # PassAtKCallback's test

@@ -35,9 +35,10 @@ from torch import Tensor
 
 from es_lightning.algorithms import SAMPLING_KEYS, Algorithm, get_algorithm
 from es_lightning.generation import Generator, Rollout, SamplingParams, check_generation_options, make_generator
+from es_lightning.generation.config import position_limit
 from es_lightning.metrics.training import StepMetrics, shared_metrics
 from es_lightning.modules.stage import STAGE_KEY, peek_stage_on_load
-from es_lightning.policy import Policy, load_policy, resolve_dtype
+from es_lightning.policy import Policy, load_policy, prompt_token_counts, resolve_dtype
 from es_lightning.precision import (
     COMPUTE_DTYPE_OF_PRECISION,
     PARAMETER_NAMES_KEY,
@@ -590,9 +591,47 @@ class ReasoningModule(L.LightningModule):
         the algorithm choose its helpers (which may ask for engine settings); start a vLLM engine."""
         self.check_precision()
         _ = self.sharded
+        self.check_prompt_lengths(("train", "val"))  # before an engine starts or anything trains
         if self.algorithm is not None:
             self.algorithm.on_fit_start(self)
         self.start_generator()
+
+    def check_prompt_lengths(self, splits: Sequence[str]) -> None:
+        """Refuse a data module's rows whose prompt (chat template included) leaves no room for a completion, before
+        the first step, naming how many there are and the first one's row in the data.
+
+        The generators refuse such a prompt too (:func:`~es_lightning.generation.base.refuse_overlong_prompts`, whose
+        docstring says why an error and not TRL's silent truncation or a dropped row), but only when a batch draws it,
+        steps into the fit, and naming its place in that batch. This is verl's check at data loading (its default
+        ``data.truncation: error``), over every row of ``splits`` at once."""
+        dm = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        if not callable(getattr(dm, "describe_row", None)):  # not a ReasoningDataModule: the generators' check
+            return
+        positions = position_limit(getattr(self.policy.model, "config", None))
+        engine = self.engine_options().get("max_model_len") if self.generation_backend == "vllm" else None
+        limit, name = (engine, "generation_options.max_model_len") if engine is not None and (
+            positions is None or engine < positions) else (positions, "the model's max_position_embeddings")
+        if limit is None:
+            return
+        for split in splits:
+            examples = dm.splits.get(split) or []
+            if not examples:
+                continue
+            lengths = prompt_token_counts(self.policy.tokenizer, self.prompts(examples))
+            over = [i for i, n in enumerate(lengths) if n >= limit]
+            if over:
+                from es_lightning.cli_errors import SettingError  # the data's rows, not an option of the module
+
+                first = min(over, key=lambda i: dm.source_row(split, i))
+                longest = max(lengths[i] for i in over)
+                fix = "shorten the prompts (the task's prompt format or system_prompt)"
+                if limit != positions and (positions is None or longest < positions):
+                    fix = f"raise generation_options.max_model_len above {longest}, {fix}"
+                have = "has" if len(over) == 1 else "have"
+                raise SettingError(f"{len(over)} of the {len(lengths)} {split} prompts {have} {limit} tokens or more, and "
+                                   f"{name} is {limit}: no room for a completion; the first is "
+                                   f"{dm.describe_row(split, first)} ({lengths[first]} tokens as prompted); {fix}, "
+                                   "or remove those rows from the data")
 
     def on_validation_start(self) -> None:
         self.check_precision()

@@ -534,3 +534,21 @@ def test_grpo_fit_of_a_model_of_its_own_code_pushes_to_vllm(tmp_path, fit, qwen_
     base = dict(AutoModelForCausalLM.from_pretrained(qwen_like_dir).named_parameters())  # the steps moved the weights
     assert any(not torch.equal(weight.float(), base[name].detach().float()) for name, weight in _weights(module).items())
     _engine_matches_policy(module)
+
+
+def test_a_dataset_row_past_max_model_len_is_refused_before_the_engine_starts(tmp_path, fit):
+    """A data file row whose prompt (68 tokens) fills the engine's max_model_len (64) but fits the model's 128
+    positions: refused at fit start, before an engine is built, naming its row and raising max_model_len among the
+    fixes (a row past the model's positions is the HF backend's case: tests/test_cli_errors.py)."""
+    rows = [{"nums": [a + 1, 3, 4], "target": (a + 1) * 3 + 4} for a in range(20)]
+    rows[7] = {"nums": list(range(1, 25)), "target": 17}
+    source = tmp_path / "countdown.jsonl"
+    source.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.raises(ValueError) as refused:
+        fit(_recipe(tmp_path, "es.yaml"), *ES_SMALL, *VLLM, "--model.init_args.generation_options.max_model_len", "64",
+            "--data.init_args.source", str(source), "--data.init_args.train_size", "16", "--data.init_args.test_size", "0")
+    assert str(refused.value) == (
+        "1 of the 16 train prompts has 64 tokens or more, and generation_options.max_model_len is 64: no room for a "
+        f"completion; the first is row 7 (counting from 0) of the 'train' split of data.source '{source}' (68 tokens as "
+        "prompted); raise generation_options.max_model_len above 68, shorten the prompts (the task's prompt format or "
+        "system_prompt), or remove those rows from the data"), refused.value
