@@ -220,7 +220,8 @@ def test_a_prompt_past_the_positions_stops_a_fit_in_one_line(qwen_like_small_dir
 
 
 def test_eval_of_a_prompt_past_the_positions_is_one_line(qwen_like_small_dir, tmp_path, capsys):
-    """``es-lightning eval`` of a data set with a problem past the model's positions: one line naming it, exit 2."""
+    """``es-lightning eval`` of a data set with a problem past the model's positions: one line naming its row in the
+    file (it named "prompt 1 of this batch"), before anything is generated, exit 2."""
     from es_lightning.cli import cli_main
 
     source = _gsm8k_with_a_long_problem(tmp_path / "gsm8k")
@@ -230,5 +231,8 @@ def test_eval_of_a_prompt_past_the_positions_is_one_line(qwen_like_small_dir, tm
                   "--out_dir", str(tmp_path / "eval"), "--progress", "false", "--plot", "false"])
     err = capsys.readouterr().err.strip()
     assert exit_info.value.code == 2 and "\n" not in err, err
-    assert re.search(r"prompt [01] of this batch has 3\d{4} tokens, and the model's max_position_embeddings is 32768: "
-                     r"no room for a completion", err), err
+    assert re.fullmatch(r"es-lightning eval: error: 1 of the 2 problems has 32768 tokens or more, and the model's "
+                        r"max_position_embeddings is 32768: no room for a completion; the first is row 1 \(counting from "
+                        rf"0\) of the 'test' split of --eval.source '{re.escape(str(source))}' \(3\d{{4}} tokens as "
+                        r"prompted\); shorten the prompts \(the task's prompt format or system_prompt\), or remove those "
+                        r"rows from the data", err), err

@@ -70,7 +70,8 @@ def heldout_problems(task: Task, num_problems: int, seed: int = 0, source: str =
     try:
         if name is None:  # several splits, no test split: held-out rows carved off the train split, as a fit would
             dm.setup("test")
-            return dm.splits["test"]
+            return DrawnProblems(dm.splits["test"], [dm.source_row("test", i) for i in range(len(dm.splits["test"]))],
+                                 f"the {dm.train_split!r} split of --eval.source {source!r}")
         ds = dm.map_columns(dsets[name], repr(name), lambda missing, have: (  # the fit's renames and checks
             f"Map them with --eval.column_mapping, e.g. '{{{have}: {missing[0]}}}'"))
         if len(ds) < num_problems:
@@ -142,12 +143,14 @@ def _preprocess_drawn(task: Task, ds, num_problems: int, seed: int, split: str, 
     number in the split and the task's reason, as a fit's data module names them."""
     drawn = ds.add_column(_ROW, list(range(len(ds)))).shuffle(seed=seed).select(range(num_problems))  # the same rows
     problems: list[dict[str, Any]] = []
+    rows: list[int] = []
     refused: dict[int, ValueError] = {}  # row number in the split -> the task's reason
     for r in drawn:
         row = dict(r)
         at = row.pop(_ROW)
         try:
             problems.append(task.preprocess(row))
+            rows.append(at)
         except ValueError as err:
             refused[at] = err
     if refused:
@@ -155,7 +158,19 @@ def _preprocess_drawn(task: Task, ds, num_problems: int, seed: int, split: str, 
         raise ValueError(f"{len(refused)} of the {num_problems} rows drawn from the {split!r} split of --eval.source "
                          f"{source!r} are refused by task {task.name!r}, the first (row {first}, counting from 0) as: "
                          f"{refused[first]} — fix those rows{EVAL_INVALID_HINT}")
-    return problems
+    return DrawnProblems(problems, rows, f"the {split!r} split of --eval.source {source!r}")
+
+
+class DrawnProblems(list):
+    """Problems drawn from a data source (a list, as any problems), with each one's row number in its split
+    (``rows``) and where that split is (``where``), so a refusal of one names the row to find in the file."""
+
+    def __init__(self, problems: Sequence[dict[str, Any]], rows: Sequence[int], where: str) -> None:
+        super().__init__(problems)
+        self.rows, self.where = list(rows), where
+
+    def describe(self, index: int) -> str:
+        return f"row {self.rows[index]} (counting from 0) of {self.where}"
 
 
 #: what to do about a hub dataset directory of several configs, in an evaluation (which has no data.hub_config)
@@ -216,6 +231,9 @@ def evaluate_policy(
         top_p=settings.top_p, max_new_tokens=settings.completion_cap(), batch_size=settings.batch_size,
         seed=settings.seed, prefix="eval",
     )
+    rows = getattr(problems, "rows", None)  # a data source's row numbers (DrawnProblems), else their order
+    module.refuse_overlong_examples(list(problems), "problems", (lambda i: rows[i]) if rows else (lambda i: i),
+                                    problems.describe if rows else lambda i: f"problem {i} of those evaluated")
     extracted = [0, 0]  # answers extracted, samples
     distinct: list[int] = []  # per problem: distinct correct answers (in the task's normal form)
 

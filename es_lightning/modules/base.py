@@ -23,8 +23,9 @@ import copy
 import dataclasses
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, ClassVar
 
 import lightning as L
@@ -597,15 +598,25 @@ class ReasoningModule(L.LightningModule):
         self.start_generator()
 
     def check_prompt_lengths(self, splits: Sequence[str]) -> None:
-        """Refuse a data module's rows whose prompt (chat template included) leaves no room for a completion, before
-        the first step, naming how many there are and the first one's row in the data.
-
-        The generators refuse such a prompt too (:func:`~es_lightning.generation.base.refuse_overlong_prompts`, whose
-        docstring says why an error and not TRL's silent truncation or a dropped row), but only when a batch draws it,
-        steps into the fit, and naming its place in that batch. This is verl's check at data loading (its default
-        ``data.truncation: error``), over every row of ``splits`` at once."""
+        """Refuse a data module's rows whose prompt leaves no room for a completion (:meth:`refuse_overlong_examples`)
+        before the first step, over every row of ``splits`` at once. The generators refuse such a prompt too
+        (:func:`~es_lightning.generation.base.refuse_overlong_prompts`, whose docstring says why an error and not TRL's
+        silent truncation or a dropped row), but only when a batch draws it, steps into the fit, naming its place in
+        that batch; this is verl's check at data loading (its default ``data.truncation: error``)."""
         dm = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
         if not callable(getattr(dm, "describe_row", None)):  # not a ReasoningDataModule: the generators' check
+            return
+        for split in splits:
+            self.refuse_overlong_examples(dm.splits.get(split) or [], f"{split} prompts",
+                                          partial(dm.source_row, split), partial(dm.describe_row, split))
+
+    def refuse_overlong_examples(self, examples: Sequence[dict[str, Any]], what: str, row_number: Callable[[int], int],
+                                 describe: Callable[[int], str]) -> None:
+        """Refuse ``examples`` whose prompt (chat template included) has the model's ``max_position_embeddings``
+        tokens or more (on vLLM: ``generation_options.max_model_len``, when lower), in one line naming how many of
+        them (``what``: "train prompts"), the first by ``row_number`` (its row in the data) as ``describe`` names it,
+        its token count and the fixes."""
+        if not examples:
             return
         positions = position_limit(getattr(self.policy.model, "config", None))
         engine = self.engine_options().get("max_model_len") if self.generation_backend == "vllm" else None
@@ -613,25 +624,21 @@ class ReasoningModule(L.LightningModule):
             positions is None or engine < positions) else (positions, "the model's max_position_embeddings")
         if limit is None:
             return
-        for split in splits:
-            examples = dm.splits.get(split) or []
-            if not examples:
-                continue
-            lengths = prompt_token_counts(self.policy.tokenizer, self.prompts(examples))
-            over = [i for i, n in enumerate(lengths) if n >= limit]
-            if over:
-                from es_lightning.cli_errors import SettingError  # the data's rows, not an option of the module
+        lengths = prompt_token_counts(self.policy.tokenizer, self.prompts(examples))
+        over = [i for i, n in enumerate(lengths) if n >= limit]
+        if not over:
+            return
+        from es_lightning.cli_errors import SettingError  # the data's rows, not an option of the module
 
-                first = min(over, key=lambda i: dm.source_row(split, i))
-                longest = max(lengths[i] for i in over)
-                fix = "shorten the prompts (the task's prompt format or system_prompt)"
-                if limit != positions and (positions is None or longest < positions):
-                    fix = f"raise generation_options.max_model_len above {longest}, {fix}"
-                have = "has" if len(over) == 1 else "have"
-                raise SettingError(f"{len(over)} of the {len(lengths)} {split} prompts {have} {limit} tokens or more, and "
-                                   f"{name} is {limit}: no room for a completion; the first is "
-                                   f"{dm.describe_row(split, first)} ({lengths[first]} tokens as prompted); {fix}, "
-                                   "or remove those rows from the data")
+        first = min(over, key=row_number)
+        longest = max(lengths[i] for i in over)
+        fix = "shorten the prompts (the task's prompt format or system_prompt)"
+        if limit != positions and (positions is None or longest < positions):
+            fix = f"raise generation_options.max_model_len above {longest}, {fix}"
+        have = "has" if len(over) == 1 else "have"
+        raise SettingError(f"{len(over)} of the {len(lengths)} {what} {have} {limit} tokens or more, and {name} is "
+                           f"{limit}: no room for a completion; the first is {describe(first)} ({lengths[first]} tokens "
+                           f"as prompted); {fix}, or remove those rows from the data")
 
     def on_validation_start(self) -> None:
         self.check_precision()
