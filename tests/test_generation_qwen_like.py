@@ -195,7 +195,7 @@ def test_a_prompt_past_the_positions_stops_a_fit_in_one_line(qwen_like_small_dir
     """A GRPO fit whose batch holds a prompt longer than the model's max_position_embeddings: one warning, then
     generation of it (an out-of-memory traceback at Qwen's sizes). Now the fit refuses it at its start, before anything
     is generated, naming how many rows, the first one's row in the data, its token count (chat template included), the
-    limit and the fixes; so does an ES fit; a test's evaluation (PassAtKCallback's) refuses it at its first rollout."""
+    limit and the fixes; so does an ES fit, and ``trainer.test`` / ``validate`` before their first batch."""
     import lightning as L
 
     from es_lightning import ESModule, GRPOModule, ReasoningDataModule
@@ -215,7 +215,9 @@ def test_a_prompt_past_the_positions_stops_a_fit_in_one_line(qwen_like_small_dir
                                              r"rows from the data$"):
             trainer.fit(module, data)
     data = ReasoningDataModule(task="gsm8k", source=str(source), train_size=None, val_size=0, test_size=None)
-    with pytest.raises(ValueError, match=r"^prompt [01] of this batch has 3\d{4} tokens"):  # PassAtKCallback's test
+    with pytest.raises(ValueError, match=r"^1 of the 2 test prompts has 32768 tokens or more, .* the first is row 1 "
+                                         r"\(counting from 0\) of the 'test' split of data.source '.*gsm8k' \(3\d{4} "
+                                         r"tokens as prompted\);"):  # it said "prompt 1 of this batch", at that batch
         L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False).test(module, data)
 
 

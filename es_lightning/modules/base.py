@@ -643,6 +643,9 @@ class ReasoningModule(L.LightningModule):
     def on_validation_start(self) -> None:
         self.check_precision()
         _ = self.sharded
+        fn = self._trainer.state.fn if self._trainer is not None else None
+        if fn in ("validate", "test"):  # a fit checked its rows at on_fit_start; validate/test check theirs here, once
+            self.check_prompt_lengths(("val",) if fn == "validate" else ("test",))
         if self._generator is None:
             self.start_generator()
 
