@@ -90,6 +90,15 @@ def _pass_at_k_table(num_samples: int, ks: Sequence[int]) -> list[list[float]]:
     return table
 
 
+def _positive_int(k: object) -> int | None:
+    """``k`` as an int when it is a positive integer (ints, numpy ints, 0-d integer tensors; not bools), else None."""
+    try:
+        value = None if isinstance(k, bool) else operator.index(k)
+    except TypeError:
+        return None
+    return value if value is not None and value >= 1 else None
+
+
 def _validate_ks(ks: Iterable[int]) -> tuple[int, ...]:
     """``ks`` as a tuple of distinct Python ints; numpy / torch integers (an array or tensor of ks) are read as theirs."""
     if hasattr(ks, "tolist"):  # a numpy array or tensor of ks, or one numpy / 0-d tensor integer
@@ -101,11 +110,8 @@ def _validate_ks(ks: Iterable[int]) -> tuple[int, ...]:
         raise ValueError("ks must name at least one k, e.g. ks=(1, 4, 16)")
     checked = []
     for k in ks:
-        try:
-            value = None if isinstance(k, bool) else operator.index(k)  # ints, numpy ints, 0-d integer tensors
-        except TypeError:
-            value = None
-        if value is None or value < 1:
+        value = _positive_int(k)
+        if value is None:
             raise ValueError(f"every k in ks must be a positive integer, got ks={ks}")
         checked.append(value)
     if len(set(checked)) != len(checked):
@@ -158,11 +164,8 @@ class _PerKSums:
         if k is None:
             self.k, self.ks = None, _validate_ks((1, 4, 16) if ks is None else ks)
             return
-        try:
-            value = None if isinstance(k, bool) else operator.index(k)  # ints, numpy ints, 0-d integer tensors
-        except TypeError:
-            value = None
-        if value is None or value < 1:
+        value = _positive_int(k)
+        if value is None:
             raise ValueError(f"{name}(k=...) takes one positive integer budget, got k={k!r}; for several use ks=(1, 4, 16)")
         self.k, self.ks = value, (value,)
 
