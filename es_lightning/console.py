@@ -9,9 +9,10 @@ idle cores, and on a GPU the CPU threads only tokenize and score. So the command
 process** unless told otherwise: ``ES_LIGHTNING_NUM_THREADS=4`` (or the usual ``OMP_NUM_THREADS=4``) chooses the count.
 One thread also makes a CPU run bit-for-bit reproducible.
 
-**Warnings.** Lightning's advertising tips, its IterableDataset and eval-mode warnings (the prompt stream has a length
-and the policy is in eval mode on purpose: no dropout in rollouts), and deprecation warnings of the libraries underneath
-are silenced in the command; a script importing es_lightning sees them as usual.
+**Warnings.** Lightning's advertising tips, its IterableDataset warning (the prompt stream has a length), and
+deprecation warnings of the libraries underneath are silenced in the command; a script importing es_lightning sees
+them as usual. Its warning of modules in eval mode at the start of training is not: both algorithms train the policy
+in train mode (rollouts set eval mode themselves), so it names only modules of the user's own.
 
 **Progress.** On a terminal a :class:`~es_lightning.callbacks.progress.StageProgressBar` (Lightning's tqdm bar over
 optimizer steps, with the stage and the ES population's progress; a ``TQDMProgressBar`` given becomes one, keeping its
@@ -35,7 +36,6 @@ PROGRESS_ENV = "ES_LIGHTNING_PROGRESS_SECONDS"
 _QUIET = (
     r".*IterableDataset. has .__len__. defined.*",
     r".*does not have many workers.*",
-    r".*module\(s\) in eval mode at the start of training.*",
     r".*LightningCLI's args parameter.*",
     r".*isinstance\(treespec, LeafSpec\).*",
     r".*Checkpoint directory .* exists and is not empty.*",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import warnings
 
 import lightning as L
 import pytest
@@ -120,6 +121,30 @@ def test_fit_counts_steps_never_touches_autograd_and_logs(tiny_model_dir):
                 "train/js_succ", "train/pass_pop", "train/update_norm", "train/drift", "train/accuracy",
                 "train/time/generate_s", "train/time/update_s"):
         assert key in logged, key
+
+
+def _eval_mode_warnings(module) -> list[str]:
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        _trainer(max_steps=1).fit(module, _dm())
+    return [str(w.message) for w in seen if "in eval mode at the start of training" in str(w.message)]
+
+
+def test_python_fit_reports_only_the_users_own_eval_mode_modules(tiny_model_dir):
+    """A fit from Python warned "Found N module(s) in eval mode" of the policy (``from_pretrained`` returns eval mode),
+    which misled: ES's rollouts run in eval mode whatever the policy's mode (the generator sets it). The policy now
+    trains in train mode, as under GRPO; every forward of a rollout still runs in eval mode; a user's own submodule
+    left in eval mode is still reported."""
+    module = _module(tiny_model_dir)
+    modes = []
+    module.policy.model.register_forward_pre_hook(lambda model, args: modes.append(model.training))
+    assert _eval_mode_warnings(module) == []
+    assert module.model.training and modes and not any(modes)
+
+    module = _module(tiny_model_dir)
+    module.frozen_head = torch.nn.Linear(2, 2).eval()
+    assert [m.split(" This")[0] for m in _eval_mode_warnings(module)] == [
+        "Found 1 module(s) in eval mode at the start of training."]
 
 
 def test_update_equals_independent_computation_and_centre_is_restored(tiny_model_dir):

@@ -107,6 +107,10 @@ class ESAlgorithm(Algorithm):
                     group.update(values)
 
     def configure_model(self, module: ReasoningModule) -> None:
+        """Train mode, as GRPO's (``from_pretrained`` returns eval mode, and Lightning warned of every policy module in
+        eval mode at the start of training); the members' rollouts run in eval mode whatever it is (the generator sets
+        it), so no dropout reaches a reward."""
+        module.model.train()
         if self.settings.noise_rank:  # its bound is the perturbed matrices' sides: known once the model is loaded
             check_noise_rank(self.settings.noise_rank, perturbed_parameters(module.model, self.settings.trainable))
 
