@@ -191,10 +191,19 @@ def test_drift_errors_and_tau_validation():
         parameter_drift(a, {"w": torch.zeros(4)})
     with pytest.raises(ValueError, match="tau must be >= 0"):
         parameter_drift(a, a, taus=[-1e-3])
+    with pytest.raises(ValueError, match=r"every tau must be finite \(s_inf = 1 .*\), got inf; drop it"):
+        parameter_drift(a, a, taus=[0.0, math.inf])  # its report's to_json() held Infinity
     report = parameter_drift(a, {"w": torch.tensor([0.0, 1e-6, 1.0])}, taus=[0.0, 1e-6])
     assert report.sparsity(1e-6) == 2 / 3 and report.sparsity(0) == 1 / 3
     with pytest.raises(ValueError, match=r"not for τ = 1e-05; add it to the grid \(taus=\[..., 1e-05\], --taus\)"):
         report.sparsity(1e-5)  # a KeyError '1e-05'
+
+
+def test_drift_command_from_python_refuses_an_infinite_tau_before_loading(tmp_path):
+    """The command's parser refuses ``--taus 0 inf``; the Python API wrote ``Infinity`` into drift.json (not JSON)."""
+    with pytest.raises(ValueError, match="every tau must be finite"):
+        drift_command(tuned=BUILTIN, base=BUILTIN, taus=[0.0, float("inf")], out_dir=str(tmp_path / "d"), plot=False)
+    assert not (tmp_path / "d").exists()
 
 
 def test_drift_command_on_a_checkpoint_writes_json_and_png(es_checkpoint, tmp_path, capsys):

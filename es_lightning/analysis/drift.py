@@ -106,6 +106,16 @@ def check_taus(taus: Sequence[float] | None) -> list[float]:
     return sorted(set(float(t) for t in taus))
 
 
+def _drift_taus(taus: Sequence[float] | None) -> list[float]:
+    """:func:`check_taus`, finite: s_inf is 1 whatever the update, and drift.json is strict JSON (no ``Infinity``; the
+    command's parser refuses it too). Ablation's τ = inf is its own "base" setting."""
+    taus = check_taus(taus)
+    if math.isinf(taus[-1]):
+        raise ValueError("every tau must be finite (s_inf = 1 whatever the update, and drift.json cannot hold it), got "
+                         "inf; drop it, e.g. taus=[0.0, 1e-6, 1e-5, 1e-4]")
+    return taus
+
+
 @dataclass
 class _Sums:
     num_params: int = 0
@@ -229,7 +239,7 @@ def parameter_drift(
     taus: Sequence[float] | None = None,
 ) -> DriftReport:
     """D_rel overall and per module kind, the share of ‖Δθ‖² per kind, and s_τ over ``taus`` (Ba et al. §4)."""
-    taus = check_taus(taus)
+    taus = _drift_taus(taus)
     pairs = paired_weights(base, tuned)
     per_param: list[tuple[str, str, _Sums]] = [(n, module_kind(n), _tensor_sums(b, t, taus)) for n, b, t in pairs]
     total = _Sums(at_most=[0] * len(taus))
@@ -287,7 +297,7 @@ def drift_command(
     from es_lightning.analysis.runs import now_doing, now_writing, stopping_on_signals
 
     start = time.perf_counter()
-    taus = check_taus(taus)
+    taus = _drift_taus(taus)
     out = Path(out_dir)
     # a SIGTERM or SLURM's requeue signal while loading (minutes for billions of weights), measuring or writing: one
     # line, 143 / 138
