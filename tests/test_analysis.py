@@ -206,6 +206,29 @@ def test_drift_command_from_python_refuses_an_infinite_tau_before_loading(tmp_pa
     assert not (tmp_path / "d").exists()
 
 
+def test_drift_refuses_non_finite_weights_naming_them(tmp_path):
+    """An inf weight of the tuned model wrote ``Infinity`` into drift.json (not JSON); a NaN one was reported as
+    "undefined (base norm 0)". Both are refused, naming the model and its parameters."""
+    a = {"w": torch.zeros(3), "v": torch.ones(2)}
+    for bad in (math.inf, math.nan):
+        with pytest.raises(ValueError, match=r"the tuned model has non-finite weights \(inf or NaN\) in \['v'\]: .*"
+                                             r"did its training diverge\? use an earlier checkpoint"):
+            parameter_drift(a, {"w": torch.zeros(3), "v": torch.tensor([1.0, bad])})
+        with pytest.raises(ValueError, match=r"the base model has non-finite weights \(inf or NaN\) in \['w'\]"):
+            parameter_drift({"w": torch.tensor([0.0, bad, 0.0]), "v": torch.ones(2)}, a)
+    policy = load_policy(BUILTIN)  # a real model directory whose final norm holds an inf
+    with torch.no_grad():
+        policy.model.model.norm.weight[0] = math.inf
+    policy.model.save_pretrained(tmp_path / "tuned")
+    policy.tokenizer.save_pretrained(tmp_path / "tuned")
+    with pytest.raises(ValueError, match=r"the tuned model has non-finite weights \(inf or NaN\) in \['model.norm.weight'\]"):
+        drift_command(tuned=str(tmp_path / "tuned"), base=BUILTIN, out_dir=str(tmp_path / "d"), plot=False)
+    assert not (tmp_path / "d" / "drift.json").exists()
+    with pytest.raises(ValueError, match="the tuned model has non-finite weights"):  # it warned "is --base the model?"
+        ablation_command(tuned=str(tmp_path / "tuned"), base=BUILTIN, taus=[1e-3], out_dir=str(tmp_path / "a"), plot=False,
+                         progress=False)
+
+
 def test_drift_command_on_a_checkpoint_writes_json_and_png(es_checkpoint, tmp_path, capsys):
     path, saved = es_checkpoint
     report = drift_command(tuned=path, out_dir=str(tmp_path), taus=[0.0, 1e-3])

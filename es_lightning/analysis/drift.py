@@ -242,6 +242,8 @@ def parameter_drift(
     taus = _drift_taus(taus)
     pairs = paired_weights(base, tuned)
     per_param: list[tuple[str, str, _Sums]] = [(n, module_kind(n), _tensor_sums(b, t, taus)) for n, b, t in pairs]
+    _check_finite("base", [n for n, _, s in per_param if not math.isfinite(s.sq_base)])
+    _check_finite("tuned", [n for n, _, s in per_param if not math.isfinite(s.sq_delta)])
     total = _Sums(at_most=[0] * len(taus))
     kinds = {k: _Sums(at_most=[0] * len(taus)) for k in KINDS}
     for _, kind, sums in per_param:
@@ -258,6 +260,17 @@ def parameter_drift(
         ],
         tied_embeddings=tied,
     )
+
+
+def _check_finite(which: str, names: list[str]) -> None:
+    """Refuse inf/NaN weights (their squares' sums are not finite): Δθ of them is no number — drift.json held
+    ``Infinity`` (not JSON), and a NaN read as "undefined (base norm 0)" with a max |Δθ| that skipped it."""
+    if names:
+        more = f" and {len(names) - 5} more" if len(names) > 5 else ""
+        fix = ("did its training diverge? use an earlier checkpoint" if which == "tuned" else
+               "is it the model the tuned one was trained from?")
+        raise ValueError(f"the {which} model has non-finite weights (inf or NaN) in {names[:5]}{more}: its drift is "
+                         f"not a number; {fix}")
 
 
 def _has_tied_head(model: torch.nn.Module) -> bool:
