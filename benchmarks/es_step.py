@@ -361,7 +361,7 @@ def lowrank_main(args) -> None:
             sampling = "greedy" if args.temperature == 0 else f"T={args.temperature}"
             print(f"\n{name}, {dtype}: N={args.population} B={args.batch} n={args.samples} "
                   f"{args.max_new_tokens} new tokens (every row), {sampling}, {args.accelerator}, {args.threads} "
-                  f"thread(s); medians of {args.rounds} rounds, each step beside its own (d)")
+                  f"thread(s); medians of {args.rounds} timed steps per mode, each beside its own (d)")
             d_s = [r["d_s"] for r in res.values()]
             d_mb = [r["d_mb"] for r in res.values()]
             print(f"{'mode':<48}{'step s':>9}{'step/d':>8}{'gen/d':>7}{'peak MB':>10}{'peak/d':>8}")
@@ -376,7 +376,7 @@ def lowrank_main(args) -> None:
                       f"{r['step_mb']:>10.1f}{ratio}")
             for mode, r in res.items():  # the spread the medians come from (a shared machine's noise is ±0.05 here)
                 rounds = sorted(r["step_over_d_rounds"])
-                print(f"({mode}) step/d of the {len(rounds)} rounds: {rounds[0]:.2f}-{rounds[-1]:.2f}")
+                print(f"({mode}) step/d of its {len(rounds)} timed steps: {rounds[0]:.2f}-{rounds[-1]:.2f}")
             if any(r["d_mb"] < PEAK_FLOOR_MB for r in res.values()):
                 print(f"peak/d '-': (d)'s peak is under {PEAK_FLOOR_MB:g} MB at this size; use a larger --batch or "
                       "--max-new-tokens, or --accelerator gpu (CUDA allocator), for a memory ratio")
@@ -400,7 +400,8 @@ def main() -> None:
     parser.add_argument("--population", type=at_least(2), default=16)
     parser.add_argument("--batch", type=at_least(1), default=32)
     parser.add_argument("--max-new-tokens", type=at_least(1), default=16)
-    parser.add_argument("--steps", type=at_least(2), default=3, help="timed steps per variant (the first is a warm-up)")
+    parser.add_argument("--steps", type=at_least(2), default=None,
+                        help="timed steps per variant (the first is a warm-up; default 3); --lowrank: see --rounds")
     parser.add_argument("--members-per-batch", type=at_least(0), default=0,
                         help="ESModule(members_per_batch=...) for (a); 0 = the whole population in one batch")
     parser.add_argument("--threads", type=at_least(1), default=1,
@@ -427,6 +428,9 @@ def main() -> None:
         unknown = [v for v in given.split(",") if v not in known]
         if unknown:
             parser.error(f"{option}: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(known)}")
+    if args.lowrank and args.steps is not None:  # it was ignored: the table's steps per mode are --rounds
+        parser.error("--steps: not a --lowrank setting; its timed steps per mode are --rounds (default 5)")
+    args.steps = args.steps or 3
     if args.variant:
         import torch
 
