@@ -130,12 +130,13 @@ def _eval_mode_warnings(module) -> list[str]:
     return [str(w.message) for w in seen if "in eval mode at the start of training" in str(w.message)]
 
 
-def test_python_fit_reports_only_the_users_own_eval_mode_modules(tiny_model_dir):
+@pytest.mark.parametrize("model", ["tiny_model_dir", "qwen_like_small_dir"])
+def test_python_fit_reports_only_the_users_own_eval_mode_modules(model, request, tiny_model_dir):
     """A fit from Python warned "Found N module(s) in eval mode" of the policy (``from_pretrained`` returns eval mode),
     which misled: ES's rollouts run in eval mode whatever the policy's mode (the generator sets it). The policy now
-    trains in train mode, as under GRPO; every forward of a rollout still runs in eval mode; a user's own submodule
-    left in eval mode is still reported."""
-    module = _module(tiny_model_dir)
+    trains in train mode, as under GRPO; every forward of a rollout still runs in eval mode (also the Qwen-like bf16
+    fixture's, chat template and generation defaults); a user's own submodule left in eval mode is still reported."""
+    module = _module(request.getfixturevalue(model), **({"dtype": "bfloat16"} if model == "qwen_like_small_dir" else {}))
     modes = []
     module.policy.model.register_forward_pre_hook(lambda model, args: modes.append(model.training))
     assert _eval_mode_warnings(module) == []
