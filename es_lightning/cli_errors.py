@@ -697,7 +697,9 @@ def describe_parse_error(message: str, argv: Sequence[str], options: Sequence[st
             prefix, cls = _key_path(lines, i)
             key = f"{prefix}.{m.group(1)}" if prefix else m.group(1)
             options = accepted_options(_import(cls)) if cls else []
-            hint = (_elsewhere(m.group(1), prefix, argv, where(key, cls).startswith("--")) or _did_you_mean(m.group(1), options)
+            on_command_line = where(key, cls).startswith("--")
+            hint = (_elsewhere(m.group(1), prefix, argv, on_command_line) or _did_you_mean(m.group(1), options)
+                    or _other_list_entry(m.group(1), prefix, cls, argv, on_command_line)
                     or _no_class_yet(prefix, options) or f" (it accepts: {', '.join(options)})")
             return f"{where(key, cls)}unknown key: {cls} has no option {m.group(1)!r}{hint}"
         if m := re.search(r"module '([\w.]+)' has no attribute '(\w+)'|No module named '([\w.]+)'", text):
@@ -895,6 +897,31 @@ def _indexed_option(option: str, argv: Sequence[str]) -> str | None:
             break
     return (f"{given}: the command line cannot pick an entry of {listed} by its position{entry}; set {leaf} in that "
             f"entry of a copy of the config file and pass the copy with --config")
+
+
+def _other_list_entry(leaf: str, prefix: str, cls: str | None, argv: Sequence[str], on_command_line: bool) -> str:
+    """``; ... set it in that entry of a copy of the config file`` when ``--trainer.callbacks.<leaf>`` (jsonargparse
+    gives an unindexed list option to the list's *last* entry) names an option of another entry of the list the
+    ``--config`` files configure (a recipe's ``PassAtKCallback``'s ``num_samples``, refused by its ``HFExport``), else
+    ``""``."""
+    listed = _normal(prefix)
+    if not on_command_line or not listed.startswith("trainer.callbacks"):
+        return ""
+    for file in reversed(config_files(argv)):
+        node = _parsed(file)
+        for part in listed.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, list):
+            continue
+        for index, item in enumerate(node):
+            path = item.get("class_path") if isinstance(item, dict) else None
+            other = _import(path) if isinstance(path, str) and path != cls else None
+            if other is not None and leaf in accepted_options(other):
+                return (f"; an option given to {listed} on the command line goes to the list's last entry ({cls}); "
+                        f"'{leaf}' is an option of {listed}[{index}] of {file} ({path}): set it in that entry of a "
+                        "copy of the config file and pass the copy with --config")
+        return ""
+    return ""
 
 
 def _section_classes(argv: Sequence[str]) -> dict[str, str]:

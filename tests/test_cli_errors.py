@@ -512,6 +512,29 @@ def test_a_list_entry_picked_by_position_on_the_command_line_is_named_as_given(c
                    "set es.lr in that entry of a copy of the config file and pass the copy with --config"), err
 
 
+def test_an_option_of_another_callback_given_on_the_command_line_names_that_entry(capsys):
+    """`--trainer.callbacks.num_samples 2` (a smaller Pass@K evaluation for a first run of a Qwen recipe) goes to the
+    list's last entry, and was refused as "es_lightning.HFExport has no option 'num_samples' (it accepts: ...)", with
+    no fix; the line names the entry that has the option and what to do. A misspelt option keeps the plain refusal."""
+    from es_lightning.cli import cli_main
+
+    recipe = RECIPES / "qwen2.5-1.5b-instruct" / "gsm8k" / "grpo.yaml"
+    for option in ("--trainer.callbacks.num_samples", "--trainer.callbacks.init_args.num_samples"):
+        with pytest.raises(SystemExit) as exit:
+            cli_main(["fit", "--config", str(recipe), option, "2", "--print_config"])
+        err = capsys.readouterr().err.strip()
+        assert exit.value.code == 2 and len(err.splitlines()) == 1, err
+        assert err == (f"es-lightning: error: {option}: unknown key: es_lightning.HFExport has no option 'num_samples'; "
+                       "an option given to trainer.callbacks on the command line goes to the list's last entry "
+                       f"(es_lightning.HFExport); 'num_samples' is an option of trainer.callbacks[1] of {recipe} "
+                       "(es_lightning.PassAtKCallback): set it in that entry of a copy of the config file and pass the "
+                       "copy with --config"), err
+    with pytest.raises(SystemExit):
+        cli_main(["fit", "--config", str(recipe), "--trainer.callbacks.num_smples", "2", "--print_config"])
+    err = capsys.readouterr().err.strip()
+    assert "has no option 'num_smples' (it accepts: dirpath, every_n_train_steps, keep_files)" in err, err
+
+
 def test_a_model_fragment_stacked_before_the_recipe_says_to_stack_it_after(capsys):
     """configs/generation/hf.yaml stacked before the recipe used to end in "lightning.LightningModule has no option
     'generation_backend' (it accepts: )" — no fix; the line says that no model class is chosen yet and how to order the
