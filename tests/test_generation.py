@@ -123,7 +123,8 @@ def test_completions_past_the_models_positions_are_warned_once(tiny_model_dir):
     """The fixture has max_position_embeddings = 128: a 120-token prompt with 16 new tokens may generate at positions
     the model never saw (transformers does not stop there; the vLLM backend does). Said once per generator and limit
     — a MATH run's prompts of many lengths got a line each — naming the longest prompt so far and the
-    max_new_tokens that fits it."""
+    max_new_tokens that fits it; attributed to generate's caller (it was to torch's no_grad wrapper, whose source line
+    `return func(*args, **kwargs)` the command printed under it)."""
     import warnings
 
     import pytest
@@ -139,6 +140,7 @@ def test_completions_past_the_models_positions_are_warned_once(tiny_model_dir):
     assert str(record[0].message).startswith(
         "prompts of up to 120 tokens so far plus max_new_tokens=40 exceed the model's max_position_embeddings=128")
     assert "lower max_new_tokens to 8 or shorten the prompts" in str(record[0].message)
+    assert record[0].filename == __file__  # generate's caller, not torch.no_grad's wrapper in torch/utils/_contextlib.py
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for n in (59, 58, 55, 50):  # other prompt lengths past the same limit: said already

@@ -278,7 +278,7 @@ class HFGenerator(Generator):
         warnings.warn(f"prompts of up to {worst} tokens so far plus max_new_tokens={max_new_tokens} exceed the model's "
                       f"max_position_embeddings={limit}: completions may run at positions the model was not trained "
                       f"for (the vLLM backend ends them at the limit, counted as truncated); {fix} (said once)",
-                      stacklevel=3)
+                      stacklevel=4)  # generate's caller: 3 is torch.no_grad's wrapper (torch/utils/_contextlib.py)
 
     def _decode(self, completion_ids: Tensor, stop: Sequence[str]) -> list[str]:
         texts = self.policy.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
