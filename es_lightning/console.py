@@ -9,10 +9,11 @@ idle cores, and on a GPU the CPU threads only tokenize and score. So the command
 process** unless told otherwise: ``ES_LIGHTNING_NUM_THREADS=4`` (or the usual ``OMP_NUM_THREADS=4``) chooses the count.
 One thread also makes a CPU run bit-for-bit reproducible.
 
-**Warnings.** Lightning's advertising tips, its IterableDataset warning (the prompt stream has a length), and
-deprecation warnings of the libraries underneath are silenced in the command; a script importing es_lightning sees
-them as usual. Its warning of modules in eval mode at the start of training is not: both algorithms train the policy
-in train mode (rollouts set eval mode themselves), so it names only modules of the user's own.
+**Warnings.** Lightning's advertising tips, its IterableDataset warning (the prompt stream has a length),
+transformers' reminder that a generation ran past the model's positions (the generator's own warning said so first,
+with the fix), and deprecation warnings of the libraries underneath are silenced in the command; a script importing
+es_lightning sees them as usual. Lightning's warning of modules in eval mode at the start of training is not: both
+algorithms train the policy in train mode (rollouts set eval mode themselves), so it names only modules of the user's own.
 
 **Progress.** On a terminal a :class:`~es_lightning.callbacks.progress.StageProgressBar` (Lightning's tqdm bar over
 optimizer steps, with the stage and the ES population's progress; a ``TQDMProgressBar`` given becomes one, keeping its
@@ -89,6 +90,15 @@ class _DropTips(logging.Filter):
         return "Tip:" not in str(record.msg)
 
 
+class _DropPositionReminder(logging.Filter):
+    """transformers' "friendly reminder" that a generation ran past ``max_position_embeddings``: the command's
+    generator has said so already, before generating, with the ``max_new_tokens`` that fits
+    (:meth:`~es_lightning.generation.hf.HFGenerator._check_positions`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "friendly reminder" not in str(record.msg)
+
+
 def quiet_libraries() -> None:
     """Silence the warnings and tips listed in the module docstring (the command only)."""
     for pattern in _QUIET:
@@ -97,6 +107,9 @@ def quiet_libraries() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
         logging.getLogger(name).addFilter(_DropTips())
+    reminder = logging.getLogger("transformers.generation.stopping_criteria")
+    if not any(isinstance(f, _DropPositionReminder) for f in reminder.filters):
+        reminder.addFilter(_DropPositionReminder())
     if not sys.stdout.isatty():
         from transformers.utils import logging as hf_logging
 

@@ -229,3 +229,26 @@ def test_a_prompt_with_no_room_for_a_completion_is_refused_in_one_line(tiny_mode
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         gen.generate(["a:1+2="], 1, params)  # the short prompts of the refused batch generate
+
+
+def test_the_command_says_a_generation_past_the_positions_once(qwen_like_small_dir, tmp_path, caplog, recwarn):
+    """`es-lightning eval` of a Qwen-like model of 64 positions with max_new_tokens 80: the generator's warning (with
+    the max_new_tokens that fits) is the one line about it; transformers' "This is a friendly reminder - the current
+    text generation call has exceeded the model's predefined maximum length (64)" followed it, saying it again."""
+    import json
+    import logging
+    import shutil
+
+    from es_lightning.cli import cli_main
+
+    model = tmp_path / "model"
+    shutil.copytree(qwen_like_small_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 64}))
+    logging.Logger.warning_once.cache_clear()  # transformers says it once per process: a test before may have
+    cli_main(["eval", "--checkpoints", str(model), "--tasks", "addition", "--eval.num_problems", "2",
+              "--eval.num_samples", "2", "--eval.max_new_tokens", "80", "--eval.temperature", "1",
+              "--out_dir", str(tmp_path / "eval"), "--plot", "false", "--progress", "false"])
+    ours = [w for w in recwarn if "exceed the model's max_position_embeddings=64" in str(w.message)]
+    assert len(ours) == 1, [str(w.message) for w in recwarn]
+    assert not [r for r in caplog.records if "friendly reminder" in r.getMessage()], caplog.text
