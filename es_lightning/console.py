@@ -11,9 +11,10 @@ One thread also makes a CPU run bit-for-bit reproducible.
 
 **Warnings.** Lightning's advertising tips, its IterableDataset warning (the prompt stream has a length),
 transformers' reminder that a generation ran past the model's positions (the generator's own warning said so first,
-with the fix), and deprecation warnings of the libraries underneath are silenced in the command; a script importing
-es_lightning sees them as usual. Lightning's warning of modules in eval mode at the start of training is not: both
-algorithms train the policy in train mode (rollouts set eval mode themselves), so it names only modules of the user's own.
+with the fix), vLLM's line at each prefix-cache reset (after every change of the engine's weights) and deprecation
+warnings of the libraries underneath are silenced in the command; a script importing es_lightning sees them as usual.
+Lightning's warning of modules in eval mode at the start of training is not: both algorithms train the policy in train
+mode (rollouts set eval mode themselves), so it names only modules of the user's own.
 
 **Progress.** On a terminal a :class:`~es_lightning.callbacks.progress.StageProgressBar` (Lightning's tqdm bar over
 optimizer steps, with the stage and the ES population's progress; a ``TQDMProgressBar`` given becomes one, keeping its
@@ -90,13 +91,26 @@ class _DropTips(logging.Filter):
         return "Tip:" not in str(record.msg)
 
 
-class _DropPositionReminder(logging.Filter):
-    """transformers' "friendly reminder" that a generation ran past ``max_position_embeddings``: the command's
-    generator has said so already, before generating, with the ``max_new_tokens`` that fits
-    (:meth:`~es_lightning.generation.hf.HFGenerator._check_positions`)."""
+class _DropMessage(logging.Filter):
+    """Drop a logger's records that contain ``text``."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return "friendly reminder" not in str(record.msg)
+        return self.text not in str(record.msg)
+
+
+#: {logger: text} of log lines of the libraries underneath that repeat what the command said, or report its routine
+_QUIET_LOGS = {
+    # transformers' "friendly reminder" that a generation ran past max_position_embeddings: the generator said so
+    # already, before generating, with the max_new_tokens that fits (HFGenerator._check_positions)
+    "transformers.generation.stopping_criteria": "friendly reminder",
+    # vLLM's INFO line at every prefix-cache reset, which the vLLM backend asks for after each change of the engine's
+    # weights: two per ES member (perturb, restore), ~65 lines per step of a population of 32 burying the progress
+    "vllm.v1.core.block_pool": "Successfully reset prefix cache",
+}
 
 
 def quiet_libraries() -> None:
@@ -107,9 +121,10 @@ def quiet_libraries() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
         logging.getLogger(name).addFilter(_DropTips())
-    reminder = logging.getLogger("transformers.generation.stopping_criteria")
-    if not any(isinstance(f, _DropPositionReminder) for f in reminder.filters):
-        reminder.addFilter(_DropPositionReminder())
+    for name, text in _QUIET_LOGS.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropMessage) and f.text == text for f in logger.filters):
+            logger.addFilter(_DropMessage(text))
     if not sys.stdout.isatty():
         from transformers.utils import logging as hf_logging
 

@@ -307,3 +307,31 @@ def test_engine_settings_vllm_refuses_are_named_as_generation_options(option, va
     message = str(err.value)
     assert message.startswith("generation_options: vLLM refused the engine settings: ") and match in message
     assert "\n" not in message
+
+
+def test_the_command_drops_vllms_line_at_each_prefix_cache_reset(builtin_pair):
+    """The backend resets the engine's prefix cache after every change of its weights — twice per ES member — and
+    vLLM logs "Successfully reset prefix cache" at INFO each time: ~65 lines per step of a population of 32 around the
+    command's progress lines. The command drops that line; vLLM's other lines (a failed reset's warning) stay."""
+    import logging
+
+    from es_lightning import console
+
+    _, gen = builtin_pair
+    logger = logging.getLogger("vllm.v1.core.block_pool")
+    seen: list[str] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = lambda record: seen.append(record.getMessage())  # after the logger's own filters
+    logger.addHandler(handler)
+    filters, logger.filters = logger.filters, []  # as before any command ran in this process
+    try:
+        gen.push_weights()
+        assert seen == ["Successfully reset prefix cache"], seen  # what a script importing es_lightning sees
+        seen.clear()
+        console.quiet_libraries()
+        gen.push_weights()
+        logger.warning("Failed to reset prefix cache because some blocks (%d) are not freed yet", 3)
+        assert seen == ["Failed to reset prefix cache because some blocks (3) are not freed yet"], seen
+    finally:
+        logger.removeHandler(handler)
+        logger.filters = filters + [f for f in logger.filters if f not in filters]
