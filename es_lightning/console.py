@@ -11,7 +11,8 @@ One thread also makes a CPU run bit-for-bit reproducible.
 
 **Warnings.** Lightning's advertising tips, its IterableDataset warning (the prompt stream has a length),
 transformers' reminder that a generation ran past the model's positions (the generator's own warning said so first,
-with the fix), vLLM's line at each prefix-cache reset (after every change of the engine's weights) and deprecation
+with the fix), vLLM's line at each prefix-cache reset (after every change of the engine's weights), its warning that an
+in-process engine's seed may change the process's random state (the backend keeps those states) and deprecation
 warnings of the libraries underneath are silenced in the command; a script importing es_lightning sees them as usual.
 Lightning's warning of modules in eval mode at the start of training is not: both algorithms train the policy in train
 mode (rollouts set eval mode themselves), so it names only modules of the user's own.
@@ -110,6 +111,9 @@ _QUIET_LOGS = {
     # vLLM's INFO line at every prefix-cache reset, which the vLLM backend asks for after each change of the engine's
     # weights: two per ES member (perturb, restore), ~65 lines per step of a population of 32 burying the progress
     "vllm.v1.core.block_pool": "Successfully reset prefix cache",
+    # vLLM's warning that its seed "may affect the random state of the Python process" of an in-process engine: the
+    # backend builds the engine with the process's RNG states kept (es_lightning.generation.vllm.preserved_host_state)
+    "vllm.engine.arg_utils": "may affect the random state of the Python process",
 }
 
 

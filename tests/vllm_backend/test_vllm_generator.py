@@ -335,3 +335,32 @@ def test_the_command_drops_vllms_line_at_each_prefix_cache_reset(builtin_pair):
     finally:
         logger.removeHandler(handler)
         logger.filters = filters + [f for f in logger.filters if f not in filters]
+
+
+def test_the_command_drops_vllms_warning_that_an_in_process_seed_changes_the_rngs(qwen_like_dir, monkeypatch):
+    """Building the in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0, seed 0) made vLLM warn "The global random
+    seed is set to 0 ... this may affect the random state of the Python process that launched vLLM" in every fit on
+    the vLLM backend; the backend keeps those states (test_vllm_cpu_engine.py), so the command drops the warning."""
+    import logging
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    from es_lightning import console
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # as VLLMGenerator builds its engine
+    logger = logging.getLogger("vllm.engine.arg_utils")
+    seen: list[str] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger.addHandler(handler)
+    filters, logger.filters = logger.filters, []
+    try:
+        EngineArgs(model=qwen_like_dir, seed=0, load_format="dummy").create_model_config()
+        assert any("may affect the random state" in line for line in seen), seen  # vLLM's, before the command's filter
+        seen.clear()
+        console.quiet_libraries()
+        EngineArgs(model=qwen_like_dir, seed=0, load_format="dummy").create_model_config()
+        assert not any("may affect the random state" in line for line in seen), seen
+    finally:
+        logger.removeHandler(handler)
+        logger.filters = filters + [f for f in logger.filters if f not in filters]
