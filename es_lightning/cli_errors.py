@@ -270,7 +270,9 @@ def explain(exc: BaseException, name_owner: bool = True) -> str | None:
             if "No supported gpu backend found" in line:  # a GPU trainer fragment on a machine without one
                 line += (" — this machine has no GPU that torch can use; on CPUs use --config configs/trainer/cpu.yaml"
                          " (or --trainer.accelerator cpu; FSDP2 on CPUs: configs/trainer/fsdp2_cpu.yaml)")
-            line += next((hint for words, hint in _MANUAL_OPTIMIZATION_HINTS.items() if words in line), "")
+            hint = next((hint for words, hint in _MANUAL_OPTIMIZATION_HINTS.items() if words in line), "")
+            if hint:  # the module's refusal names its Python options: the command's hint names the YAML keys instead
+                line = line.split(" — es-lightning's modules", 1)[0] + hint
             return line
     return None
 

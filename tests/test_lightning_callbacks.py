@@ -149,6 +149,25 @@ def test_trainer_predict_is_refused_naming_what_to_use(kind, tiny_model_dir, tmp
     assert module.model is None  # refused before loading it
 
 
+@pytest.mark.parametrize(("kind", "flag", "option"), [("grpo", "gradient_clip_val", "GRPOModule(max_grad_norm="),
+                                                    ("es", "accumulate_grad_batches", "GRPOModule(mini_batch_size=")])
+def test_trainer_flags_manual_optimization_refuses_name_the_modules_options(kind, flag, option, tiny_model_dir, tmp_path):
+    """`Trainer(gradient_clip_val=1.0)` / `Trainer(accumulate_grad_batches=2)` in a script: Lightning's refusal ended "or
+    switch to automatic optimization", which these modules cannot; the line names the module option that does it."""
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    from es_lightning import ESModule
+
+    module = _module(tiny_model_dir) if kind == "grpo" else ESModule(model=tiny_model_dir, population_size=2)
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_progress_bar=False,
+                        default_root_dir=tmp_path, **{flag: 2})
+    with pytest.raises(MisconfigurationException, match=rf"not supported for manual optimization: remove `Trainer\({flag}=2\)`"
+                                                        rf" .*{re.escape(option)}.*ES takes no gradient") as refusal:
+        trainer.fit(module, datamodule=_data())
+    assert "switch to automatic optimization" not in str(refusal.value)
+    assert module.model is None  # refused before loading it
+
+
 def test_batch_size_finder_does_not_warn_of_a_resume_with_other_data(tiny_model_dir, tmp_path, recwarn):
     """BatchSizeFinder restores the checkpoint it saved before its trials with the batch size it found: the data module
     warned "resuming with the configured data settings; the checkpoint's differ in ['batch_size'] ... resume with its

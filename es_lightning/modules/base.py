@@ -68,6 +68,30 @@ class EvalBatch:
     rollout: Rollout
 
 
+#: where the refusals below turn from Lightning's words to the modules' options (``cli_errors`` cuts there)
+_MANUAL_OPTIMIZATION_FIX = " — es-lightning's modules optimize manually: "
+
+
+def _check_manual_optimization_flags(trainer: L.Trainer) -> None:
+    """Refuse ``Trainer(gradient_clip_val=...)`` / ``Trainer(accumulate_grad_batches=...)`` naming the module options
+    that do the same: Lightning refuses them under manual optimization with "... or switch to automatic optimization",
+    which these modules cannot. Lightning's sentence is kept (the command's error line swaps the options named)."""
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    if trainer.gradient_clip_val is not None and trainer.gradient_clip_val > 0:
+        raise MisconfigurationException(
+            "Automatic gradient clipping is not supported for manual optimization: remove "
+            f"`Trainer(gradient_clip_val={trainer.gradient_clip_val})`" + _MANUAL_OPTIMIZATION_FIX
+            + "GRPO clips the gradient norm itself (GRPOModule(max_grad_norm=...), 1.0 by default); ES takes no "
+            "gradient, nothing to clip")
+    if trainer.accumulate_grad_batches != 1:
+        raise MisconfigurationException(
+            "Automatic gradient accumulation is not supported for manual optimization: remove "
+            f"`Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches})`" + _MANUAL_OPTIMIZATION_FIX
+            + "GRPO accumulates gradients over mini-batches of one step's completions (GRPOModule(mini_batch_size=...)); "
+            "ES takes no gradient (more prompts a step: ReasoningDataModule(batch_size=...))")
+
+
 class ReasoningModule(L.LightningModule):
     """A policy plus a task: sample, score, evaluate; with an algorithm, train.
 
@@ -465,6 +489,8 @@ class ReasoningModule(L.LightningModule):
         from es_lightning.callbacks.pass_at_k import PassAtKCallback
 
         have = self._trainer.callbacks if self._trainer is not None else []
+        if self._trainer is not None and self._trainer.state.fn == "fit":
+            _check_manual_optimization_flags(self._trainer)  # Lightning checks them right after this hook
         return [cls() for cls in (PassAtKCallback, ParameterDrift) if not any(isinstance(cb, cls) for cb in have)]
 
     def validation_step(self, batch: list[dict[str, Any]], batch_idx: int) -> None:
