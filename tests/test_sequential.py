@@ -204,6 +204,23 @@ def test_a_module_already_in_the_second_stage_is_refused(tmp_path, tiny_model_di
         _trainer(tmp_path, 2, [SequentialStrategy(switch_step=1, es=ES)]).fit(module, _dm())
 
 
+def test_load_from_checkpoint_after_the_switch_says_nothing_of_a_fit(tmp_path, tiny_model_dir):
+    """`GRPOModule.load_from_checkpoint(<a GRPO → ES run's last.ckpt>)` in a script warned "the checkpoint was written
+    in the es stage, so this fit continues es ... not the configured grpo; to train grpo, start from the checkpoint's
+    weights instead (--model.init_args.model <run>/export ...)": no fit runs, and the checkpoint is this run's own. The
+    module comes back in the checkpoint's stage, with its settings, without a word."""
+    import warnings
+
+    ckpt = ModelCheckpoint(dirpath=tmp_path, filename="last")
+    _trainer(tmp_path, 2, [ckpt, SequentialStrategy(switch_step=1, es=ES)]).fit(_grpo(tiny_model_dir), _dm())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = GRPOModule.load_from_checkpoint(tmp_path / "last.ckpt", map_location="cpu")
+    said = [str(w.message) for w in caught if "stage" in str(w.message)]
+    assert not said, said
+    assert loaded.algorithm.name == "es" and loaded.algorithm.settings.population_size == ES["population_size"]
+
+
 def test_another_algorithms_checkpoint_continues_its_stage_and_says_so(tmp_path, tiny_model_dir):
     """A GRPO checkpoint resumed by an ES module with no SequentialStrategy that switches to GRPO (most likely another
     recipe's checkpoint): the fit continues the checkpoint's stage, as a switched run resumes, and a warning says

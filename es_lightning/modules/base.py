@@ -451,8 +451,9 @@ class ReasoningModule(L.LightningModule):
 
         callbacks = self._trainer.callbacks if self._trainer is not None else []
         switches = any(isinstance(cb, SequentialStrategy) and cb.target == record["algorithm"] for cb in callbacks)
-        if current is not None and not switches:
-            # not a switch this fit's SequentialStrategy makes: most likely another recipe's checkpoint
+        if current is not None and not switches and self._trainer is not None:
+            # not a switch this fit's SequentialStrategy makes: most likely another recipe's checkpoint (no trainer:
+            # ``load_from_checkpoint``, whose class refuses another module's checkpoint — the run's own later stage)
             rank_zero_warn(f"the checkpoint was written in the {record['algorithm']} stage, so this fit continues "
                            f"{record['algorithm']} with the checkpoint's settings, not the configured "
                            f"{current['algorithm']}; to train {current['algorithm']}, start from the checkpoint's "
