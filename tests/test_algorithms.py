@@ -115,6 +115,34 @@ def test_sequential_strategy_switches_to_a_registered_algorithm_by_name(tiny_mod
         SequentialStrategy(switch_step=1, algorithm="test-reinforce", settings={"lrr": 1})
 
 
+@register_algorithm
+class _TorchStep(Reinforce):
+    """Reinforce stepping the torch optimizer under module.optimizers() itself: Lightning does not count that step."""
+
+    name = "test-torch-step"
+
+    def training_step(self, module, batch, batch_idx):
+        rollout, scores = module.rollout(batch, self.settings.group_size)
+        module.optimizers().optimizer.step()
+
+
+class _TorchStepModule(ReasoningModule, algorithm=_TorchStep):
+    """An algorithm whose optimizer steps global_step never sees."""
+
+
+def test_an_algorithm_whose_steps_lightning_does_not_count_is_refused_at_its_first_batch(tiny_model_dir):
+    """An algorithm stepping its torch optimizer itself (or not at all) trained with trainer.global_step at 0: max_steps,
+    checkpoints every K steps and logging never came, and a fit without max_epochs never ended. The first batch says
+    which call Lightning counts."""
+    trainer = L.Trainer(max_steps=2, max_epochs=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        limit_val_batches=0, enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(RuntimeError, match=r"_TorchStep.training_step made 0 optimizer step\(s\) through module.optimizers\(\)"
+                                           r", not its steps_per_batch \(1\): .*call module.optimizers\(\).step\(\)"):
+        trainer.fit(_TorchStepModule(model=tiny_model_dir, max_new_tokens=2),
+                    ReasoningDataModule(task="countdown", train_size=4, val_size=2, test_size=2, batch_size=2))
+    assert trainer.fit_loop.epoch_loop.batch_progress.total.completed == 0
+
+
 def test_registry():
     assert get_algorithm("es") is ESAlgorithm and get_algorithm("grpo") is GRPOAlgorithm
     assert {"es", "grpo", "test-reinforce"} <= set(algorithm_names())

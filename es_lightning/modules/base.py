@@ -514,7 +514,17 @@ class ReasoningModule(L.LightningModule):
             raise NotImplementedError(
                 "ReasoningModule only evaluates a policy; train with es_lightning.ESModule or es_lightning.GRPOModule"
             )
-        self.algorithm.training_step(self, batch, batch_idx)
+        before, algorithm = self.trainer.global_step, self.algorithm
+        algorithm.training_step(self, batch, batch_idx)
+        made = self.trainer.global_step - before
+        if made != algorithm.steps_per_batch and self.algorithm is algorithm:
+            # an algorithm of the user's that steps its torch optimizer itself (or not at all): global_step stays put,
+            # so max_steps, checkpoints every K steps and logging never come, and a fit without max_epochs never ends
+            raise RuntimeError(
+                f"{type(algorithm).__name__}.training_step made {made} optimizer step(s) through module.optimizers(), "
+                f"not its steps_per_batch ({algorithm.steps_per_batch}): Lightning counts trainer.global_step (what "
+                "max_steps, checkpoints and logging go by) in step() calls of the optimizer module.optimizers() returns; "
+                "call module.optimizers().step() once per update, or set the algorithm's steps_per_batch")
 
     def configure_optimizers(self):
         return self.algorithm.configure_optimizers(self) if self.algorithm is not None else None
