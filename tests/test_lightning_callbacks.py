@@ -168,6 +168,26 @@ def test_trainer_flags_manual_optimization_refuses_name_the_modules_options(kind
     assert module.model is None  # refused before loading it
 
 
+@pytest.mark.parametrize("loop", ["training", "validation"])
+def test_a_dataloader_with_the_default_collate_is_refused_naming_collate_fn(loop, tiny_model_dir, tmp_path):
+    """`trainer.fit(module, train_dataloaders=DataLoader(rows, batch_size=2))`: PyTorch's default collate makes a dict
+    of columns, which failed deep in prompting ("TypeError: string indices must be integers, not 'str'"; a tensor:
+    "IndexError: too many indices for tensor of dimension 0"). One line names collate_fn=list; with it, it trains."""
+    from torch.utils.data import DataLoader
+
+    from es_lightning import ESModule
+
+    rows = [{"nums": [1, 2, 3], "target": 6}, {"nums": [2, 5, 7], "target": 14}]
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False, default_root_dir=tmp_path, callbacks=[PassAtKCallback(num_samples=2, ks=(1,))])
+    module = ESModule(model=tiny_model_dir, task="countdown", population_size=2, max_new_tokens=4)
+    run = trainer.fit if loop == "training" else trainer.validate
+    with pytest.raises(TypeError, match=rf"ESModule: a {loop} batch must be a list of example dicts .*got a dict of columns "
+                                        r"\['nums', 'target'\]; give your DataLoader collate_fn=list"):
+        run(module, DataLoader(rows, batch_size=2))
+    run(module, DataLoader(rows, batch_size=2, collate_fn=list))
+
+
 def test_batch_size_finder_does_not_warn_of_a_resume_with_other_data(tiny_model_dir, tmp_path, recwarn):
     """BatchSizeFinder restores the checkpoint it saved before its trials with the batch size it found: the data module
     warned "resuming with the configured data settings; the checkpoint's differ in ['batch_size'] ... resume with its

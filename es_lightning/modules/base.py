@@ -495,10 +495,30 @@ class ReasoningModule(L.LightningModule):
         return [cls() for cls in (PassAtKCallback, ParameterDrift) if not any(isinstance(cb, cls) for cb in have)]
 
     def validation_step(self, batch: list[dict[str, Any]], batch_idx: int) -> None:
-        """Nothing here: :class:`~es_lightning.callbacks.PassAtKCallback` samples and scores each validation batch."""
+        """Nothing here but the batch's check: :class:`~es_lightning.callbacks.PassAtKCallback` samples and scores each
+        validation batch."""
+        self._check_batch(batch, "validation")
 
     def test_step(self, batch: list[dict[str, Any]], batch_idx: int) -> None:
         """See :meth:`validation_step`."""
+        self._check_batch(batch, "test")
+
+    def _check_batch(self, batch: Any, loop: str) -> None:
+        """Refuse, in one line, a batch that is not a list of example dicts: a ``DataLoader`` of the user's with
+        PyTorch's default collate gives a dict of columns (or a tensor), which failed deep in prompting or grading
+        ("string indices must be integers", "too many indices for tensor of dimension 0")."""
+        if isinstance(batch, (list, tuple)) and all(isinstance(example, dict) for example in batch):
+            return
+        if isinstance(batch, dict):
+            got = f"a dict of columns {sorted(map(str, batch))}"
+        elif isinstance(batch, (list, tuple)):
+            got = f"a {type(batch).__name__} of {type(next(e for e in batch if not isinstance(e, dict))).__name__}"
+        else:
+            got = f"a {type(batch).__name__}"
+        raise TypeError(
+            f"{type(self).__name__}: a {loop} batch must be a list of example dicts (one per problem, the task's "
+            f"columns), got {got}; give your DataLoader collate_fn=list (PyTorch's default collate makes a dict of "
+            "columns), or use ReasoningDataModule's loaders")
 
     def predict_step(self, batch: Any, batch_idx: int) -> None:
         """Not offered (:meth:`setup` refuses ``trainer.predict`` before the model loads): see :meth:`_no_predict`."""
@@ -514,6 +534,7 @@ class ReasoningModule(L.LightningModule):
             raise NotImplementedError(
                 "ReasoningModule only evaluates a policy; train with es_lightning.ESModule or es_lightning.GRPOModule"
             )
+        self._check_batch(batch, "training")
         before, algorithm = self.trainer.global_step, self.algorithm
         algorithm.training_step(self, batch, batch_idx)
         made = self.trainer.global_step - before
