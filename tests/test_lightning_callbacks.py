@@ -188,6 +188,40 @@ def test_a_dataloader_with_the_default_collate_is_refused_naming_collate_fn(loop
     run(module, DataLoader(rows, batch_size=2, collate_fn=list))
 
 
+class _Regression(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(2, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch[0]).sum()
+
+    def validation_step(self, batch, batch_idx):
+        pass
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize(("callback", "says"), [
+    ("pass_at_k", r"PassAtKCallback samples and scores with a ReasoningModule .* the module is a _Regression; .*es_lightning"
+                  r"\.PassAtK\(k=\.\.\.\)"),
+    ("drift", r"ParameterDrift measures the policy of a ReasoningModule .* the module is a _Regression; drop the callback")])
+def test_the_projects_callbacks_on_a_lightning_module_of_ones_own_are_refused_in_one_line(callback, says, tmp_path):
+    """PassAtKCallback / ParameterDrift added to a LightningModule of the user's own failed with AttributeError deep in
+    the fit ("'_Regression' object has no attribute 'evaluate_batch'" / "... 'model'"); one line at setup now."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from es_lightning import ParameterDrift
+
+    loader = DataLoader(TensorDataset(torch.randn(8, 2)), batch_size=4)
+    made = PassAtKCallback(num_samples=2, ks=(1,)) if callback == "pass_at_k" else ParameterDrift()
+    trainer = L.Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False, default_root_dir=tmp_path, callbacks=[made])
+    with pytest.raises(TypeError, match=says):
+        trainer.fit(_Regression(), loader, loader)
+
+
 def test_batch_size_finder_does_not_warn_of_a_resume_with_other_data(tiny_model_dir, tmp_path, recwarn):
     """BatchSizeFinder restores the checkpoint it saved before its trials with the batch size it found: the data module
     warned "resuming with the configured data settings; the checkpoint's differ in ['batch_size'] ... resume with its

@@ -57,6 +57,11 @@ class ParameterDrift(L.Callback):
         self._cadence = StepCadence()
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        from es_lightning.modules.base import ReasoningModule
+
+        if not isinstance(pl_module, ReasoningModule):  # it failed at train start: "has no attribute 'model'"
+            raise TypeError(f"ParameterDrift measures the policy of a ReasoningModule (ESModule, GRPOModule), but the "
+                            f"module is a {type(pl_module).__name__}; drop the callback from this trainer")
         self._module = pl_module
 
     def _views(self, pl_module) -> list[ShardView]:

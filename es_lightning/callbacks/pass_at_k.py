@@ -108,6 +108,15 @@ class PassAtKCallback(L.Callback):
         checkpoints written before."""
         return type(self).__qualname__ if self.prefix == "val" else self._generate_state_key(prefix=self.prefix)
 
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        from es_lightning.modules.base import ReasoningModule
+
+        if not isinstance(pl_module, ReasoningModule):  # it failed at the first validation batch: no `evaluate_batch`
+            raise TypeError(
+                f"PassAtKCallback samples and scores with a ReasoningModule (ESModule, GRPOModule, ReasoningModule), "
+                f"but the module is a {type(pl_module).__name__}; in a LightningModule of your own, update and log "
+                "es_lightning.PassAtK(k=...) in validation_step (README: The metrics in your own LightningModule)")
+
     # ------------------------------------------------------------------ the shared evaluation
     def _params(self, pl_module) -> SamplingParams:
         return pl_module.sampling_params(
