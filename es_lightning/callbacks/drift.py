@@ -57,9 +57,8 @@ class ParameterDrift(L.Callback):
         self._cadence = StepCadence()
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        from es_lightning.modules.base import ReasoningModule
-
-        if not isinstance(pl_module, ReasoningModule):  # it failed at train start: "has no attribute 'model'"
+        # a ReasoningModule's policy (checked by what it provides: importing modules.base here would close an import cycle)
+        if not callable(getattr(pl_module, "evaluate_batch", None)):  # it failed at train start: no attribute 'model'
             raise TypeError(f"ParameterDrift measures the policy of a ReasoningModule (ESModule, GRPOModule), but the "
                             f"module is a {type(pl_module).__name__}; drop the callback from this trainer")
         self._module = pl_module

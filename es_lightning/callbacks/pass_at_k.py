@@ -109,9 +109,8 @@ class PassAtKCallback(L.Callback):
         return type(self).__qualname__ if self.prefix == "val" else self._generate_state_key(prefix=self.prefix)
 
     def setup(self, trainer, pl_module, stage: str) -> None:
-        from es_lightning.modules.base import ReasoningModule
-
-        if not isinstance(pl_module, ReasoningModule):  # it failed at the first validation batch: no `evaluate_batch`
+        # a ReasoningModule's (checked by what it provides: importing modules.base here would close an import cycle)
+        if not callable(getattr(pl_module, "evaluate_batch", None)):  # it failed at the first validation batch
             raise TypeError(
                 f"PassAtKCallback samples and scores with a ReasoningModule (ESModule, GRPOModule, ReasoningModule), "
                 f"but the module is a {type(pl_module).__name__}; in a LightningModule of your own, update and log "
