@@ -87,11 +87,6 @@ def configure_threads() -> int:
     return threads
 
 
-class _DropTips(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "Tip:" not in str(record.msg)
-
-
 class _DropMessage(logging.Filter):
     """Drop a logger's records that contain ``text``."""
 
@@ -103,18 +98,21 @@ class _DropMessage(logging.Filter):
         return self.text not in str(record.msg)
 
 
-#: {logger: text} of log lines of the libraries underneath that repeat what the command said, or report its routine
-_QUIET_LOGS = {
+#: (logger, text) of log lines of the libraries underneath that advertise, repeat what the command said, or report
+#: its routine
+_QUIET_LOGS = (
+    ("lightning.pytorch.utilities.rank_zero", "Tip:"),  # Lightning's advertising tips
+    ("lightning.fabric.utilities.rank_zero", "Tip:"),
     # transformers' "friendly reminder" that a generation ran past max_position_embeddings: the generator said so
     # already, before generating, with the max_new_tokens that fits (HFGenerator._check_positions)
-    "transformers.generation.stopping_criteria": "friendly reminder",
+    ("transformers.generation.stopping_criteria", "friendly reminder"),
     # vLLM's INFO line at every prefix-cache reset, which the vLLM backend asks for after each change of the engine's
     # weights: two per ES member (perturb, restore), ~65 lines per step of a population of 32 burying the progress
-    "vllm.v1.core.block_pool": "Successfully reset prefix cache",
+    ("vllm.v1.core.block_pool", "Successfully reset prefix cache"),
     # vLLM's warning that its seed "may affect the random state of the Python process" of an in-process engine: the
     # backend builds the engine with the process's RNG states kept (es_lightning.generation.vllm.preserved_host_state)
-    "vllm.engine.arg_utils": "may affect the random state of the Python process",
-}
+    ("vllm.engine.arg_utils", "may affect the random state of the Python process"),
+)
 
 
 def quiet_libraries() -> None:
@@ -123,9 +121,7 @@ def quiet_libraries() -> None:
         warnings.filterwarnings("ignore", message=pattern)
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     warnings.filterwarnings("ignore", category=FutureWarning)
-    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
-        logging.getLogger(name).addFilter(_DropTips())
-    for name, text in _QUIET_LOGS.items():
+    for name, text in _QUIET_LOGS:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropMessage) and f.text == text for f in logger.filters):
             logger.addFilter(_DropMessage(text))

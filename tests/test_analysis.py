@@ -9,6 +9,7 @@ import csv
 import json
 import math
 import os
+import shutil
 import signal
 import sys
 from dataclasses import replace
@@ -227,6 +228,20 @@ def test_drift_refuses_non_finite_weights_naming_them(tmp_path):
     with pytest.raises(ValueError, match="the tuned model has non-finite weights"):  # it warned "is --base the model?"
         ablation_command(tuned=str(tmp_path / "tuned"), base=BUILTIN, taus=[1e-3], out_dir=str(tmp_path / "a"), plot=False,
                          progress=False)
+
+
+def test_drift_refuses_a_bf16_qwen_like_models_non_finite_weight(qwen_like_small_dir, tmp_path):
+    """The refusal on the path a real recipe's run takes: a bf16 checkpoint of a Qwen-like model (its norm holding an
+    inf after a diverged fit) against its bf16 base."""
+    tuned = tmp_path / "tuned"
+    shutil.copytree(qwen_like_small_dir, tuned)
+    policy = load_policy(str(tuned), dtype=torch.bfloat16)
+    with torch.no_grad():
+        policy.model.model.norm.weight[1] = math.inf
+    policy.model.save_pretrained(tuned)
+    with pytest.raises(ValueError, match=r"the tuned model has non-finite weights \(inf or NaN\) in \['model.norm.weight'\]"):
+        drift_command(tuned=str(tuned), base=qwen_like_small_dir, out_dir=str(tmp_path / "d"), plot=False)
+    assert not (tmp_path / "d" / "drift.json").exists()
 
 
 def test_drift_command_on_a_checkpoint_writes_json_and_png(es_checkpoint, tmp_path, capsys):
