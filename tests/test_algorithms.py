@@ -14,7 +14,7 @@ import lightning as L
 import pytest
 import torch
 
-from es_lightning import ESModule, ReasoningDataModule, SequentialStrategy
+from es_lightning import ESModule, GRPOModule, ReasoningDataModule, SequentialStrategy
 from es_lightning.algorithms import Algorithm, algorithm_names, get_algorithm, register_algorithm, settings_docs
 from es_lightning.es.algorithm import ESAlgorithm, ESSettings
 from es_lightning.grpo.algorithm import GRPOAlgorithm, GRPOSettings
@@ -103,6 +103,47 @@ def test_a_new_algorithm_is_one_class_and_trains(tiny_model_dir):
     assert any(not torch.equal(a, b) for a, b in zip(before, module.model.parameters()))
     assert {"train/reward_mean", "train/accuracy", "train/lr", "train/drift"} <= set(trainer.logged_metrics)
     assert module.hparams["lr"] == 1e-2 and module.hparams["group_size"] == 2
+
+
+def _refusing_fit(module, data_task):
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False, limit_val_batches=0,
+                        enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(ValueError) as refused:
+        trainer.fit(module, ReasoningDataModule(task=data_task, train_size=8, val_size=2, test_size=2, batch_size=2))
+    assert trainer.fit_loop.epoch_loop.batch_progress.total.completed == 0
+    return str(refused.value)
+
+
+@pytest.mark.parametrize("module_task, data_task, differ", [
+    ("addition", "countdown", "addition (AdditionTask) vs countdown (CountdownTask)"),
+    (CountdownTask(), CountdownTask(prompt_format="r1"), "countdown with prompt_format 'compact' vs 'r1', "
+                                                         "max_completion_chars 8192 vs 65536"),
+    (CountdownTask(), _CharSum(), "countdown (CountdownTask) vs countdown (_CharSum)"),  # the data module's reward lost
+])
+def test_a_module_task_other_than_the_data_modules_is_refused_at_setup(tiny_model_dir, module_task, data_task, differ):
+    """The module's task prompts and grades the data module's problems: another task failed deep in prompting (a
+    KeyError on 'nums'), another prompt format (or the data module's own subclass) was silently ignored. Refused at
+    setup, before the first batch, naming both; a subclass on the module's side (_CharSum above) still trains."""
+    for cls, options in ((ESModule, {"population_size": 2}), (GRPOModule, {})):
+        message = _refusing_fit(cls(model=tiny_model_dir, task=module_task, max_new_tokens=2, **options), data_task)
+        assert message == (f"{cls.__name__}(task=...) and the data module's task differ (the module's vs the data "
+                           f"module's: {differ}): the module's task prompts and grades the data module's problems; set "
+                           "the same task in both, or give it once, on the data module (data.init_args.task), and leave "
+                           "the module's task null (it then takes the data module's)")
+
+
+def test_a_chat_task_agrees_with_the_data_modules_copy_and_not_with_another_system_prompt(qwen_like_small_dir):
+    """On the Qwen-like fixture (a chat template): the same task given twice as two instances trains; the module's
+    system prompt, absent from the data module's task, is refused."""
+    chat = {"prompt_format": "r1", "use_chat_template": True}
+    module = ESModule(model=qwen_like_small_dir, task=CountdownTask(**chat), population_size=2, max_new_tokens=2)
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False, limit_val_batches=0,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, ReasoningDataModule(task=CountdownTask(**chat), train_size=8, val_size=2, test_size=2, batch_size=2))
+    assert trainer.global_step == 1
+    told = ESModule(model=qwen_like_small_dir, task=CountdownTask(**chat, system_prompt="Be brief."), population_size=2)
+    assert "(the module's vs the data module's: countdown with system_prompt 'Be brief.' vs None)" in _refusing_fit(
+        told, CountdownTask(**chat))
 
 
 def test_sequential_strategy_switches_to_a_registered_algorithm_by_name(tiny_model_dir):

@@ -496,6 +496,26 @@ def test_an_option_in_the_wrong_section_names_the_section_it_belongs_to(tmp_path
         assert exit.value.code == 2 and len(err.splitlines()) == 1 and expected in err, (argv, err)
 
 
+def test_a_model_task_other_than_the_data_modules_is_one_line(tmp_path, monkeypatch, capsys):
+    """`--model.init_args.task gsm8k` on recipes/es.yaml (Countdown data) failed with KeyError 'question' deep in
+    prompting; `--model.init_args.task countdown` with the data's r1 prompt format trained on compact prompts without a
+    word. Both are refused at setup, naming both tasks and the fix."""
+    from es_lightning.cli import cli_main
+
+    monkeypatch.chdir(tmp_path)
+    es = ["fit", "--config", str(RECIPES / "es.yaml")]
+    cases = [(es + ["--model.init_args.task", "gsm8k"], "(the module's vs the data module's: gsm8k (GSM8KTask) vs "
+              "countdown (CountdownTask))"),
+             (es + ["--model.init_args.task", "countdown", "--data.init_args.task.init_args.prompt_format", "r1"],
+              "(the module's vs the data module's: countdown with prompt_format 'compact' vs 'r1')")]
+    for argv, expected in cases:
+        with pytest.raises(SystemExit) as exit:
+            cli_main(argv)
+        err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("INFO: ")]  # Lightning's
+        assert exit.value.code == 2 and len(err) == 1 and err[0].startswith("es-lightning: error: "), (argv, err)
+        assert expected in err[0] and "set the same task in both, or give it once, on the data module (data.init_args.task)" in err[0]
+
+
 def test_a_list_entry_picked_by_position_on_the_command_line_is_named_as_given(capsys):
     """`--trainer.callbacks.1.init_args.switch_step 3` (jsonargparse cannot index a list from the command line) used to
     be blamed on a line of the recipe (`grpo_es.yaml:59: 1.init_args.switch_step: unknown key`), with no fix; the line

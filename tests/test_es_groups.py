@@ -34,9 +34,9 @@ def _trainer(max_steps, callbacks=()):
                      callbacks=list(callbacks))
 
 
-def _dm(batch_size=4):
-    return ReasoningDataModule(task=CountdownTask(), train_size=32, val_size=4, test_size=4, batch_size=batch_size,
-                               seed=0)
+def _dm(batch_size=4, use_chat_template=False):
+    return ReasoningDataModule(task=CountdownTask(use_chat_template=use_chat_template), train_size=32, val_size=4,
+                               test_size=4, batch_size=batch_size, seed=0)
 
 
 @pytest.mark.parametrize("model, layout", [
@@ -55,7 +55,7 @@ def test_each_group_is_scored_on_its_slice_only(request, model, layout):
     module.configure_model()
     start = {n: p.detach().clone() for n, p in module.model.named_parameters()}
     trainer = _trainer(1, [seen])
-    trainer.fit(module, _dm(batch_size=6))
+    trainer.fit(module, _dm(batch_size=6, use_chat_template=model == "qwen_like"))  # the module's task's settings
     (batch,) = seen.batches
     if model == "qwen_like":  # the prompts the members saw went through Qwen's chat template
         assert module.prompts(batch[:1])[0].startswith("<|im_start|>")

@@ -53,7 +53,7 @@ from es_lightning.precision import (
 )
 from es_lightning.scoring import Scores, check_reward_signature, score_completions
 from es_lightning.tasks import Task, get_task
-from es_lightning.tasks.base import TASK_KEY, task_record
+from es_lightning.tasks.base import TASK_KEY, task_disagreement, task_record
 
 
 @dataclass
@@ -560,6 +560,7 @@ class ReasoningModule(L.LightningModule):
 
             destroy_process_group_at_exit()
         dm = getattr(self._trainer, "datamodule", None)
+        self.check_task_agrees(getattr(dm, "task", None))
         task = self._task if self._task is not None else getattr(dm, "task", None)
         if isinstance(task, Task):  # a reward with TRL's signature: said now, not after the first rollouts
             check_reward_signature(task)
@@ -570,6 +571,21 @@ class ReasoningModule(L.LightningModule):
             check_batch_size_finders(self.trainer, self.algorithm)
         if stage == "fit" and self.algorithm is not None and self.trainer.strategy.restore_checkpoint_after_setup:
             peek_stage_on_load(self, self.trainer.strategy)
+
+    def check_task_agrees(self, data_task: Any) -> None:
+        """Refuse, before anything loads, a module ``task=`` that would prompt and grade the data module's problems
+        otherwise than its own task (:func:`~es_lightning.tasks.base.task_disagreement`): the module's task wins, so
+        another task failed deep in prompting (a ``KeyError`` on a column its problems lack) and another prompt format
+        was silently ignored."""
+        if not isinstance(self._task, Task) or not isinstance(data_task, Task):
+            return
+        differ = task_disagreement(self._task, data_task)
+        if differ is not None:
+            raise ValueError(
+                f"{type(self).__name__}(task=...) and the data module's task differ (the module's vs the data module's: "
+                f"{differ}): the module's task "
+                "prompts and grades the data module's problems; set the same task in both, or give it once, on the data "
+                "module (data.init_args.task), and leave the module's task null (it then takes the data module's)")
 
     def train_batch_size(self) -> int | None:
         """Prompts per training batch on each rank, when the fit's data module says (``ReasoningDataModule``)."""

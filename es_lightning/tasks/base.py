@@ -300,3 +300,23 @@ def task_record(task: Task) -> dict[str, Any]:
     values = {name: getattr(task, name, None) for name in accepted_options(cls)}
     args = {name: value for name, value in values.items() if isinstance(value, (bool, int, float, str))}
     return {"class_path": f"{cls.__module__}.{cls.__qualname__}", "init_args": args}
+
+
+def task_disagreement(module_task: Task, data_task: Task) -> str | None:
+    """How ``module_task`` (a training module's ``task=``, the one that prompts and grades) differs from ``data_task``
+    (the data module's, whose problems it is handed), or ``None`` when the module may use it on them.
+
+    They agree when the module's task is the data module's class or a subclass of it (a customisation of the same task:
+    its own reward, say) and every option the data module's task records (:func:`task_record`: the prompt format, chat
+    template and system prompt, rewards, verifier bounds, and the generator's ranges, which a checkpoint records for
+    the evaluations of the run) has the same value in both. Anything else — another task, the data module's subclass
+    under the module's plain task (its overrides ignored), another ``prompt_format`` — prompts or grades, or records, the
+    problems otherwise than the data module says."""
+    if module_task is data_task:
+        return None
+    if not isinstance(module_task, type(data_task)):
+        return f"{module_task.name} ({type(module_task).__name__}) vs {data_task.name} ({type(data_task).__name__})"
+    options = accepted_options(type(data_task))
+    differ = [f"{name} {getattr(module_task, name, None)!r} vs {getattr(data_task, name, None)!r}" for name in options
+              if getattr(module_task, name, None) != getattr(data_task, name, None)]
+    return f"{data_task.name} with " + ", ".join(differ) if differ else None
