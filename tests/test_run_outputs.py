@@ -1025,7 +1025,8 @@ def test_a_signal_while_analyze_drift_measures_stops_it_with_one_line(tmp_path, 
 def test_an_explicit_ckpt_path_resumes_with_the_configured_settings(tmp_path, monkeypatch):
     """`--ckpt_path <file>` runs what the command configures, as `--ckpt_path last` does: Lightning's LightningCLI
     would replace the configured model settings with the checkpoint's hyperparameters (a `--model.init_args.sigma`
-    given on resume was dropped without a word). The differing settings are named in a warning."""
+    given on resume was dropped without a word). The differing settings are named in a warning, with the checkpoint's
+    value and the configured one."""
     from es_lightning.cli import CommandCLI
 
     monkeypatch.chdir(tmp_path)
@@ -1036,7 +1037,7 @@ def test_an_explicit_ckpt_path_resumes_with_the_configured_settings(tmp_path, mo
     CommandCLI(args=[*small, "--trainer.max_steps", "1"])
     (ckpt,) = tmp_path.glob("es/version_0/checkpoints/last.ckpt")
     with pytest.warns(UserWarning, match=r"resuming es with the configured settings; the checkpoint's differ in "
-                                         r"\['sigma'\]"):
+                                         r"\['sigma'\] \(sigma: 0.005 -> 0.02\)$"):
         cli = CommandCLI(args=[*small, "--trainer.max_steps", "2", "--model.init_args.sigma", "0.02",
                                "--ckpt_path", str(ckpt)])
     assert cli.trainer.global_step == 2 and cli.model.algorithm.settings.sigma == 0.02

@@ -442,8 +442,9 @@ class ReasoningModule(L.LightningModule):
             saved, now = {**record["settings"], **record["sampling"]}, {**current["settings"], **current["sampling"]}
             changed = sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k))
             if changed:
+                values = "; ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in changed)  # checkpoint's -> now
                 rank_zero_warn(f"resuming {record['algorithm']} with the configured settings; the checkpoint's differ "
-                               f"in {changed}")
+                               f"in {changed} ({values})")
             self._resumed_changes = tuple(changed)  # written into the restored optimizer at train start
             return False
         cls = get_algorithm(record["algorithm"])
