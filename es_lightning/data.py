@@ -593,7 +593,9 @@ class ReasoningDataModule(L.LightningDataModule):
             from lightning.pytorch.utilities import rank_zero_warn
 
             was = ", ".join(f"{k}={_shown(saved[k])}" for k in changed if k != "task")
-            rank_zero_warn(f"resuming with the configured data settings; the checkpoint's differ in {changed}, so the "
+            values = "; ".join(f"{k}: {_shown(saved[k])} -> {_shown(now.get(k))}" for k in changed if k != "task")
+            rank_zero_warn(f"resuming with the configured data settings; the checkpoint's differ in {changed}"
+                           + (f" ({values})" if values else "") + ", so the "
                            "batches from here are not those the interrupted run would have trained on"
                            + (f" (to continue its stream, resume with its {was})" if was else ""))
 

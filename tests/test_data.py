@@ -413,7 +413,8 @@ def test_a_resume_after_the_data_file_was_edited_says_so(tmp_path):
                                          r"it trained on crc32:\w+ of 10 rows\) under the data settings it records: "
                                          r"data.source '.*' reads otherwise now \(a file edited since, "):
         ReasoningDataModule(**settings).load_state_dict(saved)
-    with pytest.warns(UserWarning, match=r"differ in \['seed'\]"):  # a changed setting explains other rows
+    with pytest.warns(UserWarning, match=r"differ in \['seed'\] \(seed: 0 -> 1\), so"):  # a changed setting explains
+    # other rows; each with the checkpoint's value and the configured one
         ReasoningDataModule(**settings, seed=1).load_state_dict(saved)
 
 

@@ -1180,8 +1180,8 @@ def test_a_resume_with_other_held_out_settings_names_them(tmp_path, monkeypatch)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*data settings")  # the same settings: no warning
         CommandCLI(args=[*small, "--data.init_args.val_size", "4", "--trainer.max_steps", "2", "--ckpt_path", "last"])
-    with pytest.warns(UserWarning, match=r"the checkpoint's differ in \['val_size'\], so the batches from here are not "
-                                         r"those the interrupted run would have trained on \(to continue its stream, "
+    with pytest.warns(UserWarning, match=r"the checkpoint's differ in \['val_size'\] \(val_size: 4 -> 6\), so the batches from here "
+                                         r"are not those the interrupted run would have trained on \(to continue its stream, "
                                          r"resume with its val_size=4\)$"):
         other = CommandCLI(args=[*small, "--data.init_args.val_size", "6", "--trainer.max_steps", "3",
                                  "--ckpt_path", "last"])
