@@ -420,6 +420,64 @@ def test_forgetting_of_a_runs_export_evaluates_both_models_as_trained(qwen_like_
     assert "both models in bfloat16" in capsys.readouterr().out
 
 
+def _fit_a_run(model: str, *options: str) -> Path:
+    """`es-lightning fit` of recipes/es.yaml, one tiny ES update, its callbacks only HFExport: the run directory."""
+    cli_main(["fit", "--config", str(ROOT / "recipes" / "es.yaml"), "--model.init_args.model", model,
+              "--model.init_args.population_size", "4", "--model.init_args.members_per_batch", "4",
+              "--data.init_args.batch_size", "4", "--data.init_args.val_size", "2",
+              "--trainer.max_steps", "1", "--trainer.enable_progress_bar", "false",
+              "--trainer.callbacks", "[{class_path: es_lightning.HFExport}]", *options])
+    return next(Path("lightning_logs").glob("es/version_*")).resolve()
+
+
+def test_the_analyses_of_a_runs_export_take_its_base_from_the_runs_config(tmp_path, monkeypatch, capsys):
+    """`analyze drift / ablation / forgetting` of the export/ of an `es-lightning fit` run asked for --base, though the
+    run's config.yaml beside it names the model it started from (and eval reads that file for the task): they take it
+    from there, say so in one line, and --base still overrides it. An export without a run's config.yaml is refused
+    in one line naming --base."""
+    monkeypatch.chdir(tmp_path)
+    run = _fit_a_run(BUILTIN)
+    export, config = str(run / "export"), run / "config.yaml"
+    capsys.readouterr()
+    report = drift_command(tuned=export, taus=[0.0], out_dir="d", plot=False)
+    said = f"base model {BUILTIN}, as {config} names it (--base to choose another)"
+    assert said in capsys.readouterr().out
+    given = drift_command(tuned=export, base=BUILTIN, taus=[0.0], out_dir="d", plot=False)
+    assert report.sources["base"] == BUILTIN and report.to_json() == given.to_json() and report.relative_drift > 0
+    assert said not in capsys.readouterr().out  # --base given: nothing taken from the run
+    other = drift_command(tuned=export, base=export, taus=[0.0], out_dir="d", plot=False)  # --base overrides the run's
+    assert other.sources["base"] == export and other.relative_drift == 0
+    settings = EvalSettings(num_problems=1, num_samples=1, max_new_tokens=2)
+    ablation = ablation_command(tuned=export, taus=[1e-3], eval=settings, out_dir="a", plot=False, progress=False)
+    forgot = forgetting_command(tuned=export, tasks=["addition"], eval=settings, out_dir="f", plot=False, progress=False)
+    assert ablation.settings["base"] == BUILTIN and forgot.evaluation.sources["base"] == BUILTIN
+    assert capsys.readouterr().out.count(said) == 2
+
+    alone = tmp_path / "alone"  # an export copied away from its run: no config.yaml beside it
+    shutil.copytree(export, alone)
+    for command in (drift_command, ablation_command, forgetting_command):
+        with pytest.raises(ValueError, match=r"is neither a .ckpt nor a run's export/ beside its config.yaml, so its base "
+                                             r"model is unknown; pass --base \(the model it was trained from, e\.g\. --base "):
+            command(tuned=str(alone), out_dir="x", plot=False)
+
+
+def test_drift_of_a_bf16_runs_export_takes_its_relative_base_from_the_runs_config(qwen_like_small_dir, tmp_path,
+                                                                                   monkeypatch, capsys):
+    """The Qwen-like fixture fitted in bf16 from a relative path (as the run's config.yaml records it): `analyze drift`
+    of its export/, run from elsewhere, finds that base from the run directory and loads it in bf16, as the run
+    started: the drift measured against the base named by hand."""
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(qwen_like_small_dir, "qwen")
+    run = _fit_a_run("qwen", "--model.init_args.dtype", "bfloat16", "--model.init_args.max_new_tokens", "2")
+    monkeypatch.chdir(tmp_path / "lightning_logs")
+    export = str(run / "export")
+    report = drift_command(tuned=export, taus=[0.0], out_dir=str(tmp_path / "d"), plot=False)
+    assert f"base model {tmp_path / 'qwen'}, as {run / 'config.yaml'} names it" in capsys.readouterr().out
+    given = drift_command(tuned=export, base=str(tmp_path / "qwen"), dtype="bfloat16", taus=[0.0],
+                          out_dir=str(tmp_path / "d"), plot=False)
+    assert report.sources["base"] == str(tmp_path / "qwen") and report.to_json()["overall"] == given.to_json()["overall"]
+
+
 def test_forgetting_prompts_the_suite_in_the_system_turn_of_training(qwen_like_small_dir, tmp_path, capsys):
     """A checkpoint trained under a system_prompt (the Qwen-like fixture's chat template, bf16): `analyze forgetting`
     prompts the off-task probes in that system turn too. They took the template alone, so Qwen's default "You are

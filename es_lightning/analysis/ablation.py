@@ -228,7 +228,8 @@ def ablation_command(
 
     Args:
         tuned: the tuned model: a .ckpt of an es-lightning run, an exported HF directory, a hub id or builtin:<name>.
-        base: the model it started from (default: a .ckpt's 'model' hyperparameter).
+        base: the model it started from (default: a .ckpt's 'model' hyperparameter, or the model the config.yaml of
+            a run's export/ names).
         taus: reset every weight with |Δθ| <= τ to its base value, for each τ (default: 1e-7 ... 1e-2 when no
             --top_percent is given).
         top_percent: keep only the top p % of weights by |Δθ| (global), for each p in (0, 100].

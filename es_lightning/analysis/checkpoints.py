@@ -177,6 +177,11 @@ class TrainedWith:
     dtype: str | None = None
     #: a ``.ckpt``'s data settings (``ReasoningDataModule.state_dict()['stream']``): which rows it trained on
     data: dict[str, Any] | None = None
+    #: the model a run's export/ was trained from: its run ``config.yaml``'s ``model.init_args.model`` (a ``.ckpt``
+    #: names its own, its ``model`` hyperparameter, which :func:`load_model` reads)
+    base: str | None = None
+    #: the ``config.yaml`` ``base`` was read from
+    base_source: str | None = None
 
 
 def trained_with(spec: str) -> TrainedWith:
@@ -202,10 +207,12 @@ def trained_with(spec: str) -> TrainedWith:
     else:
         return found
     if found.task is None or found.dtype is None:
-        task, dtype = _from_run_config(run_config)
+        task, dtype, base = _from_run_config(run_config)
         if path.is_dir() and (task or dtype):  # a run's export: written in the dtype the run's weights were held in
             dtype = stored_dtype(spec) or dtype
         found.task, found.dtype = found.task or task, found.dtype or dtype
+        if path.is_dir() and base:
+            found.base, found.base_source = locate_base(base, spec), str(run_config)
     return found
 
 
@@ -235,16 +242,17 @@ def recorded_task(trained: TrainedWith, default: str = "countdown") -> str:
     return class_path
 
 
-def _from_run_config(file: Path) -> tuple[dict[str, Any] | None, str | None]:
-    """The task (as a record) and the model's ``dtype`` of an ``es-lightning fit`` run's saved ``config.yaml``."""
+def _from_run_config(file: Path) -> tuple[dict[str, Any] | None, str | None, str | None]:
+    """The task (as a record), the model's ``dtype`` and the model it started from of an ``es-lightning fit`` run's
+    saved ``config.yaml``."""
     if not file.is_file():
-        return None, None
+        return None, None, None
     import yaml
 
     try:
         config = yaml.safe_load(file.read_text())
     except (OSError, yaml.YAMLError):
-        return None, None
+        return None, None, None
 
     def section(node, *keys):  # a mapping at that path, or {} (a YAML of another shape is no run config)
         for key in keys:
@@ -259,8 +267,17 @@ def _from_run_config(file: Path) -> tuple[dict[str, Any] | None, str | None]:
         task = {"class_path": task["class_path"], "init_args": dict(task.get("init_args") or {})}
     else:
         task = None
-    dtype = model.get("dtype")
-    return task, dtype if isinstance(dtype, str) else None
+    dtype, base = model.get("dtype"), model.get("model")
+    return task, dtype if isinstance(dtype, str) else None, base if isinstance(base, str) and base else None
+
+
+def locate_base(base: str, spec: str) -> str:
+    """A base model path as a run names it, found from ``spec`` (a run's checkpoint or export): a relative path is
+    read from where the fit ran, and a run directory sits below that (save_dir/name/version)."""
+    if base.startswith("builtin:") or Path(base).is_absolute() or Path(base).expanduser().exists():
+        return base
+    found = next((a / base for a in Path(spec).resolve().parents if (a / base / "config.json").is_file()), None)
+    return str(found) if found is not None else base
 
 
 def load_model(spec: str, dtype: str | torch.dtype | None = None, trust_remote_code: bool = False,
@@ -292,11 +309,7 @@ def _load_model(spec: str, dtype: str | torch.dtype | None, trust_remote_code: b
                            stored_dtype=stored_dtype(spec), trust_remote_code=trust_remote_code)
     checkpoint = read_checkpoint(spec)
     hparams = dict(checkpoint["hyper_parameters"])
-    base = str(hparams["model"])
-    if not base.startswith("builtin:") and not Path(base).is_absolute() and not Path(base).expanduser().exists():
-        # a relative base path is read from where the fit ran; a run directory sits below that (save_dir/name/version)
-        found = next((a / base for a in Path(spec).resolve().parents if (a / base / "config.json").is_file()), None)
-        base = str(found) if found is not None else base
+    base = locate_base(str(hparams["model"]), spec)
     trust_remote_code = trust_remote_code or bool(hparams.get("trust_remote_code", False))
     try:
         policy = load_policy(

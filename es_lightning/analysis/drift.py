@@ -294,7 +294,8 @@ def drift_command(
 
     Args:
         tuned: the tuned model: a .ckpt of an es-lightning run, an exported HF directory, a hub id or builtin:<name>.
-        base: the model it started from (default: a .ckpt's 'model' hyperparameter).
+        base: the model it started from (default: a .ckpt's 'model' hyperparameter, or the model the config.yaml of
+            a run's export/ names).
         taus: the τ grid of the sparsity s_τ = fraction of weights with |Δθ| <= τ (default 0, 1e-7, ..., 1e-2).
         dtype: load both models in this dtype (default: the tuned model in a .ckpt's own, else float32; the base in
             the dtype the tuned weights are stored in, as the run started from it). Δθ is measured in float64, so
@@ -392,9 +393,17 @@ def _same_source(a: str, b: str) -> bool | None:
 
 
 def _base_of(loaded, analysis: str) -> str:
-    if loaded.base is None:
+    """The model ``loaded`` was trained from, when ``--base`` is not given: a ``.ckpt``'s ``model`` hyperparameter, or
+    the model a run's ``config.yaml`` (beside its ``export/``) names, as ``es-lightning eval`` reads that run's task."""
+    if loaded.base is not None:
+        return loaded.base
+    from es_lightning.analysis.checkpoints import trained_with
+
+    run = trained_with(loaded.spec)
+    if run.base is None:
         raise ValueError(
-            f"{analysis}: {loaded.spec!r} is not a .ckpt, so its base model is unknown; pass --base (the model it was "
-            "trained from, e.g. builtin:countdown-tiny)"
+            f"{analysis}: {loaded.spec!r} is neither a .ckpt nor a run's export/ beside its config.yaml, so its base "
+            "model is unknown; pass --base (the model it was trained from, e.g. --base builtin:countdown-tiny)"
         )
-    return loaded.base
+    print(f"base model {run.base}, as {run.base_source} names it (--base to choose another)")
+    return run.base

@@ -119,7 +119,8 @@ def forgetting_command(
 
     Args:
         tuned: the tuned model: a .ckpt of an es-lightning run, an exported HF directory, a hub id or builtin:<name>.
-        base: the model it started from (default: a .ckpt's 'model' hyperparameter).
+        base: the model it started from (default: a .ckpt's 'model' hyperparameter, or the model the config.yaml of
+            a run's export/ names).
         tasks: the held-out suite (default: the built-in procedural addition and sort).
         training_task: the task it was trained on, evaluated as a reference row (null to skip); default: the task the
             checkpoint (or a run's export/) records, else countdown (``auto``).
