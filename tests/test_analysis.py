@@ -461,6 +461,22 @@ def test_the_analyses_of_a_runs_export_take_its_base_from_the_runs_config(tmp_pa
             command(tuned=str(alone), out_dir="x", plot=False)
 
 
+def test_forgetting_of_a_run_trained_on_a_suite_task_names_the_suite_to_give(tmp_path, monkeypatch):
+    """`analyze forgetting` of a checkpoint trained on addition (a task of the default held-out suite) was refused
+    without the way out; the line names the suite without it (`--tasks sort`), which then measures forgetting."""
+    monkeypatch.chdir(tmp_path)
+    ckpt = str(_fit_a_run(BUILTIN, "--data.init_args.task", "es_lightning.AdditionTask", "--trainer.callbacks",
+                          "[{class_path: es_lightning.RunCheckpoint}]") / "checkpoints" / "last.ckpt")
+    with pytest.raises(ValueError, match=r"contains the training task 'addition'; forgetting is measured on other tasks: "
+                                         r"give --tasks sort \("):
+        forgetting_command(tuned=ckpt, out_dir="f", plot=False)
+    with pytest.raises(ValueError, match=r"give other tasks, e\.g\. --tasks sort \("):
+        forgetting_command(tuned=ckpt, tasks=["addition"], out_dir="f", plot=False)
+    report = forgetting_command(tuned=ckpt, tasks=["sort"], eval=EvalSettings(num_problems=1, num_samples=1),
+                                out_dir="f", plot=False, progress=False)
+    assert report.training_task == "addition" and report.suite == ["sort"]
+
+
 def test_drift_of_a_bf16_runs_export_takes_its_relative_base_from_the_runs_config(qwen_like_small_dir, tmp_path,
                                                                                    monkeypatch, capsys):
     """The Qwen-like fixture fitted in bf16 from a relative path (as the run's config.yaml records it): `analyze drift`

@@ -95,9 +95,12 @@ def _suite(tasks: Sequence[str], training_task: str | None, tuned: str) -> tuple
         training_task = recorded_task(trained_with(tuned))
     trained = get_task(training_task).name if training_task else None
     if trained in suite:
+        others = [t for t, name in zip(tasks, suite) if name != trained]
+        fix = (f"--tasks {' '.join(others)}" if others else
+               f"other tasks, e.g. --tasks {' '.join(t for t in DEFAULT_SUITE if t != trained) or 'countdown'}")
         raise ValueError(
-            f"the held-out suite {suite} contains the training task {trained!r}; forgetting is measured on other tasks "
-            "(the training task is added as a reference row by --training_task)"
+            f"the held-out suite {suite} contains the training task {trained!r}; forgetting is measured on other tasks: "
+            f"give {fix} (the training task is added as a reference row by --training_task)"
         )
     if not suite:
         raise ValueError("the held-out suite is empty; name tasks other than the training task, e.g. --tasks addition sort")
