@@ -149,6 +149,16 @@ class Algorithm(ABC):
         after the first stage has trained."""
         return None
 
+    def warn_once(self, key: str, message: str) -> None:
+        """``rank_zero_warn(message)`` the first time ``key`` comes up in this algorithm object's life (a fit, or a
+        stage of one): a condition worth a word, not one per step."""
+        said = self.__dict__.setdefault("_warned", set())
+        if key not in said:
+            said.add(key)
+            from lightning.pytorch.utilities import rank_zero_warn
+
+            rank_zero_warn(message)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.settings!r})"
 

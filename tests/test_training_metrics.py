@@ -7,6 +7,8 @@ the step, and the test recomputes mean length, clipped ratio, token entropy and 
 from __future__ import annotations
 
 import csv
+import re
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -52,11 +54,12 @@ class _Spy:
         return rollout
 
 
-def _module(kind, model_dir, **kw):
+def _module(kind, model_dir, task=None, **kw):
+    task = task or _CharSum()
     if kind == "es":
-        return ESModule(model=model_dir, task=_CharSum(), population_size=4, sigma=0.05, lr=0.01, max_new_tokens=6,
+        return ESModule(model=model_dir, task=task, population_size=4, sigma=0.05, lr=0.01, max_new_tokens=6,
                         temperature=1.0, **kw)
-    return GRPOModule(model=model_dir, task=_CharSum(), group_size=2, lr=1e-3, beta=0.05, max_new_tokens=6, **kw)
+    return GRPOModule(model=model_dir, task=task, group_size=2, lr=1e-3, beta=0.05, max_new_tokens=6, **kw)
 
 
 def _dm():
@@ -137,3 +140,50 @@ def test_device_time_waits_for_cuda_work(monkeypatch):
     assert calls == []
     after = device_time(torch.device("cuda", 1))
     assert calls == [torch.device("cuda", 1)] and after >= before
+
+
+class _Constant(CountdownTask):
+    """Every completion scores 0.5: no member or completion can be told apart."""
+
+    def reward(self, completions, examples):
+        return [0.5] * len(completions)
+
+
+@pytest.mark.parametrize(("kind", "model", "task", "scored"), [
+    ("es", "builtin", _Constant(), "all scored 0.5"),  # the built-in model, a reward all-equal
+    ("es", "qwen_like", CountdownTask(use_chat_template=True), "all scored 0"),  # an untrained model never solves it
+    ("grpo", "builtin", _Constant(), r"scored the same reward \(all 0.5\)"),
+    ("grpo", "qwen_like", CountdownTask(use_chat_template=True), r"scored the same reward \(all 0\)"),
+])
+def test_a_step_whose_rewards_are_all_equal_warns_once_that_its_update_is_zero(kind, model, task, scored,
+                                                                                 qwen_like_small_dir):
+    """Every member (ES) or every group's completions (GRPO) scoring one reward makes a zero update: a fit of such
+    steps learned nothing without a word (only frac_reward_zero_std = 1.0 said so). One warning, after the first such
+    step, names it and the fixes; the weights are indeed unchanged (checked by hand), and a fit whose rewards differ
+    says nothing."""
+    path = "builtin:countdown-tiny" if model == "builtin" else qwen_like_small_dir
+    module = _module(kind, path, task)
+    module.configure_model()
+    before = {n: p.detach().clone() for n, p in module.model.named_parameters()}
+    trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False, limit_val_batches=0,
+                        enable_progress_bar=False, enable_model_summary=False)
+    with pytest.warns(UserWarning) as caught:
+        trainer.fit(module, _dm())
+    said = [str(w.message) for w in caught if "update is zero" in str(w.message)]
+    name, who = ("ES", "4 population members") if kind == "es" else ("GRPO", "2 completions of every group")
+    assert len(said) == 1, said  # once, not once a step
+    assert re.match(rf"{name} step 0: the {who} {scored}", said[0]), said[0]
+    assert kind == "es" or "(only the beta=0.05 term moves the weights)" in said[0]
+    assert "frac_reward_zero_std is 1.0" in said[0] and "format_reward" in said[0]
+    assert ("larger sigma" if kind == "es" else "larger group_size") in said[0]
+    assert float(trainer.logged_metrics["train/frac_reward_zero_std"]) == 1.0
+    assert float(trainer.logged_metrics["train/reward_std"]) == 0.0
+    assert trainer.global_step == 2 and all(torch.equal(p, before[n]) for n, p in module.model.named_parameters())
+
+    module = _module(kind, "builtin:countdown-tiny")  # rewards that differ: not a word
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False, limit_val_batches=0,
+                        enable_progress_bar=False, enable_model_summary=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, _dm())
+    assert not [w for w in caught if "update is zero" in str(w.message)]

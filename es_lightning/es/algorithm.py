@@ -143,6 +143,8 @@ class ESAlgorithm(Algorithm):
         scores = self.evaluator.evaluate(module, examples, step, members)
         t0 = time.perf_counter()
         weights, stats = self.member_weights(scores.rewards, step)
+        if stats["zero_std"] == 1.0:
+            self.warn_flat(scores.rewards, step, len(examples))
         update_norm = self.update(module, step, weights, scores.noise_cache)
         self.evaluator.after_update(module, step, members, weights)  # e.g. the same update inside a vLLM engine
         blocks = self.success_blocks(scores.success)  # [N/G, B/G] per group: who saw what
@@ -186,6 +188,21 @@ class ESAlgorithm(Algorithm):
             flat += int(ok.numel() < 2 or bool((r == r[0]).all()))
         stats = {"zero_std": flat / len(groups), "max": float(kept.max()), "min": float(kept.min())}
         return weights, stats
+
+    def warn_flat(self, rewards: torch.Tensor, step: int, prompts: int) -> None:
+        """Once a fit: a step whose members all scored the same (within each prompt group) made a zero update; a run
+        of such steps learns nothing, and only ``train/frac_reward_zero_std`` (1.0) would say so."""
+        s = self.settings
+        kept = rewards[torch.isfinite(rewards)]
+        values = sorted({float(r) for r in kept.tolist()})
+        scored = (f"all scored {values[0]:g}" if len(values) == 1 else
+                  f"scored the same within each of the {s.prompt_groups} prompt groups")
+        self.warn_once("flat", (
+            f"ES step {step}: the {kept.numel()} population members {scored} on the step's {prompts} prompts, so the "
+            "normalised rewards are all 0 and the update is zero (train/frac_reward_zero_std is 1.0; a fit of such steps "
+            "learns nothing). Give the members something to tell them apart: more prompts per step (data.batch_size) "
+            "or samples_per_member (at temperature > 0), a larger sigma (now "
+            f"{s.sigma:g}), an easier task or a shaped reward (e.g. the task's format_reward for a well-formed answer)"))
 
     def success_blocks(self, success: torch.Tensor) -> list[torch.Tensor]:
         """The ``[N/G, B/G]`` blocks of a step's ``[N, B]`` success matrix that were observed: group g's members on

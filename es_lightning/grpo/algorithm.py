@@ -193,10 +193,11 @@ class GRPOAlgorithm(Algorithm):
         t3 = device_time(module.device)  # the last backward and optimizer step may still be running on a GPU
 
         kept_cpu = kept.cpu()
+        flat_rows = torch.isclose(group_std, torch.zeros_like(group_std)).cpu()[kept_cpu]  # [kept rows]
+        self._warn_flat(module, flat_rows, scores.rewards[kept_cpu], step)
         module.log_step(StepMetrics(
             rewards=torch.where(kept_cpu, scores.rewards, torch.full_like(scores.rewards, float("nan"))),
-            frac_reward_zero_std=float(torch.isclose(group_std, torch.zeros_like(group_std)).cpu()[kept_cpu]
-                                       .to(torch.float32).mean()),
+            frac_reward_zero_std=float(flat_rows.to(torch.float32).mean()),
             accuracy=float(scores.correct[kept_cpu].to(torch.float32).mean()),
             mean_length=float(rollout.completion_lengths.to(torch.float32).mean()),
             clipped_ratio=float(rollout.truncated.to(torch.float32).mean()),
@@ -205,6 +206,34 @@ class GRPOAlgorithm(Algorithm):
             times={"generate": t1 - t0, "score": t2 - t1, "update": t3 - t2},
             extra=stats,
         ))
+
+    def _warn_flat(self, module: ReasoningModule, flat_rows: Tensor, rewards: Tensor, step: int) -> None:
+        """Once a fit: a step whose every group (of every rank) scored one reward within the group has advantages all 0,
+        so its policy-gradient update is zero; a run of such steps learns nothing, and only
+        ``train/frac_reward_zero_std`` (1.0) would say so. ``flat_rows`` [kept rows]: whether the row's group is flat."""
+        if "flat" in self.__dict__.get("_warned", ()):
+            return
+        flat = bool(flat_rows.all())
+        trainer = module._trainer
+        if trainer is not None and trainer.world_size > 1:  # every rank decides alike (a collective on each of them)
+            uneven = torch.tensor([0.0 if flat else 1.0], dtype=torch.float64, device=module.device)
+            flat = float(trainer.strategy.reduce(uneven, reduce_op="sum")) == 0.0
+        if not flat:
+            return
+        s = self.settings
+        values = sorted({float(r) for r in rewards.tolist()})
+        scored = f"all {values[0]:g}" if len(values) == 1 else "one value per group"
+        others = [f"{name}={value:g}" for name, value in (("beta", s.beta), ("entropy_coef", s.entropy_coef),
+                                                          ("weight_decay", s.weight_decay)) if value]
+        self.warn_once("flat", (
+            f"GRPO step {step}: the {s.group_size} completions of every group scored the same reward ({scored}), so "
+            "every advantage is 0 and the policy-gradient update is zero"
+            + (f" (only the {' and '.join(others)} term{'s move' if len(others) > 1 else ' moves'} the weights)"
+               if others else "")
+            + " (train/frac_reward_zero_std is 1.0; a fit of such steps learns nothing). Give the groups something to "
+            "tell apart: a larger group_size, a higher temperature (now "
+            f"{module.sampling.temperature:g}), an easier task or a shaped reward (e.g. the task's format_reward for a "
+            "well-formed answer)"))
 
     def _kept_rows(self, module: ReasoningModule, finite: Tensor, step: int) -> Tensor:
         """Rows whose whole group has finite rewards; stop when no rank has any such group."""
