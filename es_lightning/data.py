@@ -198,7 +198,10 @@ class ReasoningDataModule(L.LightningDataModule):
         batch_size: prompts per training step (ES: prompts shared by the whole population; GRPO: groups per step).
         val_batch_size: prompts per validation step.
         seed: seeds generation, shuffling and carving.
-        num_workers: DataLoader workers (0 is right for in-memory prompt lists).
+        num_workers: DataLoader workers of the val/test loaders (0 is right for in-memory prompt lists). The training
+            stream is read in the main process: a batch is a slice of the in-memory rows (no work for a worker), and
+            its position is the trainer's batch count, read when iteration starts, so that a resumed run draws
+            bit for bit the batches an uninterrupted one would; a fit with ``num_workers > 0`` is refused in one line.
         drop_invalid_rows: a dataset's rows the task refuses (``Task.preprocess`` raises ``ValueError``: a MATH row
             without an answer, a GSM8K row without ``#### <number>``) are dropped before the rows are drawn (every
             row of the splits read is read: the sizes hold), with one warning per split naming how many. By default
@@ -253,7 +256,16 @@ class ReasoningDataModule(L.LightningDataModule):
                 raise ValueError(f"{name} must be >= 0 (0: no {name[:-5]} problems; null: all rows), got {value}")
 
     # ------------------------------------------------------------------ loading
+    def _check_train_workers(self) -> None:
+        """Refuse ``num_workers > 0`` for training (it was accepted and ignored: the stream never ran in workers)."""
+        if self.num_workers:
+            raise ValueError(f"data.num_workers={self.num_workers}: the training stream is read in the main process (a "
+                             "batch is a slice of the in-memory rows, positioned at the trainer's batch count for an "
+                             "exact resume), so workers would only copy it; set data.num_workers: 0")
+
     def setup(self, stage: str | None = None) -> None:
+        if stage == "fit":  # before the sanity check's validation: refused before any generation
+            self._check_train_workers()
         if self.splits:
             return
         if self.source == "procedural":
@@ -602,6 +614,7 @@ class ReasoningDataModule(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         """A resumable stream of batches (see :class:`EpochBatches`), positioned at the trainer's batch count (at the
         start every epoch under ``overfit_batches``, which trains on the same first batches)."""
+        self._check_train_workers()
         if not self.splits:
             self.setup()
         trainer = self.trainer

@@ -557,3 +557,21 @@ def test_a_carved_train_split_is_read_once_and_dropping_reads_every_row_once(tmp
     clean = ReasoningDataModule("gsm8k", source=str(tmp_path / "clean.jsonl"), **settings)
     clean.setup()
     assert dm.splits == clean.splits and len(dm.splits["train"]) == 16
+
+
+def test_num_workers_is_refused_for_training_and_kept_for_validation():
+    """``num_workers: 2`` was accepted and ignored by the training loader (its stream always ran in the main process);
+    a fit now refuses it in one line at setup, before any generation; validation alone still uses the workers."""
+    import lightning as L
+
+    from es_lightning import ESModule
+
+    dm = ReasoningDataModule(num_workers=2, train_size=16, val_size=4, test_size=4, batch_size=2)
+    module = ESModule(model="builtin:countdown-tiny", population_size=2, max_new_tokens=2)
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(ValueError, match=r"^data.num_workers=2: the training stream is read in the main process .* set "
+                                         r"data.num_workers: 0$"):
+        trainer.fit(module, dm)
+    assert trainer.global_step == 0
+    assert dm.val_dataloader().num_workers == 2
