@@ -493,11 +493,14 @@ class ReasoningDataModule(L.LightningDataModule):
         """``ds`` (a split of the source) with ``column_mapping`` applied and the task's columns checked: one line
         naming a mapped column that is absent, or a task column that is missing, and the option that fixes it
         (``fix(missing, a_column_it_has)``: the hint, by default ``data.column_mapping``'s)."""
+        suggested = self._suggest_mapping(ds.column_names)
         if self.column_mapping:
             missing = [c for c in self.column_mapping if c not in ds.column_names]
             if missing:
                 raise ValueError(
-                    f"data.column_mapping renames {missing}, but the {split} split has columns {ds.column_names}"
+                    f"data.column_mapping renames {missing}, but the {split} split has columns {ds.column_names} (task "
+                    f"{self.task.name!r} reads {list(self.task.required_columns)}); map the file's own columns, e.g. "
+                    f"column_mapping: {suggested}"
                 )
             targets = list(self.column_mapping.values())
             twice = sorted({t for t in targets if targets.count(t) > 1})
@@ -520,7 +523,8 @@ class ReasoningDataModule(L.LightningDataModule):
         # a column the hint may propose to rename: not chat turns, not already one the task reads
         others = [c for c in ds.column_names if c not in chat and c not in self.task.required_columns]
         example = others[0] if others else "your_column"
-        fix = fix or (lambda missing, have: f"Map them with data.column_mapping, e.g. column_mapping: {{{have}: {missing[0]}}}")
+        fix = fix or (lambda missing, have: "Map them with data.column_mapping, e.g. column_mapping: " + (
+            suggested if self.column_mapping else f"{{{have}: {missing[0]}}}"))  # a mapping given: the whole of it
         chat_fix = f"{chat} hold chat messages (role/content turns): {CHAT_FIX}"
         lacking = set(self.task.required_columns) - set(ds.column_names)
         nested = [c for c, fields in nested_rows(ds).items() if lacking and lacking <= set(fields)]
@@ -532,6 +536,24 @@ class ReasoningDataModule(L.LightningDataModule):
         check_columns(ds, self.task, f"data.source {self.source!r}", split, lambda missing: (
             f"Its {chat_fix}" if chat and not others else fix(missing, example) + (f"; its {chat_fix}" if chat else "")))
         return ds
+
+    def _suggest_mapping(self, columns: list[str]) -> str:
+        """The whole ``column_mapping`` to give over a split with ``columns`` (as a user writes it): the given entries
+        that rename a column the split has to one the task reads (one written the wrong way round, turned), then each
+        column the task reads that is still missing from a column not used yet (the given sources first)."""
+        required = self.task.required_columns
+        mapping: dict[str, str] = {}
+        for source, target in self.column_mapping.items():
+            if source in columns and target in required and target not in mapping.values():
+                mapping[source] = target
+            elif target in columns and source in required and source not in mapping.values():
+                mapping[target] = source  # {question: q} for a file with q: the wrong way round
+        needed = [t for t in required if t not in mapping.values() and t not in columns]
+        spare = [c for c in columns if c not in mapping and c not in required]
+        spare = [c for c in self.column_mapping if c in spare] + [c for c in spare if c not in self.column_mapping]
+        mapping.update(zip(spare, needed))
+        ordered = sorted(mapping.items(), key=lambda item: required.index(item[1]))  # in the task's order
+        return "{" + ", ".join(f"{c}: {t}" for c, t in ordered) + "}"
 
     # ------------------------------------------------------------------ loaders
     def _loader(self, split: str, batch_size: int, shuffle: bool) -> DataLoader:

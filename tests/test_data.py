@@ -575,3 +575,29 @@ def test_num_workers_is_refused_for_training_and_kept_for_validation():
         trainer.fit(module, dm)
     assert trainer.global_step == 0
     assert dm.val_dataloader().num_workers == 2
+
+
+@pytest.mark.parametrize("mapping", [
+    {"qq": "question", "sol": "answer"},  # a source column the file lacks
+    {"q": "question", "sol": "solution"},  # a target the task does not read
+    {"q": "question"},  # a column left unmapped
+    {"q": "questions", "sol": "answer"},  # a target misspelt
+    {"question": "q", "answer": "sol"},  # written the wrong way round
+])
+def test_a_wrong_column_mapping_names_the_whole_mapping_that_reads_the_file(tmp_path, mapping):
+    """A wrong ``column_mapping`` was refused without a fix (a source column the file lacks), or with one that failed
+    in turn (``{solution: answer}`` for a column only the user's mapping had made; ``{questions: question}``): the
+    refusal names the task's columns and a whole mapping of the file's own columns, and that mapping reads the file."""
+    import re
+
+    _write_jsonl(tmp_path / "g.jsonl", [{"q": f"What is {i}+1?", "sol": f"#### {i + 1}", "extra": 1} for i in range(12)])
+    settings = dict(task="gsm8k", source=str(tmp_path / "g.jsonl"), val_size=2, test_size=2, train_size=None)
+    with pytest.raises(ValueError) as refused:
+        ReasoningDataModule(**settings, column_mapping=mapping).setup()
+    message = str(refused.value)
+    assert "\n" not in message and message.endswith("column_mapping: {q: question, sol: answer}"), message
+    given = dict(pair.split(": ") for pair in re.search(r"\{(.*)\}$", message).group(1).split(", "))
+    dm = ReasoningDataModule(**settings, column_mapping=given)
+    dm.setup()
+    assert sorted(e["answer"] for e in dm.splits["train"] + dm.splits["val"] + dm.splits["test"])[:2] == ["#### 1",
+                                                                                                          "#### 10"]
