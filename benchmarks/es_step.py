@@ -402,8 +402,9 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=at_least(1), default=16)
     parser.add_argument("--steps", type=at_least(2), default=None,
                         help="timed steps per variant (the first is a warm-up; default 3); --lowrank: see --rounds")
-    parser.add_argument("--members-per-batch", type=at_least(0), default=0,
-                        help="ESModule(members_per_batch=...) for (a); 0 = the whole population in one batch")
+    parser.add_argument("--members-per-batch", type=at_least(0), default=None,
+                        help="ESModule(members_per_batch=...) for (a); 0 = the whole population in one batch (default); "
+                             "--lowrank: see --modes")
     parser.add_argument("--threads", type=at_least(1), default=1,
                         help="torch threads per variant (1: steadier figures on a shared machine)")
     parser.add_argument("--variant", choices=sorted(VARIANTS))
@@ -430,7 +431,11 @@ def main() -> None:
             parser.error(f"{option}: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(known)}")
     if args.lowrank and args.steps is not None:  # it was ignored: the table's steps per mode are --rounds
         parser.error("--steps: not a --lowrank setting; its timed steps per mode are --rounds (default 5)")
+    if args.lowrank and args.members_per_batch is not None:  # it was ignored: each mode fixes its own
+        parser.error("--members-per-batch: not a --lowrank setting; each mode fixes it ((l), (a): the whole population, "
+                     "(a1): one member); choose modes with --modes")
     args.steps = args.steps or 3
+    args.members_per_batch = args.members_per_batch or 0
     if args.variant:
         import torch
 

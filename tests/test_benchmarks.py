@@ -66,6 +66,7 @@ def test_grpo_vs_trl_side_that_fails_ends_the_benchmark():
     ("es_step.py", ["--lowrank", "--lowrank-models", "qwen"], "--lowrank-models: unknown 'qwen'"),
     ("es_step.py", ["--lowrank", "--modes", "l,b"], "--modes: unknown 'b'"),
     ("es_step.py", ["--lowrank", "--steps", "9"], "--steps: not a --lowrank setting; its timed steps per mode are --rounds"),
+    ("es_step.py", ["--lowrank", "--members-per-batch", "1"], "--members-per-batch: not a --lowrank setting; each mode fixes it"),
     ("es_scaling.py", ["--steps", "0"], "argument --steps: must be at least 1, got 0"),
     ("generate_overhead.py", ["--rounds", "0"], "argument --rounds: must be at least 1, got 0"),
     ("grpo_memory.py", ["--rounds", "0"], "argument --rounds: must be at least 1, got 0"),
