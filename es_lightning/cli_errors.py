@@ -1047,13 +1047,16 @@ def _with_location(exc: BaseException, name_owner: bool = True) -> str:
 
 
 def _at(section: str, class_path: str, cls, message: str, argv: Sequence[str]) -> str:
-    """``--option: message`` or ``file:line: key: message`` for the option of ``cls`` the message names first."""
+    """``--option: message`` or ``file:line: key: message`` for the option of ``cls`` the message names first — but
+    one given on the command line before any other: a refused combination (``gradient_checkpointing: true needs
+    share_prompt_prefix: false``) of a recipe's line and an option added to it is the option's doing."""
     positions = {o: m.start() for o in accepted_options(cls) if (m := re.search(rf"\b{re.escape(o)}\b", message))}
     if not positions:
         return f"{section.removesuffix('.init_args')} ({class_path}): {message}"
-    named = min(positions, key=lambda o: (positions[o], -len(o)))
-    key = f"{section}.{named}"
-    found = locate(key, argv, class_path)
-    if found and found.startswith("--"):
-        return f"{found}: {message}"
-    return f"{found + ': ' if found else ''}{key}: {message}"
+    named = sorted(positions, key=lambda o: (positions[o], -len(o)))
+    where = {o: locate(f"{section}.{o}", argv, class_path) for o in named}
+    given = [o for o in named if (where[o] or "").startswith("--")]
+    if given:
+        return f"{where[given[0]]}: {message}"
+    found = where[named[0]]
+    return f"{found + ': ' if found else ''}{section}.{named[0]}: {message}"

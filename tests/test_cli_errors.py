@@ -555,6 +555,30 @@ def test_an_option_of_another_callback_given_on_the_command_line_names_that_entr
     assert "has no option 'num_smples' (it accepts: dirpath, every_n_train_steps, keep_files)" in err, err
 
 
+def test_a_refused_combination_names_the_option_given_on_the_command_line(tmp_path, capsys):
+    """`--model.init_args.share_prompt_prefix true` added to a recipe with `gradient_checkpointing: true` was blamed on
+    the recipe's gradient_checkpointing line (the option the message names first); the option given on the command line
+    is named. Where both settings are the file's, the line is still the file's."""
+    from es_lightning.cli import cli_main
+
+    recipe = RECIPES / "qwen2.5-1.5b-instruct" / "gsm8k" / "grpo.yaml"
+    refusal = "gradient_checkpointing: true needs share_prompt_prefix: false"
+    with pytest.raises(SystemExit) as exit:
+        cli_main(["fit", "--config", str(recipe), "--model.init_args.share_prompt_prefix", "true"])
+    err = [ln for ln in capsys.readouterr().err.splitlines() if not ln.endswith("Seed set to 0")]
+    assert exit.value.code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"es-lightning: error: --model.init_args.share_prompt_prefix: {refusal}"), err
+    text = recipe.read_text()
+    copy = tmp_path / "grpo.yaml"
+    copy.write_text(text.replace("share_prompt_prefix: false", "share_prompt_prefix: true "))
+    line = text.splitlines().index(next(ln for ln in text.splitlines() if "gradient_checkpointing: true" in ln)) + 1
+    with pytest.raises(SystemExit) as exit:
+        cli_main(["fit", "--config", str(copy)])
+    err = capsys.readouterr().err.splitlines()[-1]
+    where = f"{copy}:{line}: model.init_args.gradient_checkpointing"
+    assert exit.value.code == 2 and err.startswith(f"es-lightning: error: {where}: {refusal}"), err
+
+
 def test_a_model_fragment_stacked_before_the_recipe_says_to_stack_it_after(capsys):
     """configs/generation/hf.yaml stacked before the recipe used to end in "lightning.LightningModule has no option
     'generation_backend' (it accepts: )" — no fix; the line says that no model class is chosen yet and how to order the
