@@ -244,8 +244,9 @@ def _refused(module, match, precision="32-true", callbacks=(), batch_size=2):
 def test_a_dtype_the_device_cannot_run_is_refused_before_any_step(kind, tiny_model_dir):
     _refused(_module(kind, tiny_model_dir, dtype="float16"), "use dtype: bfloat16 with trainer.precision: bf16-true")
     # the trainer's precision made the weights float16, not the module's dtype: the message names the precision
-    _refused(_module(kind, tiny_model_dir), "trainer.precision 16-true computes in float16: .* use trainer.precision "
-             "bf16-true or 32-true", precision="16-true")
+    # from a script it speaks in Trainer(...) calls (the command's form, `trainer.precision`: tests/test_cli_errors.py)
+    _refused(_module(kind, tiny_model_dir), r"^Trainer\(precision='16-true'\) computes in float16: .* use "
+             r"Trainer\(precision='bf16-true'\) or Trainer\(precision='32-true'\)$", precision="16-true")
 
 
 @pytest.mark.parametrize("kind", ["es", "grpo"])

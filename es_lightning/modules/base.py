@@ -323,12 +323,16 @@ class ReasoningModule(L.LightningModule):
                 check_device_dtype(self.device, dtype)
             except ValueError as err:
                 if dtype == computes and dtype != configured:
-                    from es_lightning.cli_errors import SettingError  # the trainer's setting, not the module's dtype
+                    from es_lightning.cli_errors import SettingError, remembered_argv  # the trainer's setting
 
-                    other = ("bf16-true or 32-true" if dtype == torch.float16 else
-                             "16-true or 32-true" if self.device.type == "cuda" else "32-true")
-                    raise SettingError(f"trainer.precision {precision} computes in {str(dtype).removeprefix('torch.')}: "
-                                    f"{str(err).split(';', 1)[0]}; use trainer.precision {other}") from err
+                    other = (["bf16-true", "32-true"] if dtype == torch.float16 else
+                             ["16-true", "32-true"] if self.device.type == "cuda" else ["32-true"])
+                    why = f"computes in {str(dtype).removeprefix('torch.')}: {str(err).split(';', 1)[0]}"
+                    if remembered_argv():  # the command: its option / YAML key
+                        raise SettingError(f"trainer.precision {precision} {why}; use trainer.precision "
+                                           f"{' or '.join(other)}") from err
+                    raise SettingError(f"Trainer(precision={precision!r}) {why}; use "  # a script: its call
+                                       + " or ".join(f"Trainer(precision={o!r})" for o in other)) from err
                 raise
 
     # ------------------------------------------------------------------ rollouts and scoring
