@@ -260,3 +260,37 @@ def tiny_architecture(model_type: str, path: Path, **overrides) -> str:
         AutoModelForCausalLM.from_config(config).save_pretrained(path)
     build_qwen_like_tokenizer(1024).save_pretrained(path)
     return str(path)
+
+
+def no_room_boundary(module, generate) -> dict[int, tuple[bool, bool]]:
+    """Around the prompt limit of ``module`` (its model's positions, or its vLLM ``max_model_len`` where lower): for
+    GSM8K problems whose prompt as rendered (chat template included) has limit - 2 ... limit + 1 tokens, whether the
+    check of a fit's rows (``module.refuse_overlong_examples``) and the generator (``generate(prompts)``) refuse it,
+    as ``{tokens: (fit refuses, generator refuses)}``. A problem grows a character at a time until every length is met
+    (a character may add more than one token: a length it skips is left out)."""
+    from es_lightning.generation.config import prompt_limit
+    from es_lightning.policy import prompt_token_counts
+
+    options = module.engine_options() if module.generation_backend == "vllm" else {}
+    limit = prompt_limit(module.policy.model.config, options.get("max_model_len"))
+    filler = "1234567890" * limit  # one token a digit in both tokenizers
+    found: dict[int, dict] = {}
+    for end in range(len(filler)):
+        row = {"question": "Add: " + filler[:end], "answer": "#### 3"}
+        tokens = prompt_token_counts(module.policy.tokenizer, module.prompts([row]))[0]
+        if limit - 2 <= tokens <= limit + 1:
+            found.setdefault(tokens, row)
+        if tokens > limit + 1:
+            break
+
+    def refuses(call, *args) -> bool:
+        try:
+            call(*args)
+        except ValueError as err:
+            assert "no room for a completion" in str(err), err
+            return True
+        return False
+
+    return {tokens: (refuses(module.refuse_overlong_examples, [row], "train prompts", int, str),
+                     refuses(generate, module.prompts([row])))
+            for tokens, row in sorted(found.items())}

@@ -231,6 +231,31 @@ def test_a_prompt_with_no_room_for_a_completion_is_refused_in_one_line(tiny_mode
         gen.generate(["a:1+2="], 1, params)  # the short prompts of the refused batch generate
 
 
+def test_a_fits_row_check_and_the_generator_refuse_the_same_prompt_lengths(qwen_like_small_dir, tmp_path):
+    """The check of a fit's rows at its start and the transformers generator's of each batch refuse from the same
+    prompt length on, a prompt of limit - 1 tokens generating in both: the built-in model (128 positions, no chat
+    template) and the Qwen-like fixture with its chat template (96 positions here): neither lets through what the
+    other refuses (a fit passing its start check, then stopped mid-run)."""
+    import json
+    import shutil
+    from functools import partial
+
+    from es_helpers import no_room_boundary
+
+    from es_lightning.modules.base import ReasoningModule
+
+    model = tmp_path / "qwen-like-96"
+    shutil.copytree(qwen_like_small_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 96}))
+    params = SamplingParams(max_new_tokens=1, temperature=0.0)
+    for name, limit in (("builtin:countdown-tiny", 128), (str(model), 96)):
+        module = ReasoningModule(model=name, task="gsm8k", max_new_tokens=1)
+        seen = no_room_boundary(module, partial(module.generator.generate, num_samples=1, params=params))
+        assert {limit - 1, limit} <= set(seen), (name, seen)
+        assert seen == {n: (n >= limit, n >= limit) for n in seen}, (name, seen)
+
+
 def test_the_command_says_a_generation_past_the_positions_once(qwen_like_small_dir, tmp_path, caplog, recwarn):
     """`es-lightning eval` of a Qwen-like model of 64 positions with max_new_tokens 80: the generator's warning (with
     the max_new_tokens that fits) is the one line about it; transformers' "This is a friendly reminder - the current

@@ -112,6 +112,24 @@ def position_limit(config) -> int | None:
     return limit if isinstance(limit, int) and not isinstance(limit, bool) and not _rope_scaled(rope) else None
 
 
+def prompt_limit(config, max_model_len: int | None = None) -> int | None:
+    """The prompt length (tokens) from which no completion token fits: the model's positions (:func:`position_limit`),
+    or a vLLM engine's ``max_model_len`` where it is lower; ``None`` where neither is known.
+
+    The one rule of the three checks that refuse such a prompt, so that none lets through what another refuses (a fit
+    that passed its start check then stopped mid-run): a fit's rows at its start and an evaluation's problems
+    (:meth:`~es_lightning.modules.base.ReasoningModule.refuse_overlong_examples`, with ``generation_options``'
+    ``max_model_len``), and each batch in the transformers and vLLM generators
+    (:func:`~es_lightning.generation.base.refuse_overlong_prompts`; the engine's own ``max_model_len``). An engine takes
+    no more than the positions (``VLLMGenerator`` caps a longer ``max_model_len``). All three count the prompt as
+    rendered (chat template included) and encoded (:func:`~es_lightning.policy.prompt_token_counts`);
+    ``max_new_tokens`` is no part of it: a completion cut short by the limit is each generator's warning."""
+    positions = position_limit(config)
+    if max_model_len is not None and (positions is None or max_model_len < positions):
+        return int(max_model_len)
+    return positions
+
+
 def _rope_scaled(rope: Any) -> bool:
     """Whether a ``rope_parameters`` / ``rope_scaling`` value extends the positions: a flat dict whose ``rope_type``
     is not ``default``, or one keyed by layer type whose full-attention entry (else any entry) is."""

@@ -39,7 +39,7 @@ from es_lightning.generation.base import (
 from es_lightning.generation.config import (
     checkpoint_defaults_off,
     checkpoint_eos_token_ids,
-    position_limit,
+    prompt_limit,
     rollout_generation_config,
 )
 from es_lightning.policy import Policy, encode_prompts
@@ -267,7 +267,7 @@ class HFGenerator(Generator):
         the model was never trained at (Qwen2.5-Math: 4096, which a MATH recipe's prompt + 4096 new tokens passes),
         where the vLLM backend stops the completion there. It names the longest prompt seen so far and the
         ``max_new_tokens`` that fits it: a MATH run's prompts of many lengths get one line, not one per length."""
-        limit = position_limit(getattr(model, "config", None))
+        limit = prompt_limit(getattr(model, "config", None))
         refuse_overlong_prompts(prompts, lengths, limit, "the model's max_position_embeddings",
                                 "shorten the prompt (the task's prompt format or system_prompt)")
         longest = max(lengths, default=0)

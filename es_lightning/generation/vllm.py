@@ -93,7 +93,7 @@ from es_lightning.generation.base import (
     default_seed,
     refuse_overlong_prompts,
 )
-from es_lightning.generation.config import checkpoint_eos_token_ids, position_limit
+from es_lightning.generation.config import checkpoint_eos_token_ids, position_limit, prompt_limit
 from es_lightning.generation.hf import _cut_at_stop
 from es_lightning.generation.options import check_vllm_values, refuse_owned_options
 from es_lightning.policy import Policy, encode_prompts
@@ -550,10 +550,11 @@ class VLLMGenerator(Generator):
         many lengths get one line, not one per length), since the fit's rewards then come from shorter completions
         than asked for."""
         longest = max(lengths)
-        positions = position_limit(getattr(self.policy.model, "config", None))
+        config = getattr(self.policy.model, "config", None)
+        positions = position_limit(config)
         need = longest + max_new_tokens if positions is None else min(longest + max_new_tokens, positions)
         room = f"set generation_options.max_model_len to at least {need} (prompt + max_new_tokens)"
-        refuse_overlong_prompts(prompts, lengths, self.max_model_len, "the vLLM engine's max_model_len",
+        refuse_overlong_prompts(prompts, lengths, prompt_limit(config, self.max_model_len), "the vLLM engine's max_model_len",
                                 room if positions is None or longest < positions else
                                 "shorten the prompt (the task's prompt format or system_prompt)")
         worst = self._prompt_lengths.see(longest)

@@ -36,7 +36,7 @@ from torch import Tensor
 
 from es_lightning.algorithms import SAMPLING_KEYS, Algorithm, get_algorithm
 from es_lightning.generation import Generator, Rollout, SamplingParams, check_generation_options, make_generator
-from es_lightning.generation.config import position_limit
+from es_lightning.generation.config import position_limit, prompt_limit
 from es_lightning.metrics.training import StepMetrics, shared_metrics
 from es_lightning.modules.stage import STAGE_KEY, peek_stage_on_load
 from es_lightning.policy import Policy, load_policy, prompt_token_counts, resolve_dtype
@@ -697,12 +697,12 @@ class ReasoningModule(L.LightningModule):
         its token count and the fixes."""
         if not examples:
             return
-        positions = position_limit(getattr(self.policy.model, "config", None))
-        engine = self.engine_options().get("max_model_len") if self.generation_backend == "vllm" else None
-        limit, name = (engine, "generation_options.max_model_len") if engine is not None and (
-            positions is None or engine < positions) else (positions, "the model's max_position_embeddings")
+        config = getattr(self.policy.model, "config", None)
+        positions = position_limit(config)
+        limit = prompt_limit(config, self.engine_options().get("max_model_len") if self.generation_backend == "vllm" else None)
         if limit is None:
             return
+        name = "the model's max_position_embeddings" if limit == positions else "generation_options.max_model_len"
         lengths = prompt_token_counts(self.policy.tokenizer, self.prompts(examples))
         over = [i for i, n in enumerate(lengths) if n >= limit]
         if not over:

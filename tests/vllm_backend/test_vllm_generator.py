@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from functools import partial
 
 import pytest
 import torch
@@ -179,6 +180,27 @@ def test_prompts_beyond_max_model_len(builtin_pair):
     with pytest.raises(ValueError, match=r"prompt 0 of this batch has 1\d\d tokens, and the vLLM engine's "
                                          r"max_model_len is 128: no room for a completion .*; shorten the prompt"):
         gen.generate([prompt * 2], 1, SamplingParams(max_new_tokens=4, temperature=0.0))
+
+
+@pytest.mark.parametrize("pair", ["builtin_pair", "qwen_pair", "llama_pair"])
+def test_a_fits_row_check_and_the_engine_refuse_the_same_prompt_lengths(pair, request):
+    """The check of a fit's rows at its start (generation_options as the engine's) and the vLLM generator's of each
+    batch refuse from the same prompt length on, a prompt of limit - 1 tokens generating in both: the built-in model
+    (max_model_len 128 = its positions), the Qwen-like fixture's chat template (128 of its 32,768 positions) and the
+    Llama-like one's (scaled RoPE: 256, the engine's alone)."""
+    from es_helpers import no_room_boundary
+
+    from es_lightning.modules.base import ReasoningModule
+
+    policy, gen = request.getfixturevalue(pair)
+    module = ReasoningModule(model="(loaded)", task="gsm8k", max_new_tokens=1, generation_backend="vllm",
+                             generation_options={"max_model_len": gen.max_model_len})
+    module.model, module.tokenizer = policy.model, policy.tokenizer
+    seen = no_room_boundary(module, partial(gen.generate, num_samples=1,
+                                            params=SamplingParams(max_new_tokens=1, temperature=0.0)))
+    limit = gen.max_model_len
+    assert {limit - 1, limit} <= set(seen), seen
+    assert seen == {n: (n >= limit, n >= limit) for n in seen}, seen
 
 
 def test_a_special_token_stop_string_stops_as_in_hf(qwen_pair, hf_generate):
