@@ -1166,3 +1166,25 @@ def test_analyze_dtype_help_quotes_the_real_default(command, tmp_path, capsys):
     policy.model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
     policy.tokenizer.save_pretrained(tmp_path / "bf16")
     assert next(load_model(str(tmp_path / "bf16")).policy.model.parameters()).dtype == torch.float32
+
+
+def test_evaluate_policy_checks_a_problem_sets_prompt_lengths_once(monkeypatch):
+    """An ablation evaluates the same problems once per setting: their prompts were rendered and tokenized again for
+    the length check each time. Now once per problem set; another set is still checked (and refused)."""
+    from es_lightning.analysis.evaluate import evaluate_policy
+    from es_lightning.analysis.settings import EvalSettings
+    from es_lightning.modules import base
+    from es_lightning.tasks import get_task
+
+    counted = []
+    real = base.prompt_token_counts
+    monkeypatch.setattr(base, "prompt_token_counts", lambda tok, prompts: counted.append(len(prompts)) or real(tok, prompts))
+    policy = load_policy(BUILTIN)
+    settings = EvalSettings(num_problems=2, num_samples=1, ks=[1], max_new_tokens=2)
+    problems = [{"question": "1+1", "answer": "#### 2"}, {"question": "2+2", "answer": "#### 4"}]
+    task = get_task("gsm8k")  # as an ablation passes it: one task object for every setting
+    for _ in range(3):
+        evaluate_policy(policy, task, problems, settings)
+    assert counted == [2]
+    with pytest.raises(ValueError, match="no room for a completion"):
+        evaluate_policy(policy, task, [{"question": "1" * 200, "answer": "#### 1"}], settings)

@@ -37,6 +37,7 @@ from es_lightning.analysis.output import check_out_dir, format_table, markdown_t
 from es_lightning.analysis.settings import PAPER_EVAL, REMOTE_CODE_OPTION, EvalSettings, resolve_device
 from es_lightning.data import DROP_INVALID_HINT, ReasoningDataModule, count_trained, procedural_split
 from es_lightning.data_files import HUB_CONFIG_HINT
+from es_lightning.generation.config import prompt_limit
 from es_lightning.policy import Policy
 from es_lightning.tasks import Task, get_task
 
@@ -206,6 +207,28 @@ def evaluation_module(policy: Policy, task: Task, max_new_tokens: int, device: t
     return module.to(device)
 
 
+#: what :func:`_refuse_overlong_problems` last found to fit: (problems, tokenizer, task, prompt limit)
+_fitting: tuple = ()
+
+
+def _refuse_overlong_problems(module, problems: Sequence[dict[str, Any]]) -> None:
+    """Refuse ``problems`` whose prompt leaves no room for a completion
+    (:meth:`~es_lightning.modules.base.ReasoningModule.refuse_overlong_examples`), once per problem set: an ablation
+    evaluates the same problems with the same tokenizer, task and limit once per setting, and rendering and tokenizing
+    every prompt again each time cost as much as the check. The set is known by its identity (the problems are not
+    edited between evaluations: :func:`heldout_problems` draws them once); another tokenizer, task or limit (a model
+    of fewer positions, another ``max_model_len``) checks them again."""
+    global _fitting
+    engine = module.engine_options().get("max_model_len") if module.generation_backend == "vllm" else None
+    key = (problems, module.policy.tokenizer, module.task, prompt_limit(module.policy.model.config, engine))
+    if len(_fitting) == len(key) and all(a is b for a, b in zip(key[:3], _fitting[:3])) and key[3] == _fitting[3]:
+        return
+    rows = getattr(problems, "rows", None)  # a data source's row numbers (DrawnProblems), else their order
+    module.refuse_overlong_examples(list(problems), "problems", (lambda i: rows[i]) if rows else (lambda i: i),
+                                    problems.describe if rows else lambda i: f"problem {i} of those evaluated")
+    _fitting = key
+
+
 def evaluate_policy(
     policy: Policy,
     task: Task | str,
@@ -231,9 +254,7 @@ def evaluate_policy(
         top_p=settings.top_p, max_new_tokens=settings.completion_cap(), batch_size=settings.batch_size,
         seed=settings.seed, prefix="eval",
     )
-    rows = getattr(problems, "rows", None)  # a data source's row numbers (DrawnProblems), else their order
-    module.refuse_overlong_examples(list(problems), "problems", (lambda i: rows[i]) if rows else (lambda i: i),
-                                    problems.describe if rows else lambda i: f"problem {i} of those evaluated")
+    _refuse_overlong_problems(module, problems)
     extracted = [0, 0]  # answers extracted, samples
     distinct: list[int] = []  # per problem: distinct correct answers (in the task's normal form)
 
