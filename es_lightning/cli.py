@@ -222,6 +222,8 @@ def cli_main(args: list[str] | None = None) -> None:
     except BaseException as error:  # a bug: its traceback and status 1, as an uncaught exception ends any process
         end_distributed_process(1, error=error)
         raise
+    finally:
+        cli_errors.forget()  # the command's context ends with it (a script calling cli_main goes on in Python)
     end_distributed_process(0)  # a distributed fit ends here, past the interpreter's teardown; other runs return
 
 

@@ -111,6 +111,12 @@ def remember(argv: Sequence[str] | None = None, config: Any = None) -> None:
         _CONTEXT["config"] = config
 
 
+def forget() -> None:
+    """Clear what :func:`remember` recorded, when a command run in this process ends: a script's later errors (a
+    ``Trainer(...)`` of its own, after calling the command) speak Python again, not the command's options."""
+    _CONTEXT.update(argv=[], config=None)
+
+
 def remembered_argv() -> list[str]:
     """The command line :func:`remember` was given (empty before)."""
     return list(_CONTEXT["argv"])

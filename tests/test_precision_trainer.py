@@ -249,6 +249,22 @@ def test_a_dtype_the_device_cannot_run_is_refused_before_any_step(kind, tiny_mod
              r"Trainer\(precision='bf16-true'\) or Trainer\(precision='32-true'\)$", precision="16-true")
 
 
+def test_a_script_that_ran_the_command_in_process_is_spoken_to_in_python_again(tiny_model_dir, capsys):
+    """The command's context (its argv, read to speak `trainer.precision` instead of `Trainer(precision=...)`) ends
+    with the command: a script (or a test session) that ran `cli_main` and then builds its own Trainer is told the
+    fix in Python. It leaked, so the refusal below spoke the command's option after any in-process command."""
+    from es_lightning.cli import cli_main
+
+    with pytest.raises(SystemExit) as stop:  # an in-process command that ends in a mistake's one line
+        cli_main(["fit", "--trainer.no_such_option", "1"])
+    assert stop.value.code == 2 and "no_such_option" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:  # and one that ends normally (--print_config exits with status 0)
+        cli_main(["fit", "--print_config"])
+    assert stop.value.code in (0, None)
+    capsys.readouterr()
+    _refused(_module("es", tiny_model_dir), r"^Trainer\(precision='16-true'\) computes in float16", precision="16-true")
+
+
 @pytest.mark.parametrize("kind", ["es", "grpo"])
 def test_a_master_dtype_below_the_model_is_refused(kind, tiny_model_dir):
     with pytest.raises(ValueError, match="master_dtype: float32") as err:
