@@ -255,7 +255,8 @@ def test_prompt_groups_on_vllm_route_each_member_to_its_slice_on_the_qwen_like_f
                       max_new_tokens=2, temperature=0.0, task=TargetTask(use_chat_template=True),
                       generation_backend="vllm", generation_options={**ENGINE, "max_model_len": 192})
     keep_alive.append(module)
-    data = ReasoningDataModule(CountdownTask(), train_size=16, val_size=2, test_size=2, batch_size=4, seed=0)
+    data = ReasoningDataModule(CountdownTask(use_chat_template=True), train_size=16, val_size=2, test_size=2,  # the module's
+                               batch_size=4, seed=0)
     trainer = L.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, callbacks=[seen])
     trainer.fit(module, data)
