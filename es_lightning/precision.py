@@ -135,29 +135,46 @@ def master_dtype_for(params: Iterable[Tensor], master_dtype: str | torch.dtype |
     return resolve_master_dtype(lowest, master_dtype)
 
 
-def check_device_dtype(device: torch.device | str, dtype: torch.dtype) -> None:
+def check_device_dtype(device: torch.device | str, dtype: torch.dtype, owner: str | None = None) -> None:
     """Refuse, naming the fix, a weight dtype the device cannot run: bf16 on a GPU without bf16 arithmetic (compute
     capability < 8.0: vLLM refuses it too) or on a CPU whose PyTorch build cannot compute in it (a real probe: a
     matmul and a softmax in bf16 on that device); fp16 on a CPU (PyTorch has no fast fp16 path on most CPUs, and the
-    bf16-trained Qwen/Llama checkpoints can overflow fp16's range of 65504 — bf16 has fp32's range)."""
+    bf16-trained Qwen/Llama checkpoints can overflow fp16's range of 65504 — bf16 has fp32's range).
+
+    The fix speaks as the user wrote the run: inside the ``es-lightning`` command its recipe keys (``dtype: bfloat16
+    with trainer.precision: bf16-true``), from a script Python calls (``ESModule(dtype='bfloat16') with
+    Trainer(precision='bf16-true')``, ``owner`` naming the class whose ``dtype`` it is)."""
     device = torch.device(device)
     name = str(dtype).removeprefix("torch.")
     if dtype not in (torch.bfloat16, torch.float16):
         return
+    fix = functools.partial(_dtype_fix, owner=owner)
     if device.type == "cuda":
         if dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported(including_emulation=False):
             major, minor = torch.cuda.get_device_capability(device)
             raise ValueError(f"this GPU (compute capability {major}.{minor} < 8.0) has no bfloat16 arithmetic; use "
-                             "dtype: float16 with trainer.precision: 16-true (master_dtype: float32 keeps the updates), "
-                             "or dtype: float32 with trainer.precision: 32-true")
+                             f"{fix('float16', '16-true', master_dtype='float32')} (the float32 master keeps the "
+                             f"updates), or {fix('float32', '32-true')}")
         return
     if device.type == "cpu" and dtype == torch.float16:
-        raise ValueError("float16 weights on a CPU compute slowly and can overflow (max 65504); use dtype: bfloat16 "
-                         "with trainer.precision: bf16-true, or dtype: float32 with trainer.precision: 32-true")
+        raise ValueError("float16 weights on a CPU compute slowly and can overflow (max 65504); use "
+                         f"{fix('bfloat16', 'bf16-true')}, or {fix('float32', '32-true')}")
     problem = _probe(device.type, dtype)
     if problem:
-        raise ValueError(f"this {device.type} cannot compute in {name} ({problem}); use dtype: float32 with "
-                         "trainer.precision: 32-true")
+        raise ValueError(f"this {device.type} cannot compute in {name} ({problem}); use {fix('float32', '32-true')}")
+
+
+def _dtype_fix(dtype: str, precision: str, owner: str | None, master_dtype: str | None = None) -> str:
+    """One fix of :func:`check_device_dtype`: the recipe's keys inside the command (``dtype: float16 with
+    trainer.precision: 16-true``), the Python calls from a script (``GRPOModule(dtype='float16', master_dtype='float32')
+    with Trainer(precision='16-true')``)."""
+    from es_lightning.cli_errors import remembered_argv  # the command records its argv; a script has none
+
+    if remembered_argv():
+        master = f", master_dtype: {master_dtype}" if master_dtype else ""
+        return f"dtype: {dtype}{master} with trainer.precision: {precision}"
+    args = f"dtype={dtype!r}" + (f", master_dtype={master_dtype!r}" if master_dtype else "")
+    return f"{owner}({args}) with Trainer(precision={precision!r})" if owner else f"{args} with Trainer(precision={precision!r})"
 
 
 @functools.cache

@@ -62,9 +62,12 @@ def test_a_master_below_the_model_is_refused_naming_the_fix(model, knob):
 def test_device_dtype_check():
     check_device_dtype("cpu", torch.float32)
     check_device_dtype("cpu", torch.bfloat16)  # this CPU computes in bf16 (the probe runs a matmul and a softmax)
-    with pytest.raises(ValueError, match="use dtype: bfloat16") as err:
-        check_device_dtype("cpu", torch.float16)
-    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match=r"use dtype='bfloat16' with Trainer\(precision='bf16-true'\)") as err:
+        check_device_dtype("cpu", torch.float16)  # a script's call: Python's words, not the recipe's
+    assert "\n" not in str(err.value) and "trainer.precision" not in str(err.value)
+    with pytest.raises(ValueError, match=r"use GRPOModule\(dtype='bfloat16'\) with Trainer\(precision='bf16-true'\), "
+                                         r"or GRPOModule\(dtype='float32'\) with Trainer\(precision='32-true'\)$"):
+        check_device_dtype("cpu", torch.float16, owner="GRPOModule")
 
 
 # ---------------------------------------------------------------------------------------------------- ES

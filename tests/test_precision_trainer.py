@@ -8,6 +8,8 @@ parameters and runs ``training_step`` — rollouts included — under bf16 autoc
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import lightning as L
 import pytest
 import torch
@@ -242,11 +244,34 @@ def _refused(module, match, precision="32-true", callbacks=(), batch_size=2):
 
 @pytest.mark.parametrize("kind", ["es", "grpo"])
 def test_a_dtype_the_device_cannot_run_is_refused_before_any_step(kind, tiny_model_dir):
-    _refused(_module(kind, tiny_model_dir, dtype="float16"), "use dtype: bfloat16 with trainer.precision: bf16-true")
+    # from a script the fix is the Python calls (the command's form, recipe keys: the test below)
+    cls = "ESModule" if kind == "es" else "GRPOModule"
+    _refused(_module(kind, tiny_model_dir, dtype="float16"),
+             rf"use {cls}\(dtype='bfloat16'\) with Trainer\(precision='bf16-true'\), or {cls}\(dtype='float32'\) with "
+             r"Trainer\(precision='32-true'\)$")
     # the trainer's precision made the weights float16, not the module's dtype: the message names the precision
     # from a script it speaks in Trainer(...) calls (the command's form, `trainer.precision`: tests/test_cli_errors.py)
     _refused(_module(kind, tiny_model_dir), r"^Trainer\(precision='16-true'\) computes in float16: .* use "
              r"Trainer\(precision='bf16-true'\) or Trainer\(precision='32-true'\)$", precision="16-true")
+
+
+def test_the_command_refuses_a_dtype_the_device_cannot_run_in_its_recipe_keys(capsys, tmp_path, monkeypatch):
+    """Inside the `es-lightning` command the dtype refusal names the recipe's keys (a script's: the Python calls,
+    above) — and once the command has ended, a script in the same process is spoken to in Python again."""
+    from es_lightning.cli import cli_main
+
+    monkeypatch.chdir(tmp_path)  # whatever the command writes
+    with pytest.raises(SystemExit) as stop:
+        cli_main(["fit", "--config", str(Path(__file__).parents[1] / "recipes" / "es.yaml"), "--model.init_args.dtype",
+                  "float16", "--trainer.max_steps", "1", "--trainer.enable_checkpointing", "false", "--trainer.logger",
+                  "false", "--data.init_args.train_size", "4", "--data.init_args.val_size", "2",
+                  "--data.init_args.test_size", "2"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert stop.value.code == 2 and err.startswith("es-lightning: error: --model.init_args.dtype: float16 weights on a CPU")
+    assert err.endswith("use dtype: bfloat16 with trainer.precision: bf16-true, or dtype: float32 with "
+                        "trainer.precision: 32-true") and "ESModule(" not in err
+    _refused(ESModule(model="builtin:countdown-tiny", dtype="float16", max_new_tokens=2, **ES),
+             r"use ESModule\(dtype='bfloat16'\) with Trainer\(precision='bf16-true'\)")
 
 
 def test_a_script_that_ran_the_command_in_process_is_spoken_to_in_python_again(tiny_model_dir, capsys):

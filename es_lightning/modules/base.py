@@ -320,7 +320,7 @@ class ReasoningModule(L.LightningModule):
         configured = resolve_dtype(self.dtype_name)
         for dtype in sorted(dtypes | ({computes} if computes else set()), key=str):
             try:
-                check_device_dtype(self.device, dtype)
+                check_device_dtype(self.device, dtype, owner=type(self).__name__)
             except ValueError as err:
                 if dtype == computes and dtype != configured:
                     from es_lightning.cli_errors import SettingError, remembered_argv  # the trainer's setting
