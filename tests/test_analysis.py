@@ -461,6 +461,29 @@ def test_the_analyses_of_a_runs_export_take_its_base_from_the_runs_config(tmp_pa
             command(tuned=str(alone), out_dir="x", plot=False)
 
 
+def test_the_analyses_of_a_runs_export_warn_once_when_base_differs_from_the_runs_config(tmp_path, monkeypatch, capsys):
+    """`es-lightning analyze drift / ablation / forgetting --tuned <run>/export --base <other>`: --base overrides the
+    model the run's config.yaml names, which it did silently (a .ckpt's own base was warned about). Each command now
+    warns once, in one line naming both; --base equal to the run's base says nothing."""
+    monkeypatch.chdir(tmp_path)
+    run = _fit_a_run(BUILTIN)
+    export, config = str(run / "export"), run / "config.yaml"
+    capsys.readouterr()
+    tiny = ["--eval.num_problems", "1", "--eval.num_samples", "1", "--eval.max_new_tokens", "2", "--progress", "false"]
+    commands = {"drift": ["--taus", "[0.0]"], "ablation": ["--taus", "[0.001]", *tiny],
+                "forgetting": ["--tasks", "[addition]", *tiny]}
+    warned = (f"warning: {export} was trained from '{BUILTIN}' (as {config} names it), not from --base '{export}'; "
+              "leave --base out to measure against the model it was trained from")
+    for command, options in commands.items():
+        cli_main(["analyze", command, "--tuned", export, "--base", export, "--plot", "false", "--out_dir", command, *options])
+        err = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+        assert err == [warned], command
+    for command, options in commands.items():  # its own base, as the run's config.yaml names it: no warning
+        cli_main(["analyze", command, "--tuned", export, "--base", BUILTIN, "--plot", "false", "--out_dir", command,
+                  *options])
+        assert "was trained from" not in capsys.readouterr().err, command
+
+
 def test_forgetting_of_a_run_trained_on_a_suite_task_names_the_suite_to_give(tmp_path, monkeypatch):
     """`analyze forgetting` of a checkpoint trained on addition (a task of the default held-out suite) was refused
     without the way out; the line names the suite without it (`--tasks sort`), which then measures forgetting."""

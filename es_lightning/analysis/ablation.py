@@ -32,6 +32,7 @@ from es_lightning.analysis.drift import (
     check_taus,
     paired_weights,
     parameter_drift,
+    recorded_base,
     update_chunks,
     warn_about_base,
 )
@@ -284,7 +285,7 @@ def ablation_command(
         policy = tuned_model.policy
         tuned_model.say_masters()
         now_doing(f"measuring the update from {base}")
-        warn_about_base(tuned, base, tuned_model.base, parameter_drift(base_weights, tuned_model.weights(), [0.0]).relative_drift)
+        warn_about_base(tuned, base, recorded_base(tuned_model), parameter_drift(base_weights, tuned_model.weights(), [0.0]).relative_drift)
         bar = progress_bar(total=(2 + len(taus) + len(top_percent)) * len(problems), desc="ablation", unit="problem",
                            disable=not progress)
 

@@ -319,7 +319,7 @@ def drift_command(
                              less=""):
         now_doing(f"loading {tuned}")
         tuned_model = load_model(tuned, dtype=dtype, trust_remote_code=trust_remote_code, remote_code_option="--trust_remote_code true")
-        trained_from = tuned_model.base
+        trained_from = recorded_base(tuned_model)
         base = base or _base_of(tuned_model, "drift")
         now_doing(f"loading {base}")
         base_model = load_model(base, dtype=start_dtype(tuned_model, dtype), trust_remote_code=trust_remote_code,
@@ -356,16 +356,22 @@ def drift_command(
 UNRELATED_DRIFT = 0.5
 
 
-def warn_about_base(tuned: str, base: str, trained_from: str | None, relative_drift: float | None = None) -> list[str]:
+def warn_about_base(tuned: str, base: str, trained_from: tuple[str | None, str] | str | None,
+                    relative_drift: float | None = None) -> list[str]:
     """Print (to stderr) and return why ``base`` may not be the model ``tuned`` was trained from: another base than the
-    checkpoint's own, or a drift no fine-tune makes (drift, sparsity and ablation of unrelated models mean nothing)."""
+    one its checkpoint or run records (``trained_from``: :func:`recorded_base`'s model and where it is recorded; a
+    bare model is a ``.ckpt``'s hyperparameter), or a drift no fine-tune makes (drift, sparsity and ablation of
+    unrelated models mean nothing)."""
+    recorded, where = trained_from if isinstance(trained_from, tuple) else (trained_from, "its 'model' hyperparameter")
     out = []
-    if trained_from is not None and _same_source(base, trained_from) is False:
-        out.append(f"{tuned} was trained from {trained_from!r} (its 'model' hyperparameter), not from --base {base!r}")
+    if recorded is not None and _same_source(base, recorded) is False:
+        out.append(f"{tuned} was trained from {recorded!r} ({where}), not from --base {base!r}; leave --base out to "
+                   "measure against the model it was trained from")
     if relative_drift is not None and relative_drift > UNRELATED_DRIFT:
         out.append(
             f"relative drift {relative_drift:.2f} is far beyond any fine-tune (ES and GRPO move weights by ~0.1–1% of "
-            f"their norm): is --base {base!r} the model {tuned} was trained from? Leave --base out for a .ckpt"
+            f"their norm): is --base {base!r} the model {tuned} was trained from? Leave --base out for a .ckpt or a "
+            "run's export/"
         )
     for line in out:
         print(f"warning: {line}", file=sys.stderr)
@@ -392,18 +398,26 @@ def _same_source(a: str, b: str) -> bool | None:
     return a == b
 
 
-def _base_of(loaded, analysis: str) -> str:
-    """The model ``loaded`` was trained from, when ``--base`` is not given: a ``.ckpt``'s ``model`` hyperparameter, or
-    the model a run's ``config.yaml`` (beside its ``export/``) names, as ``es-lightning eval`` reads that run's task."""
+def recorded_base(loaded) -> tuple[str | None, str]:
+    """The model ``loaded`` records it was trained from, and where: a ``.ckpt``'s ``model`` hyperparameter, or the model
+    a run's ``config.yaml`` (beside its ``export/``) names; ``(None, "")`` when neither says."""
     if loaded.base is not None:
-        return loaded.base
+        return loaded.base, "its 'model' hyperparameter"
     from es_lightning.analysis.checkpoints import trained_with
 
     run = trained_with(loaded.spec)
-    if run.base is None:
+    return (run.base, f"as {run.base_source} names it") if run.base is not None else (None, "")
+
+
+def _base_of(loaded, analysis: str) -> str:
+    """The model ``loaded`` was trained from, when ``--base`` is not given (:func:`recorded_base`), as
+    ``es-lightning eval`` reads a run's task from its ``config.yaml``."""
+    base, where = recorded_base(loaded)
+    if base is None:
         raise ValueError(
             f"{analysis}: {loaded.spec!r} is neither a .ckpt nor a run's export/ beside its config.yaml, so its base "
             "model is unknown; pass --base (the model it was trained from, e.g. --base builtin:countdown-tiny)"
         )
-    print(f"base model {run.base}, as {run.base_source} names it (--base to choose another)")
-    return run.base
+    if loaded.base is None:  # read from the run's config.yaml: say so (a .ckpt's own is its hyperparameter)
+        print(f"base model {base}, {where} (--base to choose another)")
+    return base

@@ -137,7 +137,7 @@ def forgetting_command(
     """
     check_out_dir(out_dir)  # before any model loads or fit runs
     from es_lightning.analysis.checkpoints import load_model, trained_with
-    from es_lightning.analysis.drift import _base_of, warn_about_base
+    from es_lightning.analysis.drift import _base_of, recorded_base, warn_about_base
     from es_lightning.analysis.plots import plot_forgetting
     from es_lightning.analysis.runs import now_doing, now_writing, stopping_on_signals
 
@@ -156,7 +156,7 @@ def forgetting_command(
         now_doing(f"loading {tuned}")
         tuned_model = load_model(tuned, dtype=dtype, trust_remote_code=eval.trust_remote_code, remote_code_option=REMOTE_CODE_OPTION)
         base = base or _base_of(tuned_model, "forgetting")
-        warn_about_base(tuned, base, tuned_model.base)
+        warn_about_base(tuned, base, recorded_base(tuned_model))
         report = forgetting(base, tuned_model, tasks=tasks, training_task=training_task, settings=eval, dtype=dtype,
                             progress=progress)
         report.evaluation.sources = {"base": base, "tuned": tuned}
