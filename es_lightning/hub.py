@@ -74,10 +74,11 @@ def _names(exc: BaseException) -> set[str]:
 
 
 def describe_hub_error(exc: BaseException, repo: str | None = None, kind: str = "model",
-                       revision: str | None = None) -> str | None:
+                       revision: str | None = None, local_fix: str | None = None) -> str | None:
     """One line for a hub failure (offline and not cached, unknown or gated repository, unknown revision), or
     ``None``. With a ``revision`` the download command fetches that one (``hf download`` fetches ``main``, which the
-    load then still did not find)."""
+    load then still did not find). ``local_fix`` words the way out through a local copy (a model's default: the
+    recipe's ``model:``, :data:`MODEL_FIX_LOCAL`; a script's call: :func:`model_fix_local`)."""
     names = _names(exc)
     text = str(exc)
     what = f"{kind} {repo!r}" if repo else f"the {kind}"
@@ -85,7 +86,7 @@ def describe_hub_error(exc: BaseException, repo: str | None = None, kind: str = 
         what += f" at revision {revision!r}"
     if "RevisionNotFoundError" in names or "is not a valid git identifier" in text:
         return f"{what}: the repository has no such branch, tag or commit on the Hugging Face hub; check revision"
-    fix_local = (MODEL_FIX_LOCAL if kind == "model" else "point data.source at a local file or directory")
+    fix_local = local_fix or (MODEL_FIX_LOCAL if kind == "model" else "point data.source at a local file or directory")
     if "GatedRepoError" in names:
         return f"{what} is gated on the Hugging Face hub: accept its terms on huggingface.co, then `hf auth login`"
     if names & {"RepositoryNotFoundError", "DatasetNotFoundError"} or "is not a valid model identifier" in text:
@@ -105,16 +106,42 @@ def describe_hub_error(exc: BaseException, repo: str | None = None, kind: str = 
 MODEL_FIX_LOCAL = "point model: at a local directory"
 
 
+def model_fix_local(call: str) -> str:
+    """A hub model's refusal's local fix in the words of whoever asked for the model: inside the ``es-lightning``
+    command the recipe's key (:data:`MODEL_FIX_LOCAL`), from a script the Python ``call`` that takes it, the model
+    argument a local directory (``call="ESModule(model=...)"``: ``pass a local model directory instead:
+    ESModule(model='/path/to/model_dir')``). A script is told of no YAML key it never wrote."""
+    from es_lightning.cli_errors import remembered_argv  # the command records its argv; a script has none
+
+    if remembered_argv():
+        return MODEL_FIX_LOCAL
+    return "pass a local model directory instead: " + call.replace("...", "'/path/to/model_dir'")
+
+
+def with_local_fix(err: Exception, local_fix: str) -> Exception:
+    """``err`` (raised by :func:`hub_errors`) with its local fix reworded as ``local_fix``, or ``err`` itself when it
+    names none (another failure) or already says that."""
+    said = getattr(err, "local_fix", None)
+    if not said or said == local_fix or said not in str(err):
+        return err
+    reworded = type(err)(str(err).replace(said, local_fix))
+    reworded.local_fix = local_fix
+    return reworded
+
+
 @contextlib.contextmanager
-def hub_errors(repo: str, kind: str = "model", revision: str | None = None) -> Iterator[None]:
-    """Load from the hub inside; a hub failure becomes ``ConnectionError`` / ``FileNotFoundError`` with one clear line."""
+def hub_errors(repo: str, kind: str = "model", revision: str | None = None,
+               local_fix: str | None = None) -> Iterator[None]:
+    """Load from the hub inside; a hub failure becomes ``ConnectionError`` / ``FileNotFoundError`` with one clear line
+    (its ``local_fix`` attribute the words of the way out through a local copy, which :func:`with_local_fix`
+    rewords)."""
     prepare_hub_access()
     try:
         yield
     except (OSError, ValueError) as err:
-        line = describe_hub_error(err, repo, kind, revision)
+        line = describe_hub_error(err, repo, kind, revision, local_fix)
         if line is None:
             raise
-        if "offline" in line:
-            raise ConnectionError(line) from err
-        raise FileNotFoundError(line) from err
+        refusal = ConnectionError(line) if "offline" in line else FileNotFoundError(line)
+        refusal.local_fix = local_fix or (MODEL_FIX_LOCAL if kind == "model" else None)
+        raise refusal from err

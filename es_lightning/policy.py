@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, BatchEncoding, PreTrainedModel, PreTrainedTokenizerBase
 
-from es_lightning.hub import hub_errors
+from es_lightning.hub import hub_errors, model_fix_local
 
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_DIR = Path(__file__).parent / "builtin"
@@ -378,7 +378,8 @@ def load_policy(
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     # a hub id: fail fast offline
-    with hub_errors(name_or_path, revision=revision) if not Path(path).is_dir() else contextlib.nullcontext():
+    hub = hub_errors(name_or_path, revision=revision, local_fix=model_fix_local("load_policy(...)"))
+    with hub if not Path(path).is_dir() else contextlib.nullcontext():
         try:
             model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
             tokenizer = load_tokenizer(name_or_path, trust_remote_code=trust_remote_code, revision=revision)

@@ -204,3 +204,55 @@ def test_git_lfs_pointers_in_place_of_the_weights_are_named(qwen_like_small_dir,
     (clone / "tokenizer.json").write_text("version https://git-lfs.github.com/spec/v1\noid sha256:0123\nsize 7031645\n")
     with pytest.raises(ValueError, match=r"tokenizer.json is a Git LFS pointer, not the tokenizer"):
         load_policy(str(clone))  # a JSONDecodeError's traceback before
+
+
+MISSING_HUB_MODEL = "es-lightning-tests/no-such-model"
+
+
+def _offline(monkeypatch):
+    """No hub: what a machine without network gets (the probe's fallback), without waiting for the probe."""
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+
+
+def test_a_missing_hub_model_from_a_script_names_the_python_argument(monkeypatch):
+    """A hub model that cannot be loaded, asked for from Python, was refused with the recipe's key ("point model: at
+    a local directory"), which a script never wrote: the fix names the call that takes the model."""
+    import lightning as L
+
+    from es_lightning import ESModule, GRPOModule, ReasoningDataModule
+
+    _offline(monkeypatch)
+    with pytest.raises(ConnectionError, match=r"or pass a local model directory instead: "
+                                              r"load_policy\('/path/to/model_dir'\)$") as err:
+        load_policy(MISSING_HUB_MODEL)
+    assert f"model {MISSING_HUB_MODEL!r}" in str(err.value) and "model:" not in str(err.value)
+    for cls in (ESModule, GRPOModule):
+        trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False)
+        dm = ReasoningDataModule(task="countdown", train_size=4, val_size=2, test_size=2, batch_size=2)
+        with pytest.raises(ConnectionError, match=rf"or pass a local model directory instead: "
+                                                  rf"{cls.__name__}\(model='/path/to/model_dir'\)$") as err:
+            trainer.fit(cls(model=MISSING_HUB_MODEL), dm)
+        assert "\n" not in str(err.value) and "model:" not in str(err.value) and trainer.global_step == 0
+
+
+def test_a_missing_hub_model_in_the_command_names_the_recipe_key(monkeypatch, tmp_path, capsys):
+    """The `es-lightning` command keeps the recipe's words for the same refusal (a script's: the test above)."""
+    from pathlib import Path
+
+    from es_lightning.cli import cli_main
+
+    _offline(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stop:
+        cli_main(["fit", "--config", str(Path(__file__).parents[1] / "recipes" / "es.yaml"), "--model.init_args.model",
+                  MISSING_HUB_MODEL, "--trainer.max_steps", "1", "--trainer.logger", "false",
+                  "--trainer.enable_checkpointing", "false"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert stop.value.code == 2 and f"model {MISSING_HUB_MODEL!r} is not in the local Hugging Face cache" in err
+    assert err.endswith("or point model: at a local directory") and "load_policy(" not in err
+    with pytest.raises(ConnectionError, match=r"load_policy\('/path/to/model_dir'\)$"):  # a script again, after it
+        load_policy(MISSING_HUB_MODEL)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from es_lightning.hub import MODEL_FIX_LOCAL
+from es_lightning.hub import with_local_fix
 from es_lightning.policy import Policy, RemoteCodeRefused, load_policy, resolve_model_path
 from es_lightning.precision import checkpoint_masters
 from es_lightning.tasks.base import TASK_KEY
@@ -298,9 +298,10 @@ def load_model(spec: str, dtype: str | torch.dtype | None = None, trust_remote_c
     except RemoteCodeRefused as err:
         raise err.naming(remote_code_option) from None
     except (ConnectionError, FileNotFoundError) as err:  # a hub id offline or unknown: the fix in an analysis's terms
-        if MODEL_FIX_LOCAL not in str(err):
+        refusal = with_local_fix(err, "give a local model directory in its place")
+        if refusal is err:
             raise
-        raise type(err)(str(err).replace(MODEL_FIX_LOCAL, "give a local model directory in its place")) from None
+        raise refusal from None
 
 
 def _load_model(spec: str, dtype: str | torch.dtype | None, trust_remote_code: bool) -> LoadedModel:
