@@ -507,7 +507,8 @@ def test_a_model_task_other_than_the_data_modules_is_one_line(tmp_path, monkeypa
     cases = [(es + ["--model.init_args.task", "gsm8k"], "(the module's vs the data module's: gsm8k (GSM8KTask) vs "
               "countdown (CountdownTask))"),
              (es + ["--model.init_args.task", "countdown", "--data.init_args.task.init_args.prompt_format", "r1"],
-              "(the module's vs the data module's: countdown with prompt_format 'compact' vs 'r1')")]
+              "(the module's vs the data module's: countdown with prompt_format 'compact' vs 'r1', max_completion_chars "
+              "8192 vs 65536)")]  # r1's own bound through the command too (it was given 8192)
     for argv, expected in cases:
         with pytest.raises(SystemExit) as exit:
             cli_main(argv)

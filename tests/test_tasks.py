@@ -683,3 +683,40 @@ def test_a_verifier_that_raises_is_reported_once_and_costs_only_the_sample():
         assert task.reward(["5"], [example]) == [0.1]
     with pytest.warns(RuntimeWarning, match=r"BadExtract.extract_answer raised ValueError: cannot read 5; .*scored 0"):
         assert BadExtract().reward(["5"], [example]) == [0.0]
+
+
+@pytest.mark.parametrize("task, bound", [("gsm8k", 65536), ("countdown", 8192)])
+def test_the_command_builds_each_task_with_its_own_completion_bound(task, bound, qwen_like_small_dir, tmp_path,
+                                                                   monkeypatch, capsys):
+    """`es-lightning fit` (jsonargparse) passed the base signature's default, max_completion_chars=8192, explicitly,
+    overriding GSM8K's 65536: through the command (and the shipped Qwen GSM8K recipes) a chain of thought longer than
+    8192 characters scored 0. The default is None, the task's own bound, resolved when the task is built: GSM8K gets
+    65536 (recorded in the run's checkpoint, which an evaluation rebuilds the task from), compact Countdown 8192, and
+    --print_config shows null."""
+    from pathlib import Path
+
+    import torch
+
+    from es_lightning.cli import cli_main
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "es.yaml"
+    data = []
+    if task == "gsm8k":
+        (tmp_path / "gsm8k").mkdir()
+        with open(tmp_path / "gsm8k" / "train.jsonl", "w") as f:
+            for a in range(2, 10):
+                f.write(json.dumps({"question": f"What is {a} + 1?", "answer": f"{a} + 1 = {a + 1}\n#### {a + 1}"}) + "\n")
+        data = ["--data.init_args.task", "es_lightning.GSM8KTask", "--data.init_args.source", str(tmp_path / "gsm8k")]
+    monkeypatch.chdir(tmp_path)
+    cli_main(["fit", "--config", str(recipe), "--model.init_args.model", qwen_like_small_dir, *data,
+              "--model.init_args.population_size", "2", "--model.init_args.members_per_batch", "2",
+              "--model.init_args.max_new_tokens", "2", "--data.init_args.train_size", "4", "--data.init_args.val_size",
+              "2", "--data.init_args.test_size", "2", "--data.init_args.batch_size", "2", "--trainer.max_steps", "1",
+              "--trainer.limit_val_batches", "0", "--trainer.enable_progress_bar", "false",
+              "--trainer.callbacks", "es_lightning.RunCheckpoint", "--trainer.logger.init_args.save_dir", str(tmp_path)])
+    ckpt = torch.load(next(tmp_path.rglob("last.ckpt")), weights_only=False)
+    assert ckpt["ReasoningDataModule"]["stream"]["task"]["init_args"]["max_completion_chars"] == bound
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        cli_main(["fit", "--config", str(recipe), "--print_config"])
+    assert "max_completion_chars: null" in capsys.readouterr().out

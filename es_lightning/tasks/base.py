@@ -67,6 +67,9 @@ class Task(ABC):
         use_chat_template: wrap the prompt in the tokenizer's chat template (instruct models); the built-in model has
             none.
         max_completion_chars: completions longer than this score 0 without being parsed (bounds verifier time).
+            None (the default) is the task's own bound, resolved when the task is built: 8192 here, 65536 for the
+            chain-of-thought tasks (GSM8K, MATH, Countdown's ``r1`` format). A number, not None, as the signature's
+            default would be passed explicitly by the command line (jsonargparse) and override the task's own bound.
         system_prompt: a system turn before every prompt, with the chat template (``use_chat_template: true``); None
             leaves the template's own default (Qwen2.5-Instruct's writes "You are Qwen, created by Alibaba Cloud. You
             are a helpful assistant."; Llama 3's writes none). TRL's conversational datasets carry it as the
@@ -82,18 +85,22 @@ class Task(ABC):
     hub_dataset: ClassVar[str | None] = None
     #: hub dataset config name (e.g. ``"main"`` for openai/gsm8k)
     hub_config: ClassVar[str | None] = None
+    #: the ``max_completion_chars`` that ``None`` stands for (short completions: the built-in model's formats)
+    default_max_completion_chars: ClassVar[int] = 8192
 
     def __init__(
         self,
         correct_reward: float = 1.0,
         format_reward: float = 0.1,
         use_chat_template: bool = False,
-        max_completion_chars: int = 8192,
+        max_completion_chars: int | None = None,
         system_prompt: str | None = None,
     ) -> None:
         self.correct_reward = float(correct_reward)
         self.format_reward = float(format_reward)
         self.use_chat_template = bool(use_chat_template)
+        if max_completion_chars is None:
+            max_completion_chars = self.default_max_completion_chars
         self.max_completion_chars = int(max_completion_chars)
         if system_prompt is not None and not isinstance(system_prompt, str):
             raise ValueError(f"system_prompt must be a text, got {type(system_prompt).__name__} {system_prompt!r}")

@@ -91,8 +91,8 @@ class CountdownTask(Task):
         max_target: int = 100,
         **task_kwargs: Any,
     ) -> None:
-        if prompt_format == "r1":  # long reasoning must not be cut by the compact-model default bound
-            task_kwargs.setdefault("max_completion_chars", LONG_COMPLETION_CHARS)
+        if prompt_format == "r1" and task_kwargs.get("max_completion_chars") is None:  # None: the format's own bound
+            task_kwargs["max_completion_chars"] = LONG_COMPLETION_CHARS  # long reasoning, not the compact model's bound
         super().__init__(**task_kwargs)
         if prompt_format not in PROMPT_FORMATS:
             raise ValueError(f"prompt_format must be one of {PROMPT_FORMATS}, got {prompt_format!r}")

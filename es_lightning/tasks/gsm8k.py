@@ -154,9 +154,10 @@ class GSM8KTask(Task):
     required_columns: ClassVar[tuple[str, ...]] = ("question", "answer")
     hub_dataset: ClassVar[str | None] = "openai/gsm8k"
     hub_config: ClassVar[str | None] = "main"
+    #: chains of thought are long; extraction is one rfind
+    default_max_completion_chars: ClassVar[int] = 65536
 
     def __init__(self, **task_kwargs: Any) -> None:
-        task_kwargs.setdefault("max_completion_chars", 65536)  # chains of thought are long; extraction is one rfind
         super().__init__(**task_kwargs)
 
     def prompt(self, example: dict[str, Any]) -> str:

@@ -89,9 +89,10 @@ class MathTask(Task):
     name: ClassVar[str] = "math"
     required_columns: ClassVar[tuple[str, ...]] = ("problem", "answer")
     hub_dataset: ClassVar[str | None] = "HuggingFaceH4/MATH-500"
+    #: long chains of thought; extraction is one rfind
+    default_max_completion_chars: ClassVar[int] = 65536
 
     def __init__(self, timeout_seconds: int = 5, max_answer_chars: int = 1000, **task_kwargs: Any) -> None:
-        task_kwargs.setdefault("max_completion_chars", 65536)  # long chains of thought; extraction is one rfind
         super().__init__(**task_kwargs)
         if int(timeout_seconds) < 1:
             raise ValueError(f"timeout_seconds must be a whole number of seconds >= 1, got {timeout_seconds}")
