@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import lightning as L
@@ -489,31 +489,46 @@ class ReasoningDataModule(L.LightningDataModule):
         with hub_errors(self.source, kind="dataset"):
             return datasets.load_dataset(self.source, self.hub_config or self.task.hub_config)
 
-    def map_columns(self, ds, split: str, fix: Callable[[list[str], str], str] | None = None):
+    def map_columns(self, ds, split: str):
         """``ds`` (a split of the source) with ``column_mapping`` applied and the task's columns checked: one line
-        naming a mapped column that is absent, or a task column that is missing, and the option that fixes it
-        (``fix(missing, a_column_it_has)``: the hint, by default ``data.column_mapping``'s)."""
-        suggested = self._suggest_mapping(ds.column_names)
+        naming a mapped column that is absent, or a task column that is missing, the split's own columns (before any
+        renaming) and the whole mapping that reads them (:meth:`_suggest_mapping`), or, for a task column no column
+        of the split is left to give, to add it to the file (an evaluation's refusals are these, in its terms)."""
+        own = list(ds.column_names)
+        own_chat = chat_columns(ds)
+        spare = [c for c in own if c not in own_chat]  # chat turns are no value a task reads: never proposed
+        suggested, unmappable = self._suggest_mapping(spare)
+
+        def hint(lead: str, sentence: bool) -> str:
+            """``lead`` (how to map) and the whole mapping, or for a task column no column is left to give, adding it
+            to the file (and the mapping of the others, where it changes); ``sentence``: it begins one."""
+            given = f"column_mapping: {suggested}"
+            if not unmappable:
+                return f"{lead}, e.g. {given}"
+            add = (f"{'N' if sentence else 'n'}o column of {self._where()} is left to map to {unmappable}: add "
+                   + ("it" if len(unmappable) == 1 else "them") + f" to {self._where()}")
+            mapped = "{" + ", ".join(f"{c}: {t}" for c, t in (self.column_mapping or {}).items()) + "}"
+            return add + (f"; map the others, e.g. {given}" if suggested not in ("{}", mapped) else "")
+
         if self.column_mapping:
-            missing = [c for c in self.column_mapping if c not in ds.column_names]
+            missing = [c for c in self.column_mapping if c not in own]
             if missing:
                 raise ValueError(
-                    f"data.column_mapping renames {missing}, but the {split} split has columns {ds.column_names} (task "
-                    f"{self.task.name!r} reads {list(self.task.required_columns)}); map the file's own columns, e.g. "
-                    f"column_mapping: {suggested}"
-                )
+                    f"data.column_mapping renames {missing}, but the {split} split of data.source {self.source!r} has "
+                    f"columns {own} (task {self.task.name!r} reads {list(self.task.required_columns)}); "
+                    + hint("map the file's own columns", False))
             targets = list(self.column_mapping.values())
             twice = sorted({t for t in targets if targets.count(t) > 1})
             if twice:
                 raise ValueError(f"data.column_mapping maps several columns to {twice}: "
                                  + "; ".join(f"{[c for c, t in self.column_mapping.items() if t == name]} to {name!r}"
                                              for name in twice) + "; map one column to each")
-            taken = [(c, t) for c, t in self.column_mapping.items() if t in ds.column_names and t not in self.column_mapping]
+            taken = [(c, t) for c, t in self.column_mapping.items() if t in own and t not in self.column_mapping]
             if taken:  # datasets would keep both under one name, and a row would read one of them
                 column, target = taken[0]
+                renamed = f"column_mapping: {{{target}: {target}_original, {column}: {target}}}"
                 raise ValueError(f"data.column_mapping renames {column!r} to {target!r}, but the {split} split has a "
-                                 f"{target!r} column already (columns {ds.column_names}); rename that one away too, e.g. "
-                                 f"column_mapping: {{{target}: {target}_original, {column}: {target}}}")
+                                 f"{target!r} column already (columns {own}); rename that one away too, e.g. {renamed}")
             ds = ds.rename_columns(self.column_mapping)
         chat = chat_columns(ds)
         read = [c for c in self.task.required_columns if c in chat]
@@ -522,25 +537,29 @@ class ReasoningDataModule(L.LightningDataModule):
                              f"(role/content turns), not the values task {self.task.name!r} reads; {CHAT_FIX}")
         # a column the hint may propose to rename: not chat turns, not already one the task reads
         others = [c for c in ds.column_names if c not in chat and c not in self.task.required_columns]
-        example = others[0] if others else "your_column"
-        fix = fix or (lambda missing, have: "Map them with data.column_mapping, e.g. column_mapping: " + (
-            suggested if self.column_mapping else f"{{{have}: {missing[0]}}}"))  # a mapping given: the whole of it
+        fix = lambda missing: hint("Map them with data.column_mapping", True)  # noqa: E731  (the whole mapping, always)
         chat_fix = f"{chat} hold chat messages (role/content turns): {CHAT_FIX}"
         lacking = set(self.task.required_columns) - set(ds.column_names)
         nested = [c for c, fields in nested_rows(ds).items() if lacking and lacking <= set(fields)]
         if nested:  # {"data": [{...}, ...]}: one JSON object holding the rows, read as a single row
-            def fix(missing: list[str], have: str) -> str:
+            def fix(missing: list[str]) -> str:
                 return (f"Its column {nested[0]!r} holds rows with them (a JSON file {{\"{nested[0]}\": [...]}}, read "
                         "as one row): write the rows one JSON object a line (jsonl), e.g. datasets.load_dataset('json', "
                         f"data_files=..., field='{nested[0]}')['train'].to_json('train.jsonl')")
         check_columns(ds, self.task, f"data.source {self.source!r}", split, lambda missing: (
-            f"Its {chat_fix}" if chat and not others else fix(missing, example) + (f"; its {chat_fix}" if chat else "")))
+            f"Its {chat_fix}" if chat and not others else fix(missing) + (f"; its {chat_fix}" if chat else "")),
+            columns=own)
         return ds
 
-    def _suggest_mapping(self, columns: list[str]) -> str:
+    def _where(self) -> str:
+        """What a missing column is added to: the file (a local source), else the dataset."""
+        return "the file" if os.path.exists(os.path.expanduser(str(self.source))) else "the dataset"
+
+    def _suggest_mapping(self, columns: list[str]) -> tuple[str, list[str]]:
         """The whole ``column_mapping`` to give over a split with ``columns`` (as a user writes it): the given entries
         that rename a column the split has to one the task reads (one written the wrong way round, turned), then each
-        column the task reads that is still missing from a column not used yet (the given sources first)."""
+        column the task reads that is still missing from a column not used yet (the given sources first); and the
+        task's columns no column is left to give (to be added to the file)."""
         required = self.task.required_columns
         mapping: dict[str, str] = {}
         for source, target in self.column_mapping.items():
@@ -553,7 +572,7 @@ class ReasoningDataModule(L.LightningDataModule):
         spare = [c for c in self.column_mapping if c in spare] + [c for c in spare if c not in self.column_mapping]
         mapping.update(zip(spare, needed))
         ordered = sorted(mapping.items(), key=lambda item: required.index(item[1]))  # in the task's order
-        return "{" + ", ".join(f"{c}: {t}" for c, t in ordered) + "}"
+        return "{" + ", ".join(f"{c}: {t}" for c, t in ordered) + "}", needed[len(spare):]
 
     # ------------------------------------------------------------------ loaders
     def _loader(self, split: str, batch_size: int, shuffle: bool) -> DataLoader:

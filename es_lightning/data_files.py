@@ -207,10 +207,14 @@ def nested_rows(ds) -> dict[str, list[str]]:
     return out
 
 
-def check_columns(ds, task: Task, where: str, split: str, fix: Callable[[list[str]], str]) -> None:
+def check_columns(ds, task: Task, where: str, split: str, fix: Callable[[list[str]], str],
+                  columns: Sequence[str] | None = None) -> None:
     """Refuse a split without the raw columns ``task`` reads, in one line: ``where`` names the source (and the option
-    it was given by), ``fix(missing)`` says how to supply them."""
+    it was given by), ``fix(missing)`` says how to supply them; ``columns`` are the split's own (before a
+    ``column_mapping`` renamed them: what the user sees in the file), ``ds``'s by default."""
     missing = [c for c in task.required_columns if c not in ds.column_names]
     if missing:
+        own = list(ds.column_names if columns is None else columns)
+        renamed = f" ({list(ds.column_names)} after data.column_mapping)" if own != list(ds.column_names) else ""
         raise ValueError(f"{where}: its {split} split lacks column(s) {missing} that task {task.name!r} needs; "
-                         f"it has {ds.column_names}. {fix(missing)}")
+                         f"it has {own}{renamed}. {fix(missing)}")

@@ -601,3 +601,57 @@ def test_a_wrong_column_mapping_names_the_whole_mapping_that_reads_the_file(tmp_
     dm.setup()
     assert sorted(e["answer"] for e in dm.splits["train"] + dm.splits["val"] + dm.splits["test"])[:2] == ["#### 1",
                                                                                                           "#### 10"]
+
+
+def _command_error(capsys, args) -> str:
+    """The one line ``es-lightning <args>`` (in this process) ends with, status 2."""
+    from es_lightning.cli import cli_main
+
+    with pytest.raises(SystemExit) as stop:
+        cli_main(args)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    return err
+
+
+def _gsm8k_files(tmp_path):
+    """A parquet file with GSM8K's columns under other names (``q``, ``sol``), and a jsonl file without an answer."""
+    rows = {"q": [f"What is {i}+1?" for i in range(12)], "sol": [f"#### {i + 1}" for i in range(12)]}
+    datasets.Dataset.from_dict(rows).to_parquet(str(tmp_path / "qa.parquet"))
+    _write_jsonl(tmp_path / "q.jsonl", [{"q": q} for q in rows["q"]])
+    return str(tmp_path / "qa.parquet"), str(tmp_path / "q.jsonl")
+
+
+def test_a_missing_column_names_the_files_own_columns_and_the_whole_mapping_in_fit_and_eval(tmp_path, monkeypatch,
+                                                                                          capsys):
+    """A mapping that leaves a task column unmapped listed the columns after renaming (``['question', 'sol']``, not
+    what the file holds); an evaluation proposed one entry alone (``{sol: answer}``, which drops ``q: question``); a
+    task column no column of the file could give was offered ``{your_column: answer}``. Now the file's own columns,
+    the whole mapping in fit and evaluation alike, and "add it to the file" when nothing is left to map."""
+    from pathlib import Path
+
+    qa, q_only = _gsm8k_files(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    grpo = ["fit", "--config", str(Path(__file__).resolve().parents[1] / "recipes" / "grpo.yaml"),
+            "--data.init_args.task", "gsm8k", "--data.init_args.val_size", "2", "--data.init_args.test_size", "2"]
+    evaluate = ["eval", "--checkpoints", "builtin:countdown-tiny", "--tasks", "gsm8k", "--eval.num_problems", "2"]
+    for args, mapping in ((grpo + ["--data.init_args.source", qa], "--data.init_args.column_mapping"),
+                          (evaluate + ["--eval.source", qa], "--eval.column_mapping")):
+        err = _command_error(capsys, args + [mapping, "{q: question}"])
+        assert "lacks column(s) ['answer']" in err and "it has ['q', 'sol'] (['question', 'sol'] after" in err, err
+        assert "{q: question, sol: answer}" in err, err
+        err = _command_error(capsys, args + [mapping, "{qq: question}"])  # a mapped column the file lacks
+        assert "has columns ['q', 'sol']" in err and "{q: question, sol: answer}" in err, err
+    err = _command_error(capsys, evaluate + ["--eval.source", qa])  # no mapping: still the whole of it
+    assert "it has ['q', 'sol']." in err and "{q: question, sol: answer}" in err, err
+    for args, option in ((grpo + ["--data.init_args.source", q_only, "--data.init_args.column_mapping", "{q: question}"],
+                          "data.column_mapping"),
+                         (evaluate + ["--eval.source", q_only, "--eval.column_mapping", "{q: question}"],
+                          "--eval.column_mapping")):
+        err = _command_error(capsys, args)
+        assert err.endswith(f"it has ['q'] (['question'] after {option}). No column of the file is left to map "
+                            "to ['answer']: add it to the file"), err
+    with pytest.raises(ValueError, match=r"it has \['q'\]\. No column of the file is left to map to \['answer'\]: add "
+                                         r"it to the file; map the others, e.g. column_mapping: \{q: question\}$"):
+        ReasoningDataModule(task="gsm8k", source=q_only, val_size=2, test_size=2).setup()
+
