@@ -489,20 +489,23 @@ class ReasoningDataModule(L.LightningDataModule):
         with hub_errors(self.source, kind="dataset"):
             return datasets.load_dataset(self.source, self.hub_config or self.task.hub_config)
 
-    def map_columns(self, ds, split: str):
+    def map_columns(self, ds, split: str, option: str | None = None):
         """``ds`` (a split of the source) with ``column_mapping`` applied and the task's columns checked: one line
         naming a mapped column that is absent, or a task column that is missing, the split's own columns (before any
         renaming) and the whole mapping that reads them (:meth:`_suggest_mapping`), or, for a task column no column
-        of the split is left to give, to add it to the file (an evaluation's refusals are these, in its terms)."""
+        of the split is left to give, to add it to the file. ``option`` is the command-line option that gives the
+        mapping (an evaluation's ``--eval.column_mapping``): the hint is written as that flag, quoted
+        (``--eval.column_mapping '{q: question}'``); without it as the fit's mapping was given (:meth:`_as_given`)."""
         own = list(ds.column_names)
         own_chat = chat_columns(ds)
         spare = [c for c in own if c not in own_chat]  # chat turns are no value a task reads: never proposed
         suggested, unmappable = self._suggest_mapping(spare)
+        option = option or self._command_option()
 
         def hint(lead: str, sentence: bool) -> str:
             """``lead`` (how to map) and the whole mapping, or for a task column no column is left to give, adding it
             to the file (and the mapping of the others, where it changes); ``sentence``: it begins one."""
-            given = f"column_mapping: {suggested}"
+            given = self._as_given(suggested, option)
             if not unmappable:
                 return f"{lead}, e.g. {given}"
             add = (f"{'N' if sentence else 'n'}o column of {self._where()} is left to map to {unmappable}: add "
@@ -526,7 +529,7 @@ class ReasoningDataModule(L.LightningDataModule):
             taken = [(c, t) for c, t in self.column_mapping.items() if t in own and t not in self.column_mapping]
             if taken:  # datasets would keep both under one name, and a row would read one of them
                 column, target = taken[0]
-                renamed = f"column_mapping: {{{target}: {target}_original, {column}: {target}}}"
+                renamed = self._as_given(f"{{{target}: {target}_original, {column}: {target}}}", option)
                 raise ValueError(f"data.column_mapping renames {column!r} to {target!r}, but the {split} split has a "
                                  f"{target!r} column already (columns {own}); rename that one away too, e.g. {renamed}")
             ds = ds.rename_columns(self.column_mapping)
@@ -537,7 +540,8 @@ class ReasoningDataModule(L.LightningDataModule):
                              f"(role/content turns), not the values task {self.task.name!r} reads; {CHAT_FIX}")
         # a column the hint may propose to rename: not chat turns, not already one the task reads
         others = [c for c in ds.column_names if c not in chat and c not in self.task.required_columns]
-        fix = lambda missing: hint("Map them with data.column_mapping", True)  # noqa: E731  (the whole mapping, always)
+        lead = "Map them" if option else "Map them with data.column_mapping"  # the flag names the option itself
+        fix = lambda missing: hint(lead, True)  # noqa: E731  (the whole mapping, always)
         chat_fix = f"{chat} hold chat messages (role/content turns): {CHAT_FIX}"
         lacking = set(self.task.required_columns) - set(ds.column_names)
         nested = [c for c, fields in nested_rows(ds).items() if lacking and lacking <= set(fields)]
@@ -554,6 +558,23 @@ class ReasoningDataModule(L.LightningDataModule):
     def _where(self) -> str:
         """What a missing column is added to: the file (a local source), else the dataset."""
         return "the file" if os.path.exists(os.path.expanduser(str(self.source))) else "the dataset"
+
+    @staticmethod
+    def _as_given(mapping: str, option: str | None) -> str:
+        """``mapping`` (``{q: question}``) as the user gives it: the quoted flag on the command line (``option``,
+        ``--eval.column_mapping '{q: question}'``), else a recipe's key (``column_mapping: {q: question}``, also
+        ``column_mapping=`` in Python)."""
+        return f"{option} '{mapping}'" if option else f"column_mapping: {mapping}"
+
+    @staticmethod
+    def _command_option() -> str | None:
+        """The ``--data...column_mapping`` flag of the running ``es-lightning`` command that gave the mapping (the
+        hint answers in the same form), or None (a recipe's key, a script's argument, or no mapping given)."""
+        from es_lightning.cli_errors import locate, remembered_argv
+
+        argv = remembered_argv()
+        where = locate("data.init_args.column_mapping", argv) if argv and argv[0] in ("fit", "validate", "test") else None
+        return where if where and where.startswith("--") else None
 
     def _suggest_mapping(self, columns: list[str]) -> tuple[str, list[str]]:
         """The whole ``column_mapping`` to give over a split with ``columns`` (as a user writes it): the given entries

@@ -655,3 +655,29 @@ def test_a_missing_column_names_the_files_own_columns_and_the_whole_mapping_in_f
                                          r"it to the file; map the others, e.g. column_mapping: \{q: question\}$"):
         ReasoningDataModule(task="gsm8k", source=q_only, val_size=2, test_size=2).setup()
 
+
+def test_a_mapping_hint_is_written_the_way_the_user_gives_the_mapping(tmp_path, monkeypatch, capsys):
+    """`es-lightning eval --eval.column_mapping '{q: question}'` was answered in a recipe's form (`e.g. column_mapping:
+    {q: question, sol: answer}`), which the command line does not take. A mapping given on the command line is answered
+    with the quoted flag (`--eval.column_mapping '{...}'`, the fit's `--data.init_args.column_mapping '{...}'`); one a
+    recipe gives, with the recipe's key."""
+    from pathlib import Path
+
+    import yaml
+
+    qa, _ = _gsm8k_files(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    grpo = ["fit", "--config", str(Path(__file__).resolve().parents[1] / "recipes" / "grpo.yaml"),
+            "--data.init_args.task", "gsm8k", "--data.init_args.val_size", "2", "--data.init_args.test_size", "2",
+            "--data.init_args.source", qa]
+    evaluate = ["eval", "--checkpoints", "builtin:countdown-tiny", "--tasks", "gsm8k", "--eval.num_problems", "2",
+                "--eval.source", qa]
+    whole = "'{q: question, sol: answer}'"
+    for args, option in ((evaluate, "--eval.column_mapping"), (grpo, "--data.init_args.column_mapping")):
+        assert _command_error(capsys, args + [option, "{q: question}"]).endswith(f"Map them, e.g. {option} {whole}")
+        assert _command_error(capsys, args + [option, "{qq: question}"]).endswith(
+            f"map the file's own columns, e.g. {option} {whole}")
+    assert _command_error(capsys, evaluate).endswith(f"Map them, e.g. --eval.column_mapping {whole}")
+    (tmp_path / "mapping.yaml").write_text(yaml.safe_dump({"data": {"init_args": {"column_mapping": {"q": "question"}}}}))
+    assert _command_error(capsys, grpo + ["--config", "mapping.yaml"]).endswith(
+        "Map them with data.column_mapping, e.g. column_mapping: {q: question, sol: answer}")

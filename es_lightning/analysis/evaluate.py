@@ -73,7 +73,7 @@ def heldout_problems(task: Task, num_problems: int, seed: int = 0, source: str =
             dm.setup("test")
             return DrawnProblems(dm.splits["test"], [dm.source_row("test", i) for i in range(len(dm.splits["test"]))],
                                  f"the {dm.train_split!r} split of --eval.source {source!r}")
-        ds = dm.map_columns(dsets[name], repr(name))  # the fit's renames, checks and hints
+        ds = dm.map_columns(dsets[name], repr(name), "--eval.column_mapping")  # the fit's renames, checks and hints
         if len(ds) < num_problems:
             raise ValueError(f"eval.source {source!r} has {len(ds)} problems in its {name!r} split, fewer than "
                              f"eval.num_problems={num_problems}; lower --eval.num_problems (e.g. to {len(ds)})")
