@@ -68,8 +68,9 @@ class Task(ABC):
             none.
         max_completion_chars: completions longer than this score 0 without being parsed (bounds verifier time).
             None (the default) is the task's own bound, resolved when the task is built: 8192 here, 65536 for the
-            chain-of-thought tasks (GSM8K, MATH, Countdown's ``r1`` format). A number, not None, as the signature's
-            default would be passed explicitly by the command line (jsonargparse) and override the task's own bound.
+            chain-of-thought tasks (GSM8K, MATH, Countdown's ``r1`` format). The signature's default is None, not a
+            number: the command line (jsonargparse) passes the default explicitly, so a number there overrode the
+            task's own bound.
         system_prompt: a system turn before every prompt, with the chat template (``use_chat_template: true``); None
             leaves the template's own default (Qwen2.5-Instruct's writes "You are Qwen, created by Alibaba Cloud. You
             are a helpful assistant."; Llama 3's writes none). TRL's conversational datasets carry it as the
