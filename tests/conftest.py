@@ -16,6 +16,19 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # the user's ~/.cache/huggingface/modules (child processes inherit it)
 os.environ["HF_MODULES_CACHE"] = tempfile.mkdtemp(prefix="es-lightning-tests-hf-modules-")
 atexit.register(shutil.rmtree, os.environ["HF_MODULES_CACHE"], ignore_errors=True)
+# the libraries' log handlers (Lightning's, transformers', datasets', huggingface_hub's, torchmetrics') write to the
+# sys.stderr of the moment they are made: made now, under pytest's session-long capture, not inside the first test
+# that imports them, where a capsys stream closed after it broke every later test's log line ("I/O operation on
+# closed file"; a test file run alone, e.g. tests/test_cli_errors.py, failed where the whole suite passed)
+import datasets.utils.logging  # noqa: E402
+import huggingface_hub.utils.logging  # noqa: E402
+import lightning.pytorch  # noqa: E402, F401
+import torchmetrics  # noqa: E402, F401
+import transformers.utils.logging  # noqa: E402
+
+for _library_logging in (datasets.utils.logging, huggingface_hub.utils.logging, transformers.utils.logging):
+    _library_logging.get_logger()  # makes the library's root handler now (otherwise at its first log line)
+
 # one thread: the suite also runs 2-process DDP tests on 2 cores, where two threads per process thrash
 torch.set_num_threads(1)
 
