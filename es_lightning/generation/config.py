@@ -112,6 +112,15 @@ def position_limit(config) -> int | None:
     return limit if isinstance(limit, int) and not isinstance(limit, bool) and not _rope_scaled(rope) else None
 
 
+#: how a refusal or warning names a vLLM engine's ``max_model_len`` that ``generation_options`` did not set: vLLM took
+#: the smallest length its model's config and tokenizer give (``max_position_embeddings``, ``seq_length``, the
+#: tokenizer's ``model_max_length`` …) and refuses a larger one, so shorter prompts (or fewer new tokens) are the fix
+DERIVED_MAX_MODEL_LEN = ("the vLLM engine's max_model_len (vLLM's own for this model, from its config and tokenizer: "
+                         "generation_options sets none, and vLLM refuses a larger one)")
+#: the fix of a prompt that no limit can be raised for
+SHORTEN_PROMPTS = "shorten the prompts (the task's prompt format or system_prompt)"
+
+
 def prompt_limit(config, max_model_len: int | None = None) -> int | None:
     """The prompt length (tokens) from which no completion token fits: the model's positions (:func:`position_limit`),
     or a vLLM engine's ``max_model_len`` where it is lower; ``None`` where neither is known.

@@ -246,6 +246,8 @@ class VLLMGenerator(Generator):
         self.cpu_kv_cache_gib = cpu_kv_cache_gib
         if dtype == "auto":
             dtype = str(next(policy.model.parameters()).dtype).removeprefix("torch.")
+        #: whether ``max_model_len`` was given; else vLLM derived it (:data:`~es_lightning.generation.config.DERIVED_MAX_MODEL_LEN`)
+        self.max_model_len_asked = max_model_len is not None
         max_model_len = _within_positions(policy.model.config, max_model_len)
         self._dist_was_initialized = torch.distributed.is_available() and torch.distributed.is_initialized()
         self._config_dir = tempfile.TemporaryDirectory(prefix="es-lightning-vllm-")
@@ -287,7 +289,8 @@ class VLLMGenerator(Generator):
         self._adapters: list[str] | None = None
         self._prompt_lengths = PromptLengths()  # the longest prompt so far; the max_model_len warning said once
         self.llm = self._build_engine(kwargs)
-        #: the longest prompt + completion the engine takes (vLLM's, from max_model_len or the model's config)
+        #: the longest prompt + completion the engine takes (vLLM's, from max_model_len or the model's config and
+        #: tokenizer: the tokenizer's ``model_max_length`` may be below the positions a fit's start checked against)
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
         if self._dist_was_initialized:  # shut down before the trainer's group goes at exit (es_lightning/distributed.py)
             from es_lightning.distributed import close_before_group_exit

@@ -36,7 +36,7 @@ from torch import Tensor
 
 from es_lightning.algorithms import SAMPLING_KEYS, Algorithm, get_algorithm
 from es_lightning.generation import Generator, Rollout, SamplingParams, check_generation_options, make_generator
-from es_lightning.generation.config import position_limit, prompt_limit
+from es_lightning.generation.config import DERIVED_MAX_MODEL_LEN, SHORTEN_PROMPTS, position_limit, prompt_limit
 from es_lightning.hub import model_fix_local, with_local_fix
 from es_lightning.metrics.training import StepMetrics, shared_metrics
 from es_lightning.modules.stage import STAGE_KEY, peek_stage_on_load
@@ -270,10 +270,12 @@ class ReasoningModule(L.LightningModule):
         if self._generator is not None:
             self._generator.weights_changed()
 
-    def start_generator(self) -> None:
+    def start_generator(self, splits: Sequence[str] = ()) -> None:
         """Build a vLLM engine now, before anything trains or evaluates, so that a model it cannot load is refused
         with vLLM's reason in one line at fit start (not at the first rollout); an existing one takes the current
-        weights (e.g. a resumed checkpoint's) before it next generates."""
+        weights (e.g. a resumed checkpoint's) before it next generates. An engine whose own ``max_model_len`` is lower
+        than the limit the rows of ``splits`` were checked against (vLLM derives one where ``generation_options`` sets
+        none) has them checked again (:meth:`check_prompt_lengths`), before any step."""
         if self.generation_backend == "hf":
             return
         if self.sharded:
@@ -283,7 +285,11 @@ class ReasoningModule(L.LightningModule):
                 "with DDP (configs/trainer/ddp.yaml) when the model fits on one device"
             )
         if self._generator is None:
+            checked = self.prompt_token_limit()
             _ = self.generator  # built from, and holding, the current weights
+            limit = self.prompt_token_limit()
+            if limit is not None and (checked is None or limit < checked):  # vLLM derived a lower max_model_len
+                self.check_prompt_lengths(splits)
         else:
             self._generator.weights_changed()
 
@@ -681,7 +687,7 @@ class ReasoningModule(L.LightningModule):
         self.check_prompt_lengths(("train", "val"))  # before an engine starts or anything trains
         if self.algorithm is not None:
             self.algorithm.on_fit_start(self)
-        self.start_generator()
+        self.start_generator(("train", "val"))
 
     def check_prompt_lengths(self, splits: Sequence[str]) -> None:
         """Refuse a data module's rows whose prompt leaves no room for a completion (:meth:`refuse_overlong_examples`)
@@ -696,20 +702,31 @@ class ReasoningModule(L.LightningModule):
             self.refuse_overlong_examples(dm.splits.get(split) or [], f"{split} prompts",
                                           partial(dm.source_row, split), partial(dm.describe_row, split))
 
+    def prompt_token_limit(self) -> int | None:
+        """The prompt length (tokens) from which no completion fits (:func:`~es_lightning.generation.config.prompt_limit`):
+        the model's positions, or on vLLM the engine's ``max_model_len`` where lower — the built engine's own, else
+        ``generation_options``' (unset, vLLM derives its own when it builds the engine: :meth:`start_generator`)."""
+        config = getattr(self.policy.model, "config", None)
+        if self.generation_backend != "vllm":
+            return prompt_limit(config)
+        built = getattr(self._generator, "max_model_len", None)
+        return prompt_limit(config, built if built is not None else self.engine_options().get("max_model_len"))
+
     def refuse_overlong_examples(self, examples: Sequence[dict[str, Any]], what: str, row_number: Callable[[int], int],
                                  describe: Callable[[int], str]) -> None:
         """Refuse ``examples`` whose prompt (chat template included) has the model's ``max_position_embeddings``
-        tokens or more (on vLLM: ``generation_options.max_model_len``, when lower), in one line naming how many of
-        them (``what``: "train prompts"), the first by ``row_number`` (its row in the data) as ``describe`` names it,
-        its token count and the fixes."""
+        tokens or more (on vLLM: the engine's ``max_model_len``, when lower: :meth:`prompt_token_limit`), in one line
+        naming how many of them (``what``: "train prompts"), the first by ``row_number`` (its row in the data) as
+        ``describe`` names it, its token count and the fixes."""
         if not examples:
             return
-        config = getattr(self.policy.model, "config", None)
-        positions = position_limit(config)
-        limit = prompt_limit(config, self.engine_options().get("max_model_len") if self.generation_backend == "vllm" else None)
+        positions = position_limit(getattr(self.policy.model, "config", None))
+        limit = self.prompt_token_limit()
         if limit is None:
             return
-        name = "the model's max_position_embeddings" if limit == positions else "generation_options.max_model_len"
+        derived = not getattr(self._generator, "max_model_len_asked", True)  # vLLM's own max_model_len
+        name = ("the model's max_position_embeddings" if limit == positions else
+                DERIVED_MAX_MODEL_LEN if derived else "generation_options.max_model_len")
         lengths = prompt_token_counts(self.policy.tokenizer, self.prompts(examples))
         over = [i for i, n in enumerate(lengths) if n >= limit]
         if not over:
@@ -718,8 +735,8 @@ class ReasoningModule(L.LightningModule):
 
         first = min(over, key=row_number)
         longest = max(lengths[i] for i in over)
-        fix = "shorten the prompts (the task's prompt format or system_prompt)"
-        if limit != positions and (positions is None or longest < positions):
+        fix = SHORTEN_PROMPTS
+        if limit != positions and not derived and (positions is None or longest < positions):
             fix = f"raise generation_options.max_model_len above {longest}, {fix}"
         have = "has" if len(over) == 1 else "have"
         raise SettingError(f"{len(over)} of the {len(lengths)} {what} {have} {limit} tokens or more, and {name} is "
@@ -730,10 +747,10 @@ class ReasoningModule(L.LightningModule):
         self.check_precision()
         _ = self.sharded
         fn = self._trainer.state.fn if self._trainer is not None else None
-        if fn in ("validate", "test"):  # a fit checked its rows at on_fit_start; validate/test check theirs here, once
-            self.check_prompt_lengths(("val",) if fn == "validate" else ("test",))
+        splits = (("val",) if fn == "validate" else ("test",)) if fn in ("validate", "test") else ()
+        self.check_prompt_lengths(splits)  # a fit checked its rows at on_fit_start; validate/test check theirs here
         if self._generator is None:
-            self.start_generator()
+            self.start_generator(splits)
 
     on_test_start = on_validation_start
 

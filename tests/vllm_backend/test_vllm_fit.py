@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import lightning as L
@@ -552,3 +553,78 @@ def test_a_dataset_row_past_max_model_len_is_refused_before_the_engine_starts(tm
         f"completion; the first is row 7 (counting from 0) of the 'train' split of data.source '{source}' (68 tokens as "
         "prompted); raise generation_options.max_model_len above 68, shorten the prompts (the task's prompt format or "
         "system_prompt), or remove those rows from the data"), refused.value
+
+
+def _short_sequence_model(llama_like_dir: str, tmp_path: Path, seq_length: int) -> str:
+    """The Llama-3.2 look-alike (scaled RoPE: no position limit known) whose config also says ``seq_length`` (as
+    ChatGLM's and Qwen-1's do): vLLM takes the smallest such length as its max_model_len when generation_options sets
+    none."""
+    model = tmp_path / "model"
+    shutil.copytree(llama_like_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "seq_length": seq_length}))
+    return str(model)
+
+
+def _long_row_data(tmp_path: Path, split: str, at: int):
+    """Compact Countdown from a directory whose ``split`` file (train.jsonl / validation.jsonl) has one row of 69
+    tokens (the Llama-like tokenizer, as prompted; the others 11-12) at ``at``."""
+    from es_lightning import CountdownTask, ReasoningDataModule
+
+    source = tmp_path / "countdown"
+    source.mkdir()
+    for name, rows in (("train", 16), ("validation", 4)):
+        first = 1 if name == "train" else 30  # no validation problem is a training problem
+        lines = [{"nums": [a, 3, 4], "target": a * 3 + 4} for a in range(first, first + rows)]
+        if name == split:
+            lines[at] = {"nums": list(range(1, 25)), "target": 17}
+        (source / f"{name}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in lines))
+    data = ReasoningDataModule(CountdownTask(prompt_format="compact"), source=str(source), train_size=16, val_size=4,
+                               test_size=0, batch_size=4, val_batch_size=4)
+    return data, source / f"{split}.jsonl"
+
+
+def _derived_engine_module(model: str, keep_alive: list):
+    from es_lightning import ESModule
+
+    module = ESModule(model=model, population_size=4, members_per_batch=1, max_new_tokens=8, temperature=0.0,
+                      generation_backend="vllm", generation_options=dict(cpu_kv_cache_gib=0.0625, max_num_seqs=16))
+    keep_alive.append(module)  # its engine lives until the session ends (see keep_alive)
+    return module
+
+
+def _refusal(what: str, where: str) -> str:
+    return (f"1 of the {what} has 40 tokens or more, and the vLLM engine's max_model_len (vLLM's own for this model, "
+            "from its config and tokenizer: generation_options sets none, and vLLM refuses a larger one) is 40: no "
+            f"room for a completion; the first is row {where} (69 tokens as prompted); shorten the prompts (the task's "
+            "prompt format or system_prompt), or remove those rows from the data")
+
+
+def test_a_row_past_the_max_model_len_vllm_derives_is_refused_before_the_first_step(tmp_path, keep_alive, llama_like_dir):
+    """With no generation_options.max_model_len, vLLM takes its own from the model's config and tokenizer (here the
+    config's seq_length, 40; the scaled RoPE gives no position limit to check the rows against before the engine
+    exists): the rows are checked again once the engine is built, refused in one line before the first step —
+    shorter prompts the fix, not a max_model_len vLLM would refuse — not at the step that draws the row."""
+    module = _derived_engine_module(_short_sequence_model(llama_like_dir, tmp_path, 40), keep_alive)
+    data, source = _long_row_data(tmp_path, "train", 7)
+    trainer = L.Trainer(max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
+    with pytest.raises(ValueError) as refused:
+        trainer.fit(module, data)
+    assert module.generator.max_model_len == 40 and trainer.global_step == 0
+    where = f"7 (counting from 0) of the 'train' split of data.source '{source.parent}'"
+    assert str(refused.value) == _refusal("16 train prompts", where), refused.value
+
+
+def test_a_validation_row_past_the_max_model_len_vllm_derives_is_refused_before_validating(tmp_path, keep_alive,
+                                                                                          llama_like_dir):
+    """``validate`` builds its engine at its start: its rows are checked against the engine's own max_model_len then,
+    refused in one line before a problem is generated."""
+    module = _derived_engine_module(_short_sequence_model(llama_like_dir, tmp_path, 40), keep_alive)
+    data, source = _long_row_data(tmp_path, "validation", 2)
+    trainer = L.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(ValueError) as refused:
+        trainer.validate(module, data)
+    assert module.generator.max_model_len == 40
+    where = f"2 (counting from 0) of the 'validation' split of data.source '{source.parent}'"
+    assert str(refused.value) == _refusal("4 val prompts", where), refused.value
