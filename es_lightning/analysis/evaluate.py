@@ -37,7 +37,6 @@ from es_lightning.analysis.output import check_out_dir, format_table, markdown_t
 from es_lightning.analysis.settings import PAPER_EVAL, REMOTE_CODE_OPTION, EvalSettings, resolve_device
 from es_lightning.data import DROP_INVALID_HINT, ReasoningDataModule, count_trained, procedural_split
 from es_lightning.data_files import HUB_CONFIG_HINT
-from es_lightning.generation.config import prompt_limit
 from es_lightning.policy import Policy
 from es_lightning.tasks import Task, get_task
 
@@ -206,7 +205,7 @@ def evaluation_module(policy: Policy, task: Task, max_new_tokens: int, device: t
     return module.to(device)
 
 
-#: what :func:`_refuse_overlong_problems` last found to fit: (problems, tokenizer, task, prompt limit)
+#: what :func:`_refuse_overlong_problems` last found to fit: (problems, tokenizer, task, the lowest prompt limit)
 _fitting: tuple = ()
 
 
@@ -215,12 +214,13 @@ def _refuse_overlong_problems(module, problems: Sequence[dict[str, Any]]) -> Non
     (:meth:`~es_lightning.modules.base.ReasoningModule.refuse_overlong_examples`), once per problem set: an ablation
     evaluates the same problems with the same tokenizer, task and limit once per setting, and rendering and tokenizing
     every prompt again each time cost as much as the check. The set is known by its identity (the problems are not
-    edited between evaluations: :func:`heldout_problems` draws them once); another tokenizer, task or limit (a model
-    of fewer positions, another ``max_model_len``) checks them again."""
+    edited between evaluations: :func:`heldout_problems` draws them once); another tokenizer or task, or a lower limit
+    than they fit (a model of fewer positions, a smaller ``max_model_len``, the one a vLLM engine derived itself)
+    checks them again."""
     global _fitting
-    engine = module.engine_options().get("max_model_len") if module.generation_backend == "vllm" else None
-    key = (problems, module.policy.tokenizer, module.task, prompt_limit(module.policy.model.config, engine))
-    if len(_fitting) == len(key) and all(a is b for a, b in zip(key[:3], _fitting[:3])) and key[3] == _fitting[3]:
+    key = (problems, module.policy.tokenizer, module.task, module.prompt_token_limit())
+    if key[3] is None or (len(_fitting) == len(key) and all(a is b for a, b in zip(key[:3], _fitting[:3]))
+                          and key[3] >= _fitting[3]):  # no limit, or one the set fits under
         return
     rows = getattr(problems, "rows", None)  # a data source's row numbers (DrawnProblems), else their order
     module.refuse_overlong_examples(list(problems), "problems", (lambda i: rows[i]) if rows else (lambda i: i),
@@ -266,6 +266,9 @@ def evaluate_policy(
             progress.update(len(examples))
 
     try:
+        if module.generation_backend == "vllm":  # the engine's own max_model_len (vLLM derives one where none is set)
+            module.start_generator()
+            _refuse_overlong_problems(module, problems)
         metrics = evaluator.evaluate_examples(module, list(problems), on_batch=on_batch)
     finally:  # a vLLM engine holds its own copy of the weights and GPU memory: one engine at a time
         close = getattr(module._generator, "close", None)

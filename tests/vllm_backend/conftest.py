@@ -80,6 +80,21 @@ def llama_pair(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def llama_like_seq40_dir(llama_like_dir, tmp_path_factory) -> str:
+    """The Llama-3.2 look-alike of tests/conftest.py (scaled RoPE: no position limit known) whose config also says
+    ``seq_length: 40`` (as ChatGLM's and Qwen-1's configs do): vLLM takes the smallest such length as its
+    max_model_len when generation_options sets none. A compact Countdown prompt of 24 numbers has 69 tokens on it."""
+    import json
+    import shutil
+
+    model = tmp_path_factory.mktemp("llama-like-seq40") / "model"
+    shutil.copytree(llama_like_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "seq_length": 40}))
+    return str(model)
+
+
+@pytest.fixture(scope="session")
 def hf_generate():
     """HFGenerator.generate on a policy (a new generator per call: it holds no state between calls)."""
     from es_lightning.generation import HFGenerator

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from pathlib import Path
 
 import lightning as L
@@ -555,17 +554,6 @@ def test_a_dataset_row_past_max_model_len_is_refused_before_the_engine_starts(tm
         "system_prompt), or remove those rows from the data"), refused.value
 
 
-def _short_sequence_model(llama_like_dir: str, tmp_path: Path, seq_length: int) -> str:
-    """The Llama-3.2 look-alike (scaled RoPE: no position limit known) whose config also says ``seq_length`` (as
-    ChatGLM's and Qwen-1's do): vLLM takes the smallest such length as its max_model_len when generation_options sets
-    none."""
-    model = tmp_path / "model"
-    shutil.copytree(llama_like_dir, model)
-    config = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**config, "seq_length": seq_length}))
-    return str(model)
-
-
 def _long_row_data(tmp_path: Path, split: str, at: int):
     """Compact Countdown from a directory whose ``split`` file (train.jsonl / validation.jsonl) has one row of 69
     tokens (the Llama-like tokenizer, as prompted; the others 11-12) at ``at``."""
@@ -600,12 +588,13 @@ def _refusal(what: str, where: str) -> str:
             "prompt format or system_prompt), or remove those rows from the data")
 
 
-def test_a_row_past_the_max_model_len_vllm_derives_is_refused_before_the_first_step(tmp_path, keep_alive, llama_like_dir):
+def test_a_row_past_the_max_model_len_vllm_derives_is_refused_before_the_first_step(tmp_path, keep_alive,
+                                                                                    llama_like_seq40_dir):
     """With no generation_options.max_model_len, vLLM takes its own from the model's config and tokenizer (here the
     config's seq_length, 40; the scaled RoPE gives no position limit to check the rows against before the engine
     exists): the rows are checked again once the engine is built, refused in one line before the first step —
     shorter prompts the fix, not a max_model_len vLLM would refuse — not at the step that draws the row."""
-    module = _derived_engine_module(_short_sequence_model(llama_like_dir, tmp_path, 40), keep_alive)
+    module = _derived_engine_module(llama_like_seq40_dir, keep_alive)
     data, source = _long_row_data(tmp_path, "train", 7)
     trainer = L.Trainer(max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
@@ -617,10 +606,10 @@ def test_a_row_past_the_max_model_len_vllm_derives_is_refused_before_the_first_s
 
 
 def test_a_validation_row_past_the_max_model_len_vllm_derives_is_refused_before_validating(tmp_path, keep_alive,
-                                                                                          llama_like_dir):
+                                                                                          llama_like_seq40_dir):
     """``validate`` builds its engine at its start: its rows are checked against the engine's own max_model_len then,
     refused in one line before a problem is generated."""
-    module = _derived_engine_module(_short_sequence_model(llama_like_dir, tmp_path, 40), keep_alive)
+    module = _derived_engine_module(llama_like_seq40_dir, keep_alive)
     data, source = _long_row_data(tmp_path, "validation", 2)
     trainer = L.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False)
     with pytest.raises(ValueError) as refused:
