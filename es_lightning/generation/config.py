@@ -113,10 +113,11 @@ def position_limit(config) -> int | None:
 
 
 #: how a refusal or warning names a vLLM engine's ``max_model_len`` that ``generation_options`` did not set: vLLM took
-#: the smallest length its model's config and tokenizer give (``max_position_embeddings``, ``seq_length``, the
-#: tokenizer's ``model_max_length`` …) and refuses a larger one, so shorter prompts (or fewer new tokens) are the fix
-DERIVED_MAX_MODEL_LEN = ("the vLLM engine's max_model_len (vLLM's own for this model, from its config and tokenizer: "
-                         "generation_options sets none, and vLLM refuses a larger one)")
+#: the smallest length the model's config gives (``max_position_embeddings``, ``seq_length``, ``max_seq_len`` …, times
+#: a linear RoPE factor) and refuses a larger one, so shorter prompts (or fewer new tokens) are the fix
+DERIVED_NOTE = ("(vLLM's own for this model, from its config: generation_options sets none, and vLLM refuses a larger "
+                "one)")
+DERIVED_MAX_MODEL_LEN = f"the vLLM engine's max_model_len {DERIVED_NOTE}"
 #: the fix of a prompt that no limit can be raised for
 SHORTEN_PROMPTS = "shorten the prompts (the task's prompt format or system_prompt)"
 

@@ -93,7 +93,7 @@ from es_lightning.generation.base import (
     default_seed,
     refuse_overlong_prompts,
 )
-from es_lightning.generation.config import checkpoint_eos_token_ids, position_limit, prompt_limit
+from es_lightning.generation.config import DERIVED_MAX_MODEL_LEN, DERIVED_NOTE, checkpoint_eos_token_ids, position_limit, prompt_limit
 from es_lightning.generation.hf import _cut_at_stop
 from es_lightning.generation.options import check_vllm_values, refuse_owned_options
 from es_lightning.policy import Policy, encode_prompts
@@ -289,8 +289,8 @@ class VLLMGenerator(Generator):
         self._adapters: list[str] | None = None
         self._prompt_lengths = PromptLengths()  # the longest prompt so far; the max_model_len warning said once
         self.llm = self._build_engine(kwargs)
-        #: the longest prompt + completion the engine takes (vLLM's, from max_model_len or the model's config and
-        #: tokenizer: the tokenizer's ``model_max_length`` may be below the positions a fit's start checked against)
+        #: the longest prompt + completion the engine takes (vLLM's, from max_model_len or the model's config: its
+        #: smallest length key, e.g. a ``seq_length`` below the positions a fit's start checked against)
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
         if self._dist_was_initialized:  # shut down before the trainer's group goes at exit (es_lightning/distributed.py)
             from es_lightning.distributed import close_before_group_exit
@@ -557,14 +557,20 @@ class VLLMGenerator(Generator):
         positions = position_limit(config)
         need = longest + max_new_tokens if positions is None else min(longest + max_new_tokens, positions)
         room = f"set generation_options.max_model_len to at least {need} (prompt + max_new_tokens)"
-        refuse_overlong_prompts(prompts, lengths, prompt_limit(config, self.max_model_len), "the vLLM engine's max_model_len",
-                                room if positions is None or longest < positions else
-                                "shorten the prompt (the task's prompt format or system_prompt)")
+        shorten = "shorten the prompt (the task's prompt format or system_prompt)"
+        # a max_model_len vLLM derived itself (none given) is the most it accepts: only shorter prompts fit under it
+        derived = not self.max_model_len_asked
+        refuse_overlong_prompts(prompts, lengths, prompt_limit(config, self.max_model_len),
+                                DERIVED_MAX_MODEL_LEN if derived else "the vLLM engine's max_model_len",
+                                room if not derived and (positions is None or longest < positions) else shorten)
         worst = self._prompt_lengths.see(longest)
         fix = f"set generation_options.max_model_len to at least {worst + max_new_tokens} (prompt + max_new_tokens)"
+        if derived:
+            fix = "shorten the prompts (the task's prompt format or system_prompt) or lower max_new_tokens"
         if longest + max_new_tokens > self.max_model_len and self._prompt_lengths.first_warning(self.max_model_len):
+            note = f" {DERIVED_NOTE}" if derived else ""
             warnings.warn(f"prompts of up to {worst} tokens so far plus max_new_tokens={max_new_tokens} exceed the "
-                          f"vLLM engine's max_model_len={self.max_model_len}: their completions end at "
+                          f"vLLM engine's max_model_len={self.max_model_len}{note}: their completions end at "
                           f"{self.max_model_len - worst} tokens or more (counted as truncated); {fix} (said once)",
                           stacklevel=3)
 

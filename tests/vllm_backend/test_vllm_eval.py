@@ -109,7 +109,7 @@ def test_a_problem_past_the_max_model_len_vllm_derives_is_refused_and_the_engine
         evaluate_policy(policy, CountdownTask(prompt_format="compact"), problems, settings)
     assert str(refused.value) == (
         "1 of the 2 problems has 40 tokens or more, and the vLLM engine's max_model_len (vLLM's own for this model, from "
-        "its config and tokenizer: generation_options sets none, and vLLM refuses a larger one) is 40: no room for a "
-        "completion; the first is problem 1 of those evaluated (69 tokens as prompted); shorten the prompts (the task's "
+        "its config: generation_options sets none, and vLLM refuses a larger one) is 40: no room for a completion; "
+        "the first is problem 1 of those evaluated (69 tokens as prompted); shorten the prompts (the task's "
         "prompt format or system_prompt), or remove those rows from the data"), refused.value
     assert closed == [(40, True)]

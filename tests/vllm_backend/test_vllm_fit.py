@@ -583,17 +583,17 @@ def _derived_engine_module(model: str, keep_alive: list):
 
 def _refusal(what: str, where: str) -> str:
     return (f"1 of the {what} has 40 tokens or more, and the vLLM engine's max_model_len (vLLM's own for this model, "
-            "from its config and tokenizer: generation_options sets none, and vLLM refuses a larger one) is 40: no "
-            f"room for a completion; the first is row {where} (69 tokens as prompted); shorten the prompts (the task's "
-            "prompt format or system_prompt), or remove those rows from the data")
+            "from its config: generation_options sets none, and vLLM refuses a larger one) is 40: no room for a "
+            f"completion; the first is row {where} (69 tokens as prompted); shorten the prompts (the task's prompt "
+            "format or system_prompt), or remove those rows from the data")
 
 
 def test_a_row_past_the_max_model_len_vllm_derives_is_refused_before_the_first_step(tmp_path, keep_alive,
                                                                                     llama_like_seq40_dir):
-    """With no generation_options.max_model_len, vLLM takes its own from the model's config and tokenizer (here the
-    config's seq_length, 40; the scaled RoPE gives no position limit to check the rows against before the engine
-    exists): the rows are checked again once the engine is built, refused in one line before the first step —
-    shorter prompts the fix, not a max_model_len vLLM would refuse — not at the step that draws the row."""
+    """With no generation_options.max_model_len, vLLM takes its own from the model's config (here its seq_length,
+    40; the scaled RoPE gives no position limit to check the rows against before the engine exists): the rows are
+    checked again once the engine is built, refused in one line before the first step — shorter prompts the fix, not
+    a max_model_len vLLM would refuse — not at the step that draws the row."""
     module = _derived_engine_module(llama_like_seq40_dir, keep_alive)
     data, source = _long_row_data(tmp_path, "train", 7)
     trainer = L.Trainer(max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,

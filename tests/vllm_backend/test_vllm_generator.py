@@ -386,3 +386,26 @@ def test_the_command_drops_vllms_warning_that_an_in_process_seed_changes_the_rng
     finally:
         logger.removeHandler(handler)
         logger.filters = filters + [f for f in logger.filters if f not in filters]
+
+
+def test_a_max_model_len_vllm_derives_is_met_with_shorter_prompts(llama_like_seq40_dir, keep_alive):
+    """With no max_model_len given, vLLM takes its own from the model's config (seq_length 40) and refuses a larger
+    one: the batch refusal and the warning of completions cut short say so and advise shorter prompts (or fewer new
+    tokens), not "set generation_options.max_model_len to at least ..." as for a max_model_len that was set."""
+    from es_lightning.generation.vllm import VLLMGenerator
+    from es_lightning.policy import load_policy
+
+    gen = VLLMGenerator(load_policy(llama_like_seq40_dir, dtype="float32"), cpu_kv_cache_gib=0.0625, max_num_seqs=8)
+    keep_alive.append(gen)  # lives until the session ends (see keep_alive)
+    assert (gen.max_model_len, gen.max_model_len_asked) == (40, False)
+    derived = (r"the vLLM engine's max_model_len=40 \(vLLM's own for this model, from its config: generation_options "
+               r"sets none, and vLLM refuses a larger one\)")
+    with pytest.warns(UserWarning, match=rf"prompts of up to 36 tokens so far plus max_new_tokens=8 exceed {derived}: "
+                                         r"their completions end at 4 tokens or more \(counted as truncated\); shorten "
+                                         r"the prompts \(the task's prompt format or system_prompt\) or lower "
+                                         r"max_new_tokens \(said once\)$"):
+        gen.generate([" ".join(map(str, range(1, 16)))], 1, SamplingParams(max_new_tokens=8, temperature=0.0))
+    with pytest.raises(ValueError, match=r"prompt 0 of this batch has 78 tokens, and the vLLM engine's max_model_len "
+                                         r"\(vLLM's own for this model, .*\) is 40: no room for a completion .*; shorten "
+                                         r"the prompt \(the task's prompt format or system_prompt\), or remove the rows"):
+        gen.generate([" ".join(map(str, range(1, 30)))], 1, SamplingParams(max_new_tokens=8, temperature=0.0))
