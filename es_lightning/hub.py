@@ -78,7 +78,7 @@ def describe_hub_error(exc: BaseException, repo: str | None = None, kind: str = 
     """One line for a hub failure (offline and not cached, unknown or gated repository, unknown revision), or
     ``None``. With a ``revision`` the download command fetches that one (``hf download`` fetches ``main``, which the
     load then still did not find). ``local_fix`` words the way out through a local copy (a model's default: the
-    recipe's ``model:``, :data:`MODEL_FIX_LOCAL`; a script's call: :func:`model_fix_local`)."""
+    recipe's ``model:``, :data:`MODEL_FIX_LOCAL`; a script's call: :func:`es_lightning.policy.model_fix_local`)."""
     names = _names(exc)
     text = str(exc)
     what = f"{kind} {repo!r}" if repo else f"the {kind}"
@@ -104,18 +104,6 @@ def describe_hub_error(exc: BaseException, repo: str | None = None, kind: str = 
 
 #: a hub model's refusal's local fix, in a fit's terms (an analysis command, whose models are not ``model:``, rewords it)
 MODEL_FIX_LOCAL = "point model: at a local directory"
-
-
-def model_fix_local(call: str) -> str:
-    """A hub model's refusal's local fix in the words of whoever asked for the model: inside the ``es-lightning``
-    command the recipe's key (:data:`MODEL_FIX_LOCAL`), from a script the Python ``call`` that takes it, the model
-    argument a local directory (``call="ESModule(model=...)"``: ``pass a local model directory instead:
-    ESModule(model='/path/to/model_dir')``). A script is told of no YAML key it never wrote."""
-    from es_lightning.cli_errors import remembered_argv  # the command records its argv; a script has none
-
-    if remembered_argv():
-        return MODEL_FIX_LOCAL
-    return "pass a local model directory instead: " + call.replace("...", "'/path/to/model_dir'")
 
 
 def with_local_fix(err: Exception, local_fix: str) -> Exception:

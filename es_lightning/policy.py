@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, BatchEncoding, PreTrainedModel, PreTrainedTokenizerBase
 
-from es_lightning.hub import hub_errors, model_fix_local
+from es_lightning.hub import MODEL_FIX_LOCAL, hub_errors
 
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_DIR = Path(__file__).parent / "builtin"
@@ -332,6 +332,18 @@ def save_model(model, path: str | os.PathLike, state_dict: dict | None = None) -
         if values.get("dtype") is not None and "torch_dtype" not in values:
             values["torch_dtype"] = values["dtype"]
             config.write_text(json.dumps(values, indent=2, sort_keys=True) + "\n")
+
+
+def model_fix_local(call: str) -> str:
+    """A hub model's refusal's local fix in the words of whoever asked for the model: inside the ``es-lightning``
+    command the recipe's key (:data:`MODEL_FIX_LOCAL`), from a script the Python ``call`` that takes it, the model
+    argument a local directory (``call="ESModule(model=...)"``: ``pass a local model directory instead:
+    ESModule(model='/path/to/model_dir')``). A script is told of no YAML key it never wrote."""
+    from es_lightning.cli_errors import remembered_argv  # the command records its argv; a script has none
+
+    if remembered_argv():
+        return MODEL_FIX_LOCAL
+    return "pass a local model directory instead: " + call.replace("...", "'/path/to/model_dir'")
 
 
 def load_policy(

@@ -37,10 +37,10 @@ from torch import Tensor
 from es_lightning.algorithms import SAMPLING_KEYS, Algorithm, get_algorithm
 from es_lightning.generation import Generator, Rollout, SamplingParams, check_generation_options, make_generator
 from es_lightning.generation.config import DERIVED_MAX_MODEL_LEN, SHORTEN_PROMPTS, position_limit, prompt_limit
-from es_lightning.hub import model_fix_local, with_local_fix
+from es_lightning.hub import with_local_fix
 from es_lightning.metrics.training import StepMetrics, shared_metrics
 from es_lightning.modules.stage import STAGE_KEY, peek_stage_on_load
-from es_lightning.policy import Policy, load_policy, prompt_token_counts, resolve_dtype
+from es_lightning.policy import Policy, load_policy, model_fix_local, prompt_token_counts, resolve_dtype
 from es_lightning.precision import (
     COMPUTE_DTYPE_OF_PRECISION,
     PARAMETER_NAMES_KEY,
