@@ -503,11 +503,15 @@ class ReasoningModule(L.LightningModule):
 
     # ------------------------------------------------------------------ Lightning hooks
     def configure_callbacks(self):
-        """Pass@K evaluation and parameter drift are callbacks' jobs; add default ones when the trainer has none."""
+        """Pass@K evaluation and parameter drift are callbacks' jobs; add default ones when the trainer has none. Lightning's
+        model summary becomes :mod:`es_lightning.callbacks.model_summary`'s (weights at their dtype plus the fp32
+        master copies, where Lightning counts every parameter at the trainer precision's size)."""
         from es_lightning.callbacks.drift import ParameterDrift
+        from es_lightning.callbacks.model_summary import swap_model_summary
         from es_lightning.callbacks.pass_at_k import PassAtKCallback
 
         have = self._trainer.callbacks if self._trainer is not None else []
+        swap_model_summary(have)
         if self._trainer is not None and self._trainer.state.fn == "fit":
             _check_manual_optimization_flags(self._trainer)  # Lightning checks them right after this hook
         return [cls() for cls in (PassAtKCallback, ParameterDrift) if not any(isinstance(cb, cls) for cb in have)]

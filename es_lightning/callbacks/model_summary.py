@@ -1,0 +1,111 @@
+"""The model summary printed at fit start, with the parameters' real memory.
+
+Lightning's :class:`~lightning.pytorch.callbacks.ModelSummary` estimates "Total estimated model params size (MB)" as the
+parameter count times the bytes of the *trainer's* precision (4 under ``32-true``, 2 under ``bf16-true``), whatever
+dtype the weights are in: a bf16 checkpoint loaded with ``dtype: bfloat16`` under the default ``32-true`` is counted at
+4 bytes per parameter, and the fp32 master copy the ES and GRPO optimizers keep of every bf16/fp16 weight
+(:mod:`es_lightning.precision`: +4 bytes per parameter) is counted nowhere. On the Qwen-like fixture in bf16 Lightning
+said 0.609 MB where the weights take 0.304 MB and weights plus masters 0.913 MB.
+
+This summary prints the same table with that figure replaced by the real bytes — each weight at its own dtype's size
+plus the masters the fit's optimizers hold, or will hold once they step (:meth:`MasterState.needs_master`: AdamW takes
+its masters at its first step) — and one line that gives the two parts, e.g.
+``Parameter memory (MB): 0.304 weights (bfloat16) + 0.609 float32 master copies = 0.913``. Optimizer moments (AdamW's
+``exp_avg``/``exp_avg_sq``), gradients, activations and the KV cache come on top (the table in
+:mod:`es_lightning.precision` counts them). Tied weights are counted once, as ``Module.parameters()`` yields them; a
+sharded (FSDP2) parameter counts its whole tensor, as Lightning's parameter counts do.
+
+Every :class:`~es_lightning.modules.base.ReasoningModule` fit swaps it in for Lightning's own
+(:meth:`~es_lightning.modules.base.ReasoningModule.configure_callbacks`): a ``ModelSummary`` becomes a
+:class:`ModelSummary` of this file and a ``RichModelSummary`` a :class:`RichModelSummary`, keeping their ``max_depth``
+and other settings; a summary callback of the user's own class is left alone.
+"""
+
+from __future__ import annotations
+
+from itertools import chain
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.callbacks import ModelSummary as LightningModelSummary
+from lightning.pytorch.callbacks import RichModelSummary as LightningRichModelSummary
+from lightning.pytorch.utilities import rank_zero_info
+
+from es_lightning.precision import MasterState
+
+__all__ = ["ModelSummary", "RichModelSummary", "parameter_bytes"]
+
+
+def _name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def parameter_bytes(module: L.LightningModule, optimizers: list) -> tuple[dict[str, int], dict[str, int]]:
+    """``({weight dtype: bytes}, {master dtype: bytes})`` of ``module``'s parameters (tied ones once) and of the master
+    copies ``optimizers`` hold or will hold (one per parameter that needs one, however many optimizers hold it)."""
+    weights: dict[str, int] = {}
+    for p in module.parameters():
+        weights[_name(p.dtype)] = weights.get(_name(p.dtype), 0) + p.numel() * p.element_size()
+    masters: dict[str, int] = {}
+    seen: set[int] = set()
+    for opt in optimizers:
+        if not isinstance(opt, MasterState) or opt.master_dtype is None:
+            continue
+        size = opt.master_dtype.itemsize
+        for p in chain.from_iterable(g["params"] for g in opt.param_groups):
+            if id(p) in seen or not opt.needs_master(p):
+                continue
+            seen.add(id(p))
+            masters[_name(opt.master_dtype)] = masters.get(_name(opt.master_dtype), 0) + p.numel() * size
+    return weights, masters
+
+
+def memory_line(weights: dict[str, int], masters: dict[str, int]) -> str:
+    """The one line that splits the parameter memory into weights and master copies (MB = 1e6 bytes, as Lightning)."""
+    total_weights, total_masters = sum(weights.values()), sum(masters.values())
+    line = f"Parameter memory (MB): {total_weights / 1e6:,.3f} weights ({', '.join(sorted(weights)) or 'none'})"
+    if not masters:
+        return line + ", no master copies (the optimizers update the weights in their own dtype)"
+    return (line + f" + {total_masters / 1e6:,.3f} {', '.join(sorted(masters))} master copies = "
+            f"{(total_weights + total_masters) / 1e6:,.3f}")
+
+
+class _RealSizes:
+    """What the two summaries share: Lightning's ``on_fit_start`` with the real parameter memory (see the module
+    docstring)."""
+
+    _max_depth: int
+    _summarize_kwargs: dict[str, Any]
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not self._max_depth:
+            return
+        summary = self._summary(trainer, pl_module)
+        weights, masters = parameter_bytes(pl_module, trainer.optimizers)
+        size_mb = (sum(weights.values()) + sum(masters.values())) / 1e6
+        if trainer.is_global_zero:
+            self.summarize(summary._get_summary_data(), summary.total_parameters, summary.trainable_parameters, size_mb,
+                           summary.total_training_modes, total_flops=getattr(summary, "total_flops", 0),
+                           **self._summarize_kwargs)
+        rank_zero_info(memory_line(weights, masters))
+
+
+class ModelSummary(_RealSizes, LightningModelSummary):
+    """Lightning's :class:`~lightning.pytorch.callbacks.ModelSummary` with the parameters' real memory: weights at
+    their dtype plus the optimizers' fp32 master copies (module docstring)."""
+
+
+class RichModelSummary(_RealSizes, LightningRichModelSummary):
+    """Lightning's :class:`~lightning.pytorch.callbacks.RichModelSummary` with the parameters' real memory: weights at
+    their dtype plus the optimizers' fp32 master copies (module docstring)."""
+
+
+def swap_model_summary(callbacks: list) -> None:
+    """Replace, in place, Lightning's own ``ModelSummary`` / ``RichModelSummary`` in a trainer's callback list with
+    this file's, keeping their settings. In place rather than returned from ``configure_callbacks``: Lightning would
+    announce each returned callback as overriding one "passed to Trainer", also the summary it added by itself."""
+    ours = {LightningModelSummary: ModelSummary, LightningRichModelSummary: RichModelSummary}
+    for i, callback in enumerate(callbacks):
+        cls = ours.get(type(callback))
+        if cls is not None:
+            callbacks[i] = cls(max_depth=callback._max_depth, **callback._summarize_kwargs)
