@@ -23,6 +23,7 @@ and other settings; a summary callback of the user's own class is left alone.
 
 from __future__ import annotations
 
+import inspect
 from itertools import chain
 from typing import Any
 
@@ -84,9 +85,11 @@ class _RealSizes:
         weights, masters = parameter_bytes(pl_module, trainer.optimizers)
         size_mb = (sum(weights.values()) + sum(masters.values())) / 1e6
         if trainer.is_global_zero:
+            # Lightning's own call; total_flops only where this Lightning's summarize takes it (2.5 and later)
+            flops = ({"total_flops": getattr(summary, "total_flops", 0)}
+                     if "total_flops" in inspect.signature(self.summarize).parameters else {})
             self.summarize(summary._get_summary_data(), summary.total_parameters, summary.trainable_parameters, size_mb,
-                           summary.total_training_modes, total_flops=getattr(summary, "total_flops", 0),
-                           **self._summarize_kwargs)
+                           summary.total_training_modes, **flops, **self._summarize_kwargs)
         rank_zero_info(memory_line(weights, masters))
 
 
