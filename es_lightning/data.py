@@ -177,6 +177,17 @@ class _ResumableLoader(DataLoader):
         pass
 
 
+def data_fix_local() -> str:
+    """A hub dataset's refusal's local fix in the words of whoever asked for it: inside the ``es-lightning`` command the
+    recipe's key, from a script the call (``ReasoningDataModule(source=...)``): a script is told of no key it never
+    wrote (as :func:`~es_lightning.policy.model_fix_local` for a model)."""
+    from es_lightning.cli_errors import remembered_argv  # the command records its argv; a script has none
+
+    if remembered_argv():
+        return "point data.source at a local file or directory"
+    return "pass a local file or directory instead: ReasoningDataModule(source='/path/to/data')"
+
+
 class ReasoningDataModule(L.LightningDataModule):
     """Train/val/test prompts for a reasoning task.
 
@@ -481,12 +492,12 @@ class ReasoningDataModule(L.LightningDataModule):
         if self.source == "hub":
             if self.task.hub_dataset is None:
                 raise ValueError(f"task {self.task.name!r} has no default hub dataset; set data.source to a name or path")
-            with hub_errors(self.task.hub_dataset, kind="dataset"):
+            with hub_errors(self.task.hub_dataset, kind="dataset", local_fix=data_fix_local()):
                 return datasets.load_dataset(self.task.hub_dataset, self.hub_config or self.task.hub_config)
         local = load_local(self.source, self.hub_config or self.task.hub_config, self.task.required_columns)
         if local is not None:
             return local
-        with hub_errors(self.source, kind="dataset"):
+        with hub_errors(self.source, kind="dataset", local_fix=data_fix_local()):
             return datasets.load_dataset(self.source, self.hub_config or self.task.hub_config)
 
     def map_columns(self, ds, split: str, option: str | None = None):

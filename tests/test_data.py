@@ -681,3 +681,33 @@ def test_a_mapping_hint_is_written_the_way_the_user_gives_the_mapping(tmp_path, 
     (tmp_path / "mapping.yaml").write_text(yaml.safe_dump({"data": {"init_args": {"column_mapping": {"q": "question"}}}}))
     assert _command_error(capsys, grpo + ["--config", "mapping.yaml"]).endswith(
         "Map them with data.column_mapping, e.g. column_mapping: {q: question, sol: answer}")
+
+
+def test_a_missing_hub_dataset_names_the_fix_in_the_words_of_its_caller(monkeypatch, tmp_path, capsys):
+    """A hub dataset that cannot be loaded, asked for from a script, was refused with the recipe's key ("point
+    data.source at a local file or directory"), which a script never wrote: the fix names the call. The command keeps
+    the key."""
+    from pathlib import Path
+
+    from huggingface_hub import constants
+
+    from es_lightning.cli import cli_main
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no hub, as on a machine without network (no probe's wait)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    missing = "es-lightning-tests/no-such-dataset"
+    dm = ReasoningDataModule(task="gsm8k", source=missing)
+    with pytest.raises((ConnectionError, FileNotFoundError)) as err:
+        dm.setup()
+    assert str(err.value).endswith("pass a local file or directory instead: ReasoningDataModule(source='/path/to/data')")
+    assert missing in str(err.value) and "data.source" not in str(err.value)
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stop:
+        cli_main(["fit", "--config", str(Path(__file__).parents[1] / "recipes" / "es.yaml"), "--data.init_args.source",
+                  missing, "--trainer.max_steps", "1", "--trainer.logger", "false",
+                  "--trainer.enable_checkpointing", "false"])
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert stop.value.code == 2 and missing in line, line
+    assert line.endswith("point data.source at a local file or directory") and "ReasoningDataModule(" not in line
