@@ -1211,3 +1211,49 @@ def test_evaluate_policy_checks_a_problem_sets_prompt_lengths_once(monkeypatch):
     assert counted == [2]
     with pytest.raises(ValueError, match="no room for a completion"):
         evaluate_policy(policy, task, [{"question": "1" * 200, "answer": "#### 1"}], settings)
+
+
+def test_a_missing_hub_model_or_dataset_in_an_analysis_names_the_option_that_gave_it(es_checkpoint, tmp_path, monkeypatch,
+                                                                                     capsys):
+    """A hub model that cannot be loaded (offline, not cached), given to an analysis command, was refused with "give a
+    local model directory in its place" (of what?), and a .ckpt's hub base as if the .ckpt were that model: each
+    refusal names the option the user gave (--checkpoints, --tuned, --base, --eval.source), never a fit's key."""
+    import datasets
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no hub, as on a machine without network (no probe's wait)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    model, data = "es-lightning-tests/no-such-model", "es-lightning-tests/no-such-dataset"
+    checkpoint = torch.load(es_checkpoint[0], map_location="cpu", weights_only=False)
+    checkpoint["hyper_parameters"]["model"] = model  # a run trained from a hub model this machine does not have
+    hub_based = tmp_path / "hub_based.ckpt"
+    torch.save(checkpoint, hub_based)
+    monkeypatch.chdir(tmp_path)
+    small = ["--eval.num_problems", "2", "--eval.num_samples", "1", "--eval.ks", "[1]", "--eval.max_new_tokens", "4",
+             "--plot", "false", "--progress", "false"]
+    cases = [
+        (["eval", "--checkpoints", model, *small], model, "give a local model directory as --checkpoints"),
+        (["eval", "--checkpoints", str(hub_based), *small], model,
+         "give the run's exported model directory (export/ beside checkpoints/) as --checkpoints"),
+        (["eval", "--checkpoints", BUILTIN, "--tasks", "gsm8k", "--eval.source", data, *small], data,
+         "point --eval.source at a local file or directory"),
+        (["analyze", "drift", "--tuned", model, "--plot", "false"], model, "give a local model directory as --tuned"),
+        (["analyze", "drift", "--tuned", BUILTIN, "--base", model, "--plot", "false"], model,
+         "give a local model directory as --base"),
+        (["analyze", "ablation", "--tuned", BUILTIN, "--base", model, *small], model, "give a local model directory as --base"),
+        (["analyze", "forgetting", "--tuned", str(hub_based), *small], model,
+         "give the run's exported model directory (export/ beside checkpoints/) as --tuned"),
+        (["analyze", "forgetting", "--tuned", BUILTIN, "--base", model, *small], model,
+         "give a local model directory as --base"),
+        (["analyze", "forgetting", "--tuned", BUILTIN, "--base", BUILTIN, "--training_task", "gsm8k", "--eval.source", data,
+          *small], data, "point --eval.source at a local file or directory"),
+    ]
+    for args, missing, fix in cases:
+        with pytest.raises(SystemExit) as stop:
+            cli_main(args)
+        line = capsys.readouterr().err.strip().splitlines()[-1]
+        assert stop.value.code == 2 and repr(missing) in line and line.endswith(fix), (args, line)
+        assert "model:" not in line and "data." not in line and "in its place" not in line, (args, line)
+        if str(hub_based) in args:  # which model is missing: the .ckpt's base, not the .ckpt
+            assert f"{str(hub_based)!r} was trained from base model {model!r}" in line, line

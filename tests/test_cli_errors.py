@@ -708,7 +708,7 @@ def test_analysis_hub_failures_name_the_analysis_options(tmp_path):
     options an evaluation does not have; it names the evaluation's (a local model directory, --eval.source)."""
     model = _cli(["eval", "--checkpoints", "someorg/no-such-model", "--out_dir", "ev"], tmp_path, env=_env(tmp_path))
     assert model.returncode == 2, model.stderr[-2000:]
-    assert "hub cannot be reached (offline)" in model.stderr and "give a local model directory in its place" in model.stderr
+    assert "hub cannot be reached (offline)" in model.stderr and "give a local model directory as --checkpoints" in model.stderr
     assert "model:" not in model.stderr.replace("error: model", ""), model.stderr
     data = _cli(["eval", "--checkpoints", "builtin:countdown-tiny", "--tasks", "gsm8k", "--eval.source", "hub",
                  "--eval.num_problems", "2", "--out_dir", "ev"], tmp_path, env=_env(tmp_path))

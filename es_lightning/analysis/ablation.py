@@ -274,11 +274,12 @@ def ablation_command(
             dtype = record.dtype
             print(f"both models in {dtype}, as {tuned} was trained (--dtype to choose)")
         now_doing(f"loading {tuned}")
-        tuned_model = load_model(tuned, dtype=dtype, trust_remote_code=eval.trust_remote_code, remote_code_option=REMOTE_CODE_OPTION)
+        tuned_model = load_model(tuned, dtype=dtype, trust_remote_code=eval.trust_remote_code, remote_code_option=REMOTE_CODE_OPTION,
+                                 model_option="--tuned")
         base = base or _base_of(tuned_model, "ablation")
         now_doing(f"loading {base}")
         base_model = load_model(base, dtype=start_dtype(tuned_model, dtype), trust_remote_code=eval.trust_remote_code,
-                                remote_code_option=REMOTE_CODE_OPTION)
+                                remote_code_option=REMOTE_CODE_OPTION, model_option="--base")
         # a .ckpt base's masters, as drift reads them; τ = ∞ still gives its weights: each is its master rounded once
         base_weights = {**snapshot(base_model.policy.model), **base_model.masters}
         del base_model

@@ -281,7 +281,7 @@ def locate_base(base: str, spec: str) -> str:
 
 
 def load_model(spec: str, dtype: str | torch.dtype | None = None, trust_remote_code: bool = False,
-               remote_code_option: str = "trust_remote_code=True") -> LoadedModel:
+               remote_code_option: str = "trust_remote_code=True", model_option: str | None = None) -> LoadedModel:
     """Load a ``.ckpt`` (base rebuilt from its hyperparameters, then its weights), or anything ``load_policy`` reads.
 
     Args:
@@ -292,16 +292,29 @@ def load_model(spec: str, dtype: str | torch.dtype | None = None, trust_remote_c
         trust_remote_code: allow custom modelling code (also taken from a ``.ckpt``'s hyperparameters).
         remote_code_option: how the refusal of a model needing its own code (``trust_remote_code`` off) names the
             setting: a command passes its own spelling (``--eval.trust_remote_code true``).
+        model_option: the option that gave ``spec`` (``--checkpoints``, ``--tuned``, ``--base``): a hub model that
+            cannot be loaded (offline and not cached, no such repository) is refused naming it as the way to a local
+            copy; a ``.ckpt`` whose base is such a hub model names the run's ``export/`` (a whole model) for it.
     """
     try:
         return _load_model(spec, dtype, trust_remote_code)
     except RemoteCodeRefused as err:
         raise err.naming(remote_code_option) from None
     except (ConnectionError, FileNotFoundError) as err:  # a hub id offline or unknown: the fix in an analysis's terms
-        refusal = with_local_fix(err, "give a local model directory in its place")
+        refusal = with_local_fix(err, model_local_fix(spec, model_option))
         if refusal is err:
             raise
         raise refusal from None
+
+
+def model_local_fix(spec: str, model_option: str | None = None) -> str:
+    """A hub model's refusal's way out through a local copy, in the words of the analysis option that gave ``spec``
+    (a command's users wrote no ``model:`` key): a ``.ckpt``'s base is no option of theirs, its run's export is."""
+    if model_option is None:
+        return "give a local model directory in its place"
+    if is_lightning_checkpoint(spec):
+        return f"give the run's exported model directory (export/ beside checkpoints/) as {model_option}"
+    return f"give a local model directory as {model_option}"
 
 
 def _load_model(spec: str, dtype: str | torch.dtype | None, trust_remote_code: bool) -> LoadedModel:
@@ -320,6 +333,10 @@ def _load_model(spec: str, dtype: str | torch.dtype | None, trust_remote_code: b
             attn_implementation=hparams.get("attn_implementation"),
             revision=hparams.get("revision"),
         )
+    except ConnectionError as err:  # a hub base, offline and not cached: which model it is, the way out kept
+        refusal = ConnectionError(f"{spec!r} was trained from base model {base!r} (its 'model' hyperparameter): {err}")
+        refusal.local_fix = getattr(err, "local_fix", None)
+        raise refusal from err
     except FileNotFoundError as err:
         raise FileNotFoundError(
             f"{spec!r} was trained from base model {base!r} (its 'model' hyperparameter), which cannot be loaded: {err}. "

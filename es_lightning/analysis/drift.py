@@ -318,12 +318,13 @@ def drift_command(
     with stopping_on_signals(f"nothing was written to {out} (drift.json comes once the update is measured)",
                              less=""):
         now_doing(f"loading {tuned}")
-        tuned_model = load_model(tuned, dtype=dtype, trust_remote_code=trust_remote_code, remote_code_option="--trust_remote_code true")
+        tuned_model = load_model(tuned, dtype=dtype, trust_remote_code=trust_remote_code, remote_code_option="--trust_remote_code true",
+                                 model_option="--tuned")
         trained_from = recorded_base(tuned_model)
         base = base or _base_of(tuned_model, "drift")
         now_doing(f"loading {base}")
         base_model = load_model(base, dtype=start_dtype(tuned_model, dtype), trust_remote_code=trust_remote_code,
-                                remote_code_option="--trust_remote_code true")
+                                remote_code_option="--trust_remote_code true", model_option="--base")
         # θ₀ too is read from a .ckpt base's masters (a GRPO → ES stage, two checkpoints of one run): its rounded weights
         # are off its masters by up to half an ulp, as large as the update measured
         now_doing("measuring the update")

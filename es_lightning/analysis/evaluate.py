@@ -314,9 +314,11 @@ def evaluate_models(
     dtype: str | None = None,
     progress: bool = True,
     task_sources: dict[str, str] | None = None,
+    model_options: Sequence[str | None] | None = None,
 ) -> EvalReport:
     """Evaluate every model on every task, on the same problems with the same seeds; models are loaded one at a time.
-    ``task_sources`` overrides ``settings.source`` for the tasks it names (``{task name: source}``)."""
+    ``task_sources`` overrides ``settings.source`` for the tasks it names (``{task name: source}``); ``model_options``
+    names, per model, the command option that gave it (``--checkpoints``), which a hub model's refusal names."""
     from es_lightning.analysis.runs import now_doing  # what a signal cuts, in a command (no handler in this function)
 
     if not models:
@@ -358,11 +360,12 @@ def evaluate_models(
     results: dict[str, dict[str, dict[str, float]]] = {}
     sources: dict[str, str] = {}
     try:
-        for name, model in zip(names, models):
+        for name, model, option in zip(names, models, model_options or [None] * len(models)):
             if not isinstance(model, LoadedModel):
                 now_doing(f"loading {model}")
             loaded = model if isinstance(model, LoadedModel) else load_model(
-                model, dtype=dtype, trust_remote_code=settings.trust_remote_code, remote_code_option=REMOTE_CODE_OPTION)
+                model, dtype=dtype, trust_remote_code=settings.trust_remote_code, remote_code_option=REMOTE_CODE_OPTION,
+                model_option=option)
             sources[name] = loaded.spec
             results[name] = {}
             for task in task_objs:
@@ -523,7 +526,8 @@ def eval_command(
     # a SIGTERM or SLURM's requeue signal while loading, evaluating or writing: one line, 143 / 138
     with stopping_on_signals(f"nothing was written to {out} (eval.json comes once every model is evaluated)",
                              less="fewer models, tasks or problems"):
-        report = evaluate_models(checkpoints, tasks=tasks, labels=labels, settings=eval, dtype=dtype, progress=progress)
+        report = evaluate_models(checkpoints, tasks=tasks, labels=labels, settings=eval, dtype=dtype, progress=progress,
+                                 model_options=["--checkpoints"] * len(checkpoints))
         now_writing(out, ["eval.json", "eval.md", *(["pass_at_k.png"] if plot else [])])
         s = report.settings
         print(

@@ -72,8 +72,10 @@ def forgetting(
     settings: EvalSettings = PAPER_EVAL,
     dtype: str | None = None,
     progress: bool = True,
+    model_options: Sequence[str | None] | None = None,
 ) -> ForgettingReport:
-    """Evaluate ``base`` and ``tuned`` (specs or :class:`LoadedModel`) on ``training_task`` + the held-out ``tasks``."""
+    """Evaluate ``base`` and ``tuned`` (specs or :class:`LoadedModel`) on ``training_task`` + the held-out ``tasks``
+    (``model_options``: the command options that gave them, as :func:`evaluate_models` takes them)."""
     from es_lightning.analysis.checkpoints import LoadedModel
 
     suite, training_task, trained = _suite(tasks, training_task, tuned.spec if isinstance(tuned, LoadedModel) else str(tuned))
@@ -81,7 +83,7 @@ def forgetting(
     # --eval.source gives the training task's problems (a file, the hub); the suite's probes stay procedural
     procedural = {name: "procedural" for name in suite} if trained and settings.source != "procedural" else None
     report = evaluate_models([base, tuned], tasks=all_tasks, labels=["base", "tuned"], settings=settings, dtype=dtype,
-                             progress=progress, task_sources=procedural)
+                             progress=progress, task_sources=procedural, model_options=model_options)
     return ForgettingReport(evaluation=report, training_task=trained)
 
 
@@ -154,11 +156,12 @@ def forgetting_command(
             dtype = recorded
             print(f"both models in {dtype}, as {tuned} was trained (--dtype to choose)")
         now_doing(f"loading {tuned}")
-        tuned_model = load_model(tuned, dtype=dtype, trust_remote_code=eval.trust_remote_code, remote_code_option=REMOTE_CODE_OPTION)
+        tuned_model = load_model(tuned, dtype=dtype, trust_remote_code=eval.trust_remote_code, remote_code_option=REMOTE_CODE_OPTION,
+                                 model_option="--tuned")
         base = base or _base_of(tuned_model, "forgetting")
         warn_about_base(tuned, base, recorded_base(tuned_model))
         report = forgetting(base, tuned_model, tasks=tasks, training_task=training_task, settings=eval, dtype=dtype,
-                            progress=progress)
+                            progress=progress, model_options=["--base", "--tuned"])
         report.evaluation.sources = {"base": base, "tuned": tuned}
         now_writing(out, ["forgetting.json", *(["forgetting.png"] if plot else [])])
         print(f"forgetting of {tuned} (base {base}): {eval.num_problems} held-out problems/task, n={eval.num_samples}, "
