@@ -848,3 +848,45 @@ def test_single_budget_form_keeps_the_states_of_ks_and_refuses_both():
                 metric_class(k=bad)
     with pytest.raises(ValueError, match="n >= 8.*or lower k$"):
         PassAtK(k=8).update(correct)
+
+
+def test_bootstrapper_resamples_majority_votes_given_as_answer_ids_and_refuses_what_it_cannot_resample():
+    """torchmetrics' BootStrapper resamples update's tensor arguments only: MajorityAtK's answers as lists of strings
+    stayed as given while correct's rows were resampled (votes of other problems, silently, as keywords) and
+    PassAtK(ks=...)'s dict failed in torch.stack. MajorityAtK.answer_ids gives the tensor it resamples (None as -1,
+    an abstention); the bootstrap mean and std equal those computed by hand on the same resampled rows; the rest is
+    refused in one line naming the fix."""
+    from torchmetrics.wrappers import BootStrapper
+
+    generator = torch.Generator().manual_seed(11)
+    correct = random_correctness(generator, 9, 6)
+    rng = random.Random(11)
+    answers = [[rng.choice(["12", "7", "x", None]) for _ in range(6)] for _ in range(9)]
+    ids = MajorityAtK.answer_ids(answers)
+    assert ids.shape == (9, 6) and ((ids == -1) == torch.tensor([[a is None for a in row] for row in answers])).all()
+    plain = MajorityAtK(k=5)
+    plain.update(ids, correct)
+    expected = sum(reference_majority_correct(a, c, 5) for a, c in zip(answers, correct.tolist())) / 9
+    assert plain.compute().item() == pytest.approx(expected, abs=1e-6)  # the same votes
+
+    num_bootstraps = 8
+    torch.manual_seed(3)
+    bootstrap = BootStrapper(MajorityAtK(k=5), num_bootstraps=num_bootstraps, sampling_strategy="multinomial")
+    bootstrap.update(ids, correct)
+    got = bootstrap.compute()
+    torch.manual_seed(3)  # the same draws, in the same order: one resample of the 9 problems per copy
+    scores = []
+    for _ in range(num_bootstraps):
+        rows = torch.multinomial(torch.ones(9), num_samples=9, replacement=True).tolist()
+        scores.append(sum(reference_majority_correct(answers[i], correct[i].tolist(), 5) for i in rows) / 9)
+    mean = sum(scores) / num_bootstraps
+    std = math.sqrt(sum((s - mean) ** 2 for s in scores) / (num_bootstraps - 1))
+    assert got["mean"].item() == pytest.approx(mean, abs=1e-6) and got["std"].item() == pytest.approx(std, abs=1e-6)
+
+    lists = BootStrapper(MajorityAtK(k=5), num_bootstraps=2, sampling_strategy="multinomial")
+    with pytest.raises(ValueError, match=r"^BootStrapper resamples tensor arguments only.*MajorityAtK\.answer_ids\(answers\)"):
+        lists.update(correct=correct, answers=answers)
+    several = BootStrapper(PassAtK(ks=(1, 2)), num_bootstraps=2, sampling_strategy="multinomial")
+    several.update(correct)
+    with pytest.raises(ValueError, match=r"returns a dict: bootstrap PassAtK\(k=\.\.\.\) instead, one BootStrapper per budget$"):
+        several.compute()

@@ -32,7 +32,7 @@ from collections.abc import Hashable, Sequence
 import torch
 from torchmetrics import Metric
 
-from es_lightning.metrics.pass_at_k import _PerKSums, _validate_correctness
+from es_lightning.metrics.pass_at_k import _PerKSums, _validate_correctness, inside_bootstrapper
 from es_lightning.metrics.plotting import Plottable
 from es_lightning.metrics.state import ExactSums, KeepsStateOnError
 
@@ -77,8 +77,10 @@ class MajorityAtK(_PerKSums, KeepsStateOnError, ExactSums, Plottable, Metric):
     ``compute()`` returns ``{"maj@1": tensor, "maj@4": ...}`` (log it with ``self.log_dict(metric.compute())``;
     Lightning's ``self.log("name", metric)``, torchmetrics' wrappers and arithmetic need a tensor), and
     ``MajorityAtK(k=4)``'s returns one scalar tensor, for ``self.log("val/maj@4", metric)``, ``MetricTracker``,
-    ``MinMaxMetric`` and arithmetic (``BootStrapper`` resamples tensors only: pass ``answers`` as a tensor of answer
-    ids there). NaN when no problem was seen (torchmetrics warns).
+    ``MinMaxMetric`` and arithmetic. ``BootStrapper`` resamples the tensor arguments only (lists of answers would not
+    follow the resampled rows of ``correct``): pass it ``MajorityAtK.answer_ids(answers)``, the answers as a
+    ``[num_problems, n]`` tensor of ids (``None`` as -1: in a tensor, a negative id abstains). NaN when no problem was
+    seen (torchmetrics warns).
 
     Args:
         ks: the vote sizes k to report (default ``(1, 4, 16)``); positive integers, each at most the ``n`` of every
@@ -105,7 +107,11 @@ class MajorityAtK(_PerKSums, KeepsStateOnError, ExactSums, Plottable, Metric):
     def update(self, answers: Sequence[Sequence[Hashable | None]] | torch.Tensor, correct: torch.Tensor) -> None:
         correct = _validate_correctness(correct)
         if isinstance(answers, torch.Tensor):  # [num_problems, n] answer ids: vote on their values (tensors hash by id)
-            answers = answers.tolist()
+            answers = [[None if vote < 0 else vote for vote in row] if isinstance(row, list) else row
+                       for row in answers.tolist()]  # a negative id abstains (answer_ids' None)
+        elif inside_bootstrapper():  # the lists stay as given while correct's rows are resampled: votes of other problems
+            raise ValueError("BootStrapper resamples tensor arguments only, and answers is not one: pass "
+                             "MajorityAtK.answer_ids(answers) (a [num_problems, n] tensor of answer ids) as answers")
         num_problems, num_samples = correct.shape
         if isinstance(answers, (str, bytes)) or len(answers) != num_problems:
             raise ValueError(
@@ -126,6 +132,20 @@ class MajorityAtK(_PerKSums, KeepsStateOnError, ExactSums, Plottable, Metric):
             for j, k in enumerate(self.ks):
                 hits[j] += majority_vote_correct(problem_answers, problem_correct, k)
         self._add_per_k_sums(hits, num_problems)
+
+    @staticmethod
+    def answer_ids(answers: Sequence[Sequence[Hashable | None]]) -> torch.Tensor:
+        """``answers`` (one list of votes per problem, as ``update`` takes them) as a ``[num_problems, n]`` int64
+        tensor: within each problem equal votes get one id (0, 1, … in order of first appearance) and ``None`` -1,
+        which ``update`` reads as an abstention, so the votes are the same; the form torchmetrics' ``BootStrapper``
+        resamples (with ``correct``, row by row)."""
+        rows = []
+        for problem_answers in answers:
+            ids: dict[Hashable, int] = {}
+            rows.append([-1 if vote is None else ids.setdefault(vote, len(ids)) for vote in _by_value(problem_answers)])
+        if len({len(row) for row in rows}) > 1:
+            raise ValueError(f"answers must list the same number n of votes for every problem, got {sorted({len(r) for r in rows})}")
+        return torch.tensor(rows, dtype=torch.long) if rows else torch.zeros((0, 0), dtype=torch.long)
 
     def compute(self) -> dict[str, torch.Tensor] | torch.Tensor:
         return self._result()  # ks=: {"maj@1": ..., ...}; k=: one tensor; NaN when no problem was seen

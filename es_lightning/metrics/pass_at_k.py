@@ -17,6 +17,7 @@ and pass@k = 1 exactly when ``n - c < k`` (every k-subset contains a correct sam
 from __future__ import annotations
 
 import operator
+import sys
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -137,6 +138,22 @@ def _validate_correctness(correct: torch.Tensor, name: str = "correct") -> torch
     return correct.bool()
 
 
+def inside_bootstrapper() -> bool:
+    """Whether torchmetrics' ``BootStrapper`` is the caller (its ``update`` / ``compute`` a few frames up, past
+    torchmetrics' own wrapper): it resamples only the tensor arguments of ``update`` and stacks what ``compute``
+    returns, which a metric's refusal then names."""
+    from torchmetrics.wrappers import BootStrapper
+
+    frame = sys._getframe(1)
+    for _ in range(6):
+        frame = frame.f_back
+        if frame is None:
+            return False
+        if isinstance(frame.f_locals.get("self"), BootStrapper):
+            return True
+    return False
+
+
 class _PerKSums:
     """Sum states of a metric over ks, one per k and named by it (``pass_at_4_sum``), beside a ``num_problems`` count.
 
@@ -174,6 +191,10 @@ class _PerKSums:
 
     def _result(self) -> dict[str, torch.Tensor] | torch.Tensor:
         means = self._per_k_means()
+        if self.k is None and inside_bootstrapper():  # else torch.stack's "expected Tensor ... but got dict"
+            name = type(self).__name__
+            raise ValueError(f"BootStrapper needs a metric whose compute() is one tensor, and {name}(ks={self.ks}) returns a "
+                             f"dict: bootstrap {name}(k=...) instead, one BootStrapper per budget")
         return means if self.k is None else means[f"{self._label}@{self.k}"]
 
     def _add_per_k_states(self) -> None:
