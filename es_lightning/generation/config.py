@@ -122,6 +122,22 @@ DERIVED_MAX_MODEL_LEN = f"the vLLM engine's max_model_len {DERIVED_NOTE}"
 SHORTEN_PROMPTS = "shorten the prompts (the task's prompt format or system_prompt)"
 
 
+class KVCacheTooSmall(ValueError):
+    """A vLLM engine refused because its KV cache cannot hold one sequence of its ``max_model_len`` — typically the
+    one vLLM derives from a long-context config (131,072 for Llama 3's rope scaling ``llama3``) where
+    ``generation_options`` sets none, while a run needs only its longest prompt + ``max_new_tokens``. The message
+    names both fixes; :meth:`~es_lightning.modules.base.ReasoningModule.start_generator` gives it again with that
+    figure (:meth:`with_need`) where it knows the data."""
+
+    def __init__(self, template: str, need: int | None = None) -> None:
+        self.template = template  # "{need}" where the figure goes
+        super().__init__(template.format(need=f" (here {need})" if need else ""))
+
+    def with_need(self, need: int) -> KVCacheTooSmall:
+        """The refusal naming ``need`` tokens (the longest prompt + ``max_new_tokens``) as the ``max_model_len`` to set."""
+        return KVCacheTooSmall(self.template, need)
+
+
 def prompt_limit(config, max_model_len: int | None = None) -> int | None:
     """The prompt length (tokens) from which no completion token fits: the model's positions (:func:`position_limit`),
     or a vLLM engine's ``max_model_len`` where it is lower; ``None`` where neither is known.

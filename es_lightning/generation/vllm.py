@@ -93,7 +93,14 @@ from es_lightning.generation.base import (
     default_seed,
     refuse_overlong_prompts,
 )
-from es_lightning.generation.config import DERIVED_MAX_MODEL_LEN, DERIVED_NOTE, checkpoint_eos_token_ids, position_limit, prompt_limit
+from es_lightning.generation.config import (
+    DERIVED_MAX_MODEL_LEN,
+    DERIVED_NOTE,
+    KVCacheTooSmall,
+    checkpoint_eos_token_ids,
+    position_limit,
+    prompt_limit,
+)
 from es_lightning.generation.hf import _cut_at_stop
 from es_lightning.generation.options import check_vllm_values, refuse_owned_options
 from es_lightning.policy import Policy, encode_prompts
@@ -337,7 +344,29 @@ class VLLMGenerator(Generator):
             except (ValueError, RuntimeError, NotImplementedError, TypeError, AssertionError) as err:
                 if llm is not None:
                     llm.llm_engine.engine_core.shutdown()
-                raise ValueError(self._engine_error(err, kwargs)) from err
+                raise (self._kv_cache_too_small(err, kwargs) or ValueError(self._engine_error(err, kwargs))) from err
+
+    def _kv_cache_too_small(self, err: BaseException, options: dict[str, Any]) -> KVCacheTooSmall | None:
+        """vLLM's refusal of a KV cache smaller than one sequence of the engine's ``max_model_len``, in one line with
+        our two fixes: a ``max_model_len`` the run needs (vLLM otherwise takes the model's, 131,072 for Llama 3.x), or
+        the KV-cache option of this backend (vLLM's own advice names ``gpu_memory_utilization`` on a CPU too)."""
+        reason = _first_line(err)
+        asked = re.search(r"To serve at least one request with the model'?s'? max seq len \((\d+)\)", reason)
+        if asked is None:
+            return None
+        fits = re.search(r"estimated maximum model length is (\d+)", reason)
+        if self.on_cpu:
+            knob, raise_it = f"cpu_kv_cache_gib={self.cpu_kv_cache_gib:g}", "raise generation_options.cpu_kv_cache_gib"
+        else:
+            knob = f"gpu_memory_utilization={options.get('gpu_memory_utilization', 'its default')}"
+            raise_it = "raise generation_options.gpu_memory_utilization where training leaves the GPU memory"
+        whose = (" (vLLM's own for this model, from its config: generation_options sets none)"
+                 if not self.max_model_len_asked else " (generation_options.max_model_len)")
+        holds = f"holds {fits.group(1)} tokens, short of" if fits else "holds less than"
+        return KVCacheTooSmall(
+            f"the vLLM engine's KV cache (generation_options.{knob}) {holds} one sequence of its max_model_len "
+            f"{asked.group(1)}{whose}: set generation_options.max_model_len to the longest prompt + max_new_tokens the "
+            f"run needs{{need}}, or {raise_it}")
 
     def _engine_error(self, err: BaseException, options: dict[str, Any] | None = None) -> str:
         """One line: the engine settings vLLM refused (``generation_options``), or why it cannot load the model.

@@ -36,7 +36,13 @@ from torch import Tensor
 
 from es_lightning.algorithms import SAMPLING_KEYS, Algorithm, get_algorithm
 from es_lightning.generation import Generator, Rollout, SamplingParams, check_generation_options, make_generator
-from es_lightning.generation.config import DERIVED_MAX_MODEL_LEN, SHORTEN_PROMPTS, position_limit, prompt_limit
+from es_lightning.generation.config import (
+    DERIVED_MAX_MODEL_LEN,
+    SHORTEN_PROMPTS,
+    KVCacheTooSmall,
+    position_limit,
+    prompt_limit,
+)
 from es_lightning.hub import with_local_fix
 from es_lightning.metrics.training import StepMetrics, shared_metrics
 from es_lightning.modules.stage import STAGE_KEY, peek_stage_on_load
@@ -286,7 +292,13 @@ class ReasoningModule(L.LightningModule):
             )
         if self._generator is None:
             checked = self.prompt_token_limit()
-            _ = self.generator  # built from, and holding, the current weights
+            try:
+                _ = self.generator  # built from, and holding, the current weights
+            except KVCacheTooSmall as err:  # name the max_model_len the data needs where it is known
+                need = self.longest_sequence(splits)
+                if need is None:
+                    raise
+                raise err.with_need(need) from err.__cause__
             limit = self.prompt_token_limit()
             if limit is not None and (checked is None or limit < checked):  # vLLM derived a lower max_model_len
                 self.check_prompt_lengths(splits)
@@ -705,6 +717,21 @@ class ReasoningModule(L.LightningModule):
         for split in splits:
             self.refuse_overlong_examples(dm.splits.get(split) or [], f"{split} prompts",
                                           partial(dm.source_row, split), partial(dm.describe_row, split))
+
+    def longest_sequence(self, splits: Sequence[str]) -> int | None:
+        """The longest prompt + completion the rows of ``splits`` can take (tokens): their longest prompt as rendered
+        and encoded, plus the largest ``max_new_tokens`` (the module's, or a callback's such as ``PassAtKCallback``'s);
+        ``None`` without such rows (not a ``ReasoningDataModule``, no ``splits``)."""
+        dm = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        if not callable(getattr(dm, "describe_row", None)):
+            return None
+        examples = [e for split in splits for e in (dm.splits.get(split) or [])]
+        if not examples:
+            return None
+        new_tokens = [self.sampling.max_new_tokens] + [
+            n for n in (getattr(cb, "max_new_tokens", None) for cb in self._trainer.callbacks)
+            if isinstance(n, int) and not isinstance(n, bool)]
+        return max(prompt_token_counts(self.policy.tokenizer, self.prompts(examples))) + max(new_tokens)
 
     def prompt_token_limit(self) -> int | None:
         """The prompt length (tokens) from which no completion fits (:func:`~es_lightning.generation.config.prompt_limit`):

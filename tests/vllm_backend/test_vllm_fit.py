@@ -617,3 +617,29 @@ def test_a_validation_row_past_the_max_model_len_vllm_derives_is_refused_before_
     assert module.generator.max_model_len == 40
     where = f"2 (counting from 0) of the 'validation' split of data.source '{source.parent}'"
     assert str(refused.value) == _refusal("4 val prompts", where), refused.value
+
+
+def test_a_kv_cache_short_of_the_max_model_len_vllm_derives_names_the_one_the_data_needs(tmp_path, keep_alive,
+                                                                                         llama_like_dir):
+    """With no generation_options.max_model_len, vLLM takes Llama 3's 131,072 from the model's config (rope scaling
+    ``llama3``), which a small KV cache cannot hold one sequence of: the engine is refused in one line that names the
+    max_model_len the fit needs (its longest prompt, 69 tokens, + max_new_tokens 8) and the KV-cache option, not
+    "vLLM cannot load this model" with vLLM's advice (``gpu_memory_utilization``, which a CPU engine does not take);
+    with that max_model_len the fit runs."""
+    module = _derived_engine_module(llama_like_dir, keep_alive)
+    data, _ = _long_row_data(tmp_path, "train", 7)
+    trainer = L.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
+    with pytest.raises(ValueError) as refused:
+        trainer.fit(module, data)
+    assert str(refused.value) == (
+        "the vLLM engine's KV cache (generation_options.cpu_kv_cache_gib=0.0625) holds 130944 tokens, short of one "
+        "sequence of its max_model_len 131072 (vLLM's own for this model, from its config: generation_options sets "
+        "none): set generation_options.max_model_len to the longest prompt + max_new_tokens the run needs (here 77), "
+        "or raise generation_options.cpu_kv_cache_gib"), refused.value
+    assert trainer.global_step == 0
+    module.generation_options["max_model_len"] = 77
+    trainer = L.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
+    trainer.fit(module, data)
+    assert trainer.global_step == 1 and module.generator.max_model_len == 77
