@@ -264,6 +264,11 @@ class ReasoningModule(L.LightningModule):
         if needed == self._needed_generation_options:
             return
         self._needed_generation_options = needed
+        self.close_generator()
+
+    def close_generator(self) -> None:
+        """Shut down a generator that holds resources of its own (a vLLM engine: its copy of the weights, its KV cache,
+        GPU memory); the next rollout builds one again (:attr:`generator`)."""
         if self._generator is not None:
             close = getattr(self._generator, "close", None)
             if close is not None:
@@ -281,7 +286,8 @@ class ReasoningModule(L.LightningModule):
         with vLLM's reason in one line at fit start (not at the first rollout); an existing one takes the current
         weights (e.g. a resumed checkpoint's) before it next generates. An engine whose own ``max_model_len`` is lower
         than the limit the rows of ``splits`` were checked against (vLLM derives one where ``generation_options`` sets
-        none) has them checked again (:meth:`check_prompt_lengths`), before any step."""
+        none) has them checked again (:meth:`check_prompt_lengths`), before any step; refused, the engine is closed
+        (as ``evaluate_policy`` closes its own), so a failed fit holds no engine and the next one builds its own."""
         if self.generation_backend == "hf":
             return
         if self.sharded:
@@ -301,7 +307,11 @@ class ReasoningModule(L.LightningModule):
                 raise err.with_need(need) from err.__cause__
             limit = self.prompt_token_limit()
             if limit is not None and (checked is None or limit < checked):  # vLLM derived a lower max_model_len
-                self.check_prompt_lengths(splits)
+                try:
+                    self.check_prompt_lengths(splits)
+                except BaseException:  # refused: the engine's memory is not held while the user's script goes on
+                    self.close_generator()
+                    raise
         else:
             self._generator.weights_changed()
 

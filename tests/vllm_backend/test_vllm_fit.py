@@ -588,33 +588,54 @@ def _refusal(what: str, where: str) -> str:
             "format or system_prompt), or remove those rows from the data")
 
 
-def test_a_row_past_the_max_model_len_vllm_derives_is_refused_before_the_first_step(tmp_path, keep_alive,
+def _closed_engines(monkeypatch) -> list:
+    """The vLLM engines shut down from now on, as each is: (its max_model_len, whether it was running)."""
+    from es_lightning.generation.vllm import VLLMGenerator
+
+    closed = []
+    real_close = VLLMGenerator.close
+    monkeypatch.setattr(VLLMGenerator, "close", lambda self: (closed.append((self.max_model_len, self.llm is not None)),
+                                                              real_close(self)))
+    return closed
+
+
+def test_a_row_past_the_max_model_len_vllm_derives_is_refused_before_the_first_step(tmp_path, keep_alive, monkeypatch,
                                                                                     llama_like_seq40_dir):
     """With no generation_options.max_model_len, vLLM takes its own from the model's config (here its seq_length,
     40; the scaled RoPE gives no position limit to check the rows against before the engine exists): the rows are
     checked again once the engine is built, refused in one line before the first step — shorter prompts the fix, not
-    a max_model_len vLLM would refuse — not at the step that draws the row."""
+    a max_model_len vLLM would refuse — not at the step that draws the row. The refused fit's engine is closed (its
+    memory not held while the script goes on); a second fit of the same module builds its own and trains."""
+    closed = _closed_engines(monkeypatch)
     module = _derived_engine_module(llama_like_seq40_dir, keep_alive)
     data, source = _long_row_data(tmp_path, "train", 7)
     trainer = L.Trainer(max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
     with pytest.raises(ValueError) as refused:
         trainer.fit(module, data)
-    assert module.generator.max_model_len == 40 and trainer.global_step == 0
+    assert closed == [(40, True)] and module._generator is None and trainer.global_step == 0
     where = f"7 (counting from 0) of the 'train' split of data.source '{source.parent}'"
     assert str(refused.value) == _refusal("16 train prompts", where), refused.value
+    (tmp_path / "short").mkdir()
+    data, _ = _long_row_data(tmp_path / "short", "none", 0)  # no long row
+    trainer = L.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
+    trainer.fit(module, data)
+    assert trainer.global_step == 1 and module.generator.max_model_len == 40 and module.generator.llm is not None
 
 
 def test_a_validation_row_past_the_max_model_len_vllm_derives_is_refused_before_validating(tmp_path, keep_alive,
+                                                                                          monkeypatch,
                                                                                           llama_like_seq40_dir):
     """``validate`` builds its engine at its start: its rows are checked against the engine's own max_model_len then,
-    refused in one line before a problem is generated."""
+    refused in one line before a problem is generated, and the engine closed."""
+    closed = _closed_engines(monkeypatch)
     module = _derived_engine_module(llama_like_seq40_dir, keep_alive)
     data, source = _long_row_data(tmp_path, "validation", 2)
     trainer = L.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False)
     with pytest.raises(ValueError) as refused:
         trainer.validate(module, data)
-    assert module.generator.max_model_len == 40
+    assert closed == [(40, True)] and module._generator is None
     where = f"2 (counting from 0) of the 'validation' split of data.source '{source.parent}'"
     assert str(refused.value) == _refusal("4 val prompts", where), refused.value
 
