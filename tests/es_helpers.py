@@ -1,5 +1,5 @@
 """Pieces the tests share: a reward every member earns differently, a task that signals its process in an evaluation,
-callbacks that record the batches and when each update ended, a callback with a bug, and a process that aborts if the
+no hub (offline), callbacks that record the batches and when each update ended, a callback with a bug, and a process that aborts if the
 interpreter's teardown runs."""
 
 from __future__ import annotations
@@ -13,6 +13,17 @@ from pathlib import Path
 import lightning as L
 
 from es_lightning.tasks import CountdownTask
+
+
+def offline(monkeypatch) -> None:
+    """No hub, as on a machine without network (huggingface_hub's and datasets' offline flags, read at import, and the
+    variable child processes read), without waiting for the probe that finds it out."""
+    import datasets
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
 
 
 class CharSumTask(CountdownTask):

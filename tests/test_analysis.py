@@ -1218,12 +1218,9 @@ def test_a_missing_hub_model_or_dataset_in_an_analysis_names_the_option_that_gav
     """A hub model that cannot be loaded (offline, not cached), given to an analysis command, was refused with "give a
     local model directory in its place" (of what?), and a .ckpt's hub base as if the .ckpt were that model: each
     refusal names the option the user gave (--checkpoints, --tuned, --base, --eval.source), never a fit's key."""
-    import datasets
-    from huggingface_hub import constants
+    from es_helpers import offline
 
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no hub, as on a machine without network (no probe's wait)
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    offline(monkeypatch)
     model, data = "es-lightning-tests/no-such-model", "es-lightning-tests/no-such-dataset"
     checkpoint = torch.load(es_checkpoint[0], map_location="cpu", weights_only=False)
     checkpoint["hyper_parameters"]["model"] = model  # a run trained from a hub model this machine does not have

@@ -689,13 +689,11 @@ def test_a_missing_hub_dataset_names_the_fix_in_the_words_of_its_caller(monkeypa
     the key."""
     from pathlib import Path
 
-    from huggingface_hub import constants
+    from es_helpers import offline
 
     from es_lightning.cli import cli_main
 
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no hub, as on a machine without network (no probe's wait)
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    offline(monkeypatch)
     missing = "es-lightning-tests/no-such-dataset"
     dm = ReasoningDataModule(task="gsm8k", source=missing)
     with pytest.raises((ConnectionError, FileNotFoundError)) as err:

@@ -2,6 +2,7 @@ import importlib.util
 
 import pytest
 import torch
+from es_helpers import offline
 from transformers import AutoModelForCausalLM
 
 from es_lightning.policy import builtin_models, load_policy, resolve_dtype, resolve_model_path
@@ -209,14 +210,6 @@ def test_git_lfs_pointers_in_place_of_the_weights_are_named(qwen_like_small_dir,
 MISSING_HUB_MODEL = "es-lightning-tests/no-such-model"
 
 
-def _offline(monkeypatch):
-    """No hub: what a machine without network gets (the probe's fallback), without waiting for the probe."""
-    from huggingface_hub import constants
-
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-
-
 def test_a_missing_hub_model_from_a_script_names_the_python_argument(monkeypatch):
     """A hub model that cannot be loaded, asked for from Python, was refused with the recipe's key ("point model: at
     a local directory"), which a script never wrote: the fix names the call that takes the model."""
@@ -224,7 +217,7 @@ def test_a_missing_hub_model_from_a_script_names_the_python_argument(monkeypatch
 
     from es_lightning import ESModule, GRPOModule, ReasoningDataModule
 
-    _offline(monkeypatch)
+    offline(monkeypatch)
     with pytest.raises(ConnectionError, match=r"or pass a local model directory instead: "
                                               r"load_policy\('/path/to/model_dir'\)$") as err:
         load_policy(MISSING_HUB_MODEL)
@@ -245,7 +238,7 @@ def test_a_missing_hub_model_in_the_command_names_the_recipe_key(monkeypatch, tm
 
     from es_lightning.cli import cli_main
 
-    _offline(monkeypatch)
+    offline(monkeypatch)
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as stop:
         cli_main(["fit", "--config", str(Path(__file__).parents[1] / "recipes" / "es.yaml"), "--model.init_args.model",

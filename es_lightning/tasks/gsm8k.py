@@ -146,8 +146,7 @@ class GSM8KTask(Task):
     is the question plus verl's instruction to answer after ``####``; with ``use_chat_template`` the training module
     wraps it in the tokenizer's chat template.
 
-    Args:
-        **task_kwargs: rewards, ``use_chat_template``, ``max_completion_chars`` (default 65536 here; see :class:`Task`).
+    Options: :class:`Task`'s (rewards, ``use_chat_template``, ``max_completion_chars``: 65536 here by default).
     """
 
     name: ClassVar[str] = "gsm8k"
@@ -156,9 +155,6 @@ class GSM8KTask(Task):
     hub_config: ClassVar[str | None] = "main"
     #: chains of thought are long; extraction is one rfind
     default_max_completion_chars: ClassVar[int] = 65536
-
-    def __init__(self, **task_kwargs: Any) -> None:
-        super().__init__(**task_kwargs)
 
     def prompt(self, example: dict[str, Any]) -> str:
         return f"{example['question'].strip()}\n{INSTRUCTION}"
