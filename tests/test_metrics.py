@@ -7,6 +7,7 @@ import copy
 import itertools
 import math
 import random
+import re
 import time
 import warnings
 from datetime import timedelta
@@ -890,3 +891,33 @@ def test_bootstrapper_resamples_majority_votes_given_as_answer_ids_and_refuses_w
     several.update(correct)
     with pytest.raises(ValueError, match=r"returns a dict: bootstrap PassAtK\(k=\.\.\.\) instead, one BootStrapper per budget$"):
         several.compute()
+
+
+@pytest.mark.parametrize("sampling_strategy", ["poisson", "multinomial"])
+def test_bootstrapper_fails_on_majority_answers_as_lists_given_positionally_before_the_metric_runs(sampling_strategy):
+    """Answers as lists given *positionally* to torchmetrics' BootStrapper never reach MajorityAtK.update (whose
+    keyword-form refusal names MajorityAtK.answer_ids): BootStrapper.update takes the first positional argument as the
+    number of rows to resample and calls torch.ones / torch.Size on the list. Nothing of ours runs before that, so the
+    failure is documented (MajorityAtK's docstring, the README's metrics section) with its message and the fix. If a
+    torchmetrics release changes this, this test says so: the docs then need updating."""
+    import traceback
+    from pathlib import Path
+
+    from torchmetrics.wrappers import BootStrapper
+
+    import es_lightning.metrics.majority as majority
+
+    correct = torch.tensor([[True, False], [True, True], [False, True]])
+    answers = [["12", "7"], ["12", "12"], ["x", None]]
+    expected = {"multinomial": "found element of type list", "poisson": "torch.Size() takes an iterable of 'int'"}
+    for call in ({"args": (answers, correct), "kwargs": {}}, {"args": (answers,), "kwargs": {"correct": correct}}):
+        bootstrap = BootStrapper(MajorityAtK(k=2), num_bootstraps=2, sampling_strategy=sampling_strategy)
+        with pytest.raises(TypeError, match=re.escape(expected[sampling_strategy])) as info:
+            bootstrap.update(*call["args"], **call["kwargs"])
+        frames = {Path(frame.filename).resolve() for frame in traceback.extract_tb(info.value.__traceback__)}
+        assert Path(majority.__file__).resolve() not in frames  # torchmetrics failed before MajorityAtK.update ran
+    docs = {"MajorityAtK's docstring": " ".join(MajorityAtK.__doc__.split()),
+            "README": " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())}
+    for where, text in docs.items():
+        for phrase in ("found element of type list", "torch.Size() takes an iterable of 'int'", "answer_ids"):
+            assert phrase in text, f"{where} does not document {phrase!r}"

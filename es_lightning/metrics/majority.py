@@ -79,8 +79,14 @@ class MajorityAtK(_PerKSums, KeepsStateOnError, ExactSums, Plottable, Metric):
     ``MajorityAtK(k=4)``'s returns one scalar tensor, for ``self.log("val/maj@4", metric)``, ``MetricTracker``,
     ``MinMaxMetric`` and arithmetic. ``BootStrapper`` resamples the tensor arguments only (lists of answers would not
     follow the resampled rows of ``correct``): pass it ``MajorityAtK.answer_ids(answers)``, the answers as a
-    ``[num_problems, n]`` tensor of ids (``None`` as -1: in a tensor, a negative id abstains). NaN when no problem was
-    seen (torchmetrics warns).
+    ``[num_problems, n]`` tensor of ids (``None`` as -1: in a tensor, a negative id abstains). Lists by keyword
+    (``update(answers=..., correct=...)``) are refused here in one line naming that fix; lists *positionally*
+    (``bootstrap.update(answers, correct)``, also with ``correct=`` by keyword) fail inside torchmetrics before this
+    metric runs — ``BootStrapper.update`` takes the first positional argument as the number of rows to resample and
+    calls ``torch.ones(answers)`` (``TypeError: ones(): argument 'size' ... must be tuple of ints, but found element of
+    type list``; ``torch.Size() takes an iterable of 'int'`` with its default ``sampling_strategy="poisson"``), and
+    nothing of this metric's can intercept that short of patching torchmetrics: the fix is the same ``answer_ids``
+    tensor. NaN when no problem was seen (torchmetrics warns).
 
     Args:
         ks: the vote sizes k to report (default ``(1, 4, 16)``); positive integers, each at most the ``n`` of every
