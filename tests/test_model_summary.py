@@ -1,19 +1,30 @@
 """The model summary at fit start gives the parameters' real memory (es_lightning/callbacks/model_summary.py): weights
-at their own dtype plus the fp32 master copies the ES/GRPO optimizers keep, where Lightning's counted every parameter at
-the trainer precision's size. Real fits (one step) of the built-in model (fp32: no masters) and of the Qwen-like fixture
-in bf16 (ES and GRPO), the figures checked against sums over the parameters computed here."""
+at their own dtype plus the fp32 master copies the ES/GRPO optimizers keep and the optimizers' state (AdamW's two
+moments), where Lightning's counted every parameter at the trainer precision's size. Real fits (one step) of the
+built-in model (fp32: no masters) and of the Qwen-like fixture in bf16 (ES and GRPO), the figures checked against
+parameter counts derived by hand from the fixture's config."""
 
 from __future__ import annotations
 
+import json
 import logging
 import re
+from pathlib import Path
 
 import lightning as L
 import pytest
+import torch
 from lightning.pytorch.callbacks import ModelSummary as LightningModelSummary
+from transformers import AutoModelForCausalLM
 
 from es_lightning import ESModule, GRPOModule, ReasoningDataModule
-from es_lightning.callbacks.model_summary import ModelSummary, RichModelSummary
+from es_lightning.callbacks.model_summary import (
+    ModelSummary,
+    RichModelSummary,
+    memory_line,
+    optimizer_state_bytes,
+    parameter_bytes,
+)
 
 
 def _fit(module, root, callbacks=()):
@@ -37,9 +48,22 @@ def test_builtin_fp32_counts_its_weights_and_no_masters(tmp_path, caplog, capsys
     assert [type(cb) for cb in trainer.callbacks if isinstance(cb, LightningModelSummary)] == [RichModelSummary]
     weights = sum(p.numel() * 4 for p in module.parameters())
     assert {p.dtype.itemsize for p in module.parameters()} == {4}
-    assert _line(caplog) == (f"Parameter memory (MB): {weights / 1e6:,.3f} weights (float32), no master copies "
-                             "(the optimizers update the weights in their own dtype)")
+    assert _line(caplog) == (f"Parameter memory (MB): {weights / 1e6:,.3f} weights (float32) + 0.000 optimizer state "
+                             f"(ESOptimizer: none) = {weights / 1e6:,.3f}, no master copies (the optimizers update the "
+                             "weights in their own dtype)")
     assert f"Total estimated model params size (MB): {weights / 1e6:,.3f}" in capsys.readouterr().out
+
+
+def _qwen_like_parameter_count(model_dir: str) -> int:
+    """The Qwen2 parameter count from the fixture's config.json, by hand: tied embeddings once; per layer q/k/v with
+    biases, o without, a SwiGLU MLP (gate, up, down) and two RMSNorms; the final norm."""
+    c = json.loads((Path(model_dir) / "config.json").read_text())
+    hidden, inter, vocab = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+    head_dim = hidden // c["num_attention_heads"]
+    kv = c["num_key_value_heads"] * head_dim
+    assert c["tie_word_embeddings"]
+    layer = (hidden * hidden + hidden) + 2 * (hidden * kv + kv) + hidden * hidden + 3 * hidden * inter + 2 * hidden
+    return vocab * hidden + c["num_hidden_layers"] * layer + hidden
 
 
 @pytest.mark.parametrize("algorithm", ["es", "grpo"])
@@ -55,14 +79,68 @@ def test_bf16_qwen_like_counts_bf16_weights_plus_fp32_masters(qwen_like_small_di
     summaries = [cb for cb in trainer.callbacks if isinstance(cb, LightningModelSummary)]
     assert [type(cb) for cb in summaries] == [ModelSummary] and summaries[0]._max_depth == 2
 
-    params = list(module.parameters())  # tied embeddings once
-    assert {p.dtype.itemsize for p in params} == {2}
-    weights = sum(p.numel() * 2 for p in params)
-    masters = sum(p.numel() * 4 for p in params)  # both optimizers update every weight through an fp32 master
-    assert weights == 2 * sum(p.numel() for p in module.model.parameters())
+    count = _qwen_like_parameter_count(qwen_like_small_dir)
+    assert count == 152_128 == sum(p.numel() for p in module.parameters())  # tied embeddings once
+    assert {p.dtype for p in module.parameters()} == {torch.bfloat16}
+    weights = 2 * count  # bf16
+    masters = 4 * count  # both optimizers update every weight through an fp32 master
+    if algorithm == "es":  # ESOptimizer keeps no state beyond its masters
+        state, said = 0, "0.000 optimizer state (ESOptimizer: none beyond the masters)"
+    else:  # MasterAdamW: exp_avg and exp_avg_sq, fp32 like the masters they step
+        state = 2 * 4 * count
+        said = f"{state / 1e6:,.3f} float32 optimizer state (MasterAdamW: exp_avg, exp_avg_sq)"
+        moments = [t for s in trainer.optimizers[0].state.values() for key, t in s.items() if key.startswith("exp_avg")]
+        assert sum(t.numel() * t.element_size() for t in moments) == state  # what the step allocated
+    total = weights + masters + state
+    assert (weights, masters, total) == ((304_256, 608_512, 912_768) if algorithm == "es" else
+                                         (304_256, 608_512, 2_129_792))
     assert _line(caplog) == (f"Parameter memory (MB): {weights / 1e6:,.3f} weights (bfloat16) + {masters / 1e6:,.3f} "
-                             f"float32 master copies = {(weights + masters) / 1e6:,.3f}")
+                             f"float32 master copies + {said} = {total / 1e6:,.3f}")
     table = [r.getMessage() for r in caplog.records if "Total estimated model params size (MB)" in r.getMessage()]
     assert len(table) == 1
-    assert re.search(rf"^{re.escape(f'{(weights + masters) / 1e6:,.3f}')} +Total estimated model params size", table[0], re.M)
+    assert re.search(rf"^{re.escape(f'{total / 1e6:,.3f}')} +Total estimated model params size", table[0], re.M)
     assert "model.lm_head" in table[0]  # max_depth 2 kept: the table names the model's children
+
+
+def test_optimizer_state_of_plain_torch_optimizers_on_bf16_qwen_like(qwen_like_small_dir):
+    """Plain torch optimizers over the bf16 Qwen-like model's parameters (a user's own algorithm): Adam/AdamW keep two
+    moments in the parameters' dtype (three with amsgrad), SGD one momentum buffer (none at momentum 0), parameters
+    shared by two optimizers once, frozen ones not at all; an optimizer whose state size is unknown is named as not
+    counted. Each checked against the state the optimizer really allocates at its first step."""
+    model = AutoModelForCausalLM.from_pretrained(qwen_like_small_dir, dtype=torch.bfloat16)
+    count = _qwen_like_parameter_count(qwen_like_small_dir)
+    params = list(model.parameters())
+
+    def allocated(opt) -> int:  # the per-parameter state a real step allocates (the 0-d step counts left out)
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.step()
+        return sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if t.dim())
+
+    cases = [(torch.optim.AdamW(params, lr=1e-3), 2 * 2 * count, "AdamW: exp_avg, exp_avg_sq"),
+             (torch.optim.Adam(params, lr=1e-3, amsgrad=True), 3 * 2 * count, "Adam: exp_avg, exp_avg_sq, max_exp_avg_sq"),
+             (torch.optim.SGD(params, lr=1e-3, momentum=0.9), 2 * count, "SGD: momentum_buffer"),
+             (torch.optim.SGD(params, lr=1e-3), 0, "SGD: none")]
+    for opt, expected, said in cases:
+        state, counted, uncounted = optimizer_state_bytes([opt])
+        assert (sum(state.values()), counted, uncounted) == (expected, [said], [])
+        assert allocated(opt) == expected
+        weights, masters = parameter_bytes(model, [opt])
+        dtypes = "bfloat16 " if expected else ""
+        assert memory_line(weights, masters, (state, counted, uncounted)) == (
+            f"Parameter memory (MB): {2 * count / 1e6:,.3f} weights (bfloat16) + {expected / 1e6:,.3f} {dtypes}optimizer "
+            f"state ({said}) = {(2 * count + expected) / 1e6:,.3f}, no master copies (the optimizers update the weights "
+            "in their own dtype)")
+
+    embed = model.get_input_embeddings().weight
+    embed.requires_grad_(False)  # frozen: no state; the rest shared by two optimizers: counted once
+    rest = [p for p in params if p is not embed]
+    state, counted, uncounted = optimizer_state_bytes([torch.optim.AdamW(rest, lr=1e-3), torch.optim.AdamW(params, lr=1e-3)])
+    assert state == {"bfloat16": 2 * 2 * (count - embed.numel())}
+
+    rmsprop = torch.optim.RMSprop(rest, lr=1e-3)
+    state, counted, uncounted = optimizer_state_bytes([rmsprop])
+    assert (state, counted, uncounted) == ({}, [], ["RMSprop"])
+    assert memory_line(*parameter_bytes(model, [rmsprop]), (state, counted, uncounted)).endswith(
+        ", no master copies (the optimizers update the weights in their own dtype); the state of RMSprop is not counted "
+        "(its size is not known from the parameters: add it by hand)")

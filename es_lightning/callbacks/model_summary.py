@@ -9,9 +9,11 @@ said 0.609 MB where the weights take 0.304 MB and weights plus masters 0.913 MB.
 
 This summary prints the same table with that figure replaced by the real bytes — each weight at its own dtype's size
 plus the masters the fit's optimizers hold, or will hold once they step (:meth:`MasterState.needs_master`: AdamW takes
-its masters at its first step) — and one line that gives the two parts, e.g.
-``Parameter memory (MB): 0.304 weights (bfloat16) + 0.609 float32 master copies = 0.913``. Optimizer moments (AdamW's
-``exp_avg``/``exp_avg_sq``), gradients, activations and the KV cache come on top (the table in
+its masters at its first step), plus the optimizers' per-parameter state (:func:`optimizer_state_bytes`) — and one
+line that gives the parts, e.g. ``Parameter memory (MB): 0.304 weights (bfloat16) + 0.609 float32 master copies +
+1.217 float32 optimizer state (MasterAdamW: exp_avg, exp_avg_sq) = 2.130`` for GRPO on the Qwen-like fixture in bf16
+(the 16 bytes per parameter of :mod:`es_lightning.precision`'s table less the gradients), ``+ 0.000 optimizer state
+(ESOptimizer: none beyond the masters)`` for ES. Gradients, activations and the KV cache come on top (the table in
 :mod:`es_lightning.precision` counts them). Tied weights are counted once, as ``Module.parameters()`` yields them; a
 sharded (FSDP2) parameter counts its whole tensor, as Lightning's parameter counts do.
 
@@ -28,13 +30,14 @@ from itertools import chain
 from typing import Any
 
 import lightning as L
+import torch
 from lightning.pytorch.callbacks import ModelSummary as LightningModelSummary
 from lightning.pytorch.callbacks import RichModelSummary as LightningRichModelSummary
 from lightning.pytorch.utilities import rank_zero_info
 
 from es_lightning.precision import MasterState
 
-__all__ = ["ModelSummary", "RichModelSummary", "parameter_bytes"]
+__all__ = ["ModelSummary", "RichModelSummary", "optimizer_state_bytes", "parameter_bytes"]
 
 
 def _name(dtype) -> str:
@@ -61,14 +64,76 @@ def parameter_bytes(module: L.LightningModule, optimizers: list) -> tuple[dict[s
     return weights, masters
 
 
-def memory_line(weights: dict[str, int], masters: dict[str, int]) -> str:
-    """The one line that splits the parameter memory into weights and master copies (MB = 1e6 bytes, as Lightning)."""
-    total_weights, total_masters = sum(weights.values()), sum(masters.values())
+def _state_keys(opt) -> tuple[str, ...] | None:
+    """The per-parameter tensors ``opt`` keeps, each the size of its parameter (or of its master); ``None`` where that
+    is not known from the parameters and settings alone."""
+    from es_lightning.es.update import ESOptimizer
+
+    if isinstance(opt, ESOptimizer):
+        return ()  # the step count and the master, counted as master copies
+    if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):  # AdamW is not an Adam subclass before torch 2.6
+        amsgrad = any(group.get("amsgrad") for group in opt.param_groups)
+        return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())
+    if type(opt) is torch.optim.SGD:
+        return ("momentum_buffer",) if any(group.get("momentum") for group in opt.param_groups) else ()
+    return None
+
+
+def optimizer_state_bytes(optimizers: list) -> tuple[dict[str, int], list[str], list[str]]:
+    """``({state dtype: bytes}, [what each counted optimizer keeps], [optimizers not counted])``: the optimizers'
+    per-parameter state where its size follows from the parameters, whether or not the first step has allocated it.
+
+    How it is computed, per trainable parameter ``p`` in an optimizer's ``param_groups`` (once over all optimizers):
+    ``torch.optim.Adam`` / ``AdamW`` (and :class:`~es_lightning.precision.MasterAdamW`) keep ``exp_avg`` and
+    ``exp_avg_sq`` (and ``max_exp_avg_sq`` with ``amsgrad``), each ``p.numel()`` elements in the dtype of what they
+    step — the fp32 master where :meth:`MasterState.needs_master`, else ``p``'s own dtype (``torch.zeros_like`` in
+    ``Adam._init_group`` and :meth:`MasterAdamW._init_state`): 2 x 4 bytes per parameter for GRPO's AdamW on masters.
+    ``torch.optim.SGD`` keeps one ``momentum_buffer`` like ``p`` when ``momentum`` is non-zero, nothing otherwise.
+    :class:`~es_lightning.es.update.ESOptimizer` keeps nothing beyond its masters (counted as master copies) and step
+    counts. The 0-d ``step`` tensors (4 bytes per parameter *tensor*) are left out; any other optimizer's state is
+    reported as not counted, as its size is not known from the parameters."""
+    state: dict[str, int] = {}
+    counted: list[str] = []
+    uncounted: list[str] = []
+    seen: set[int] = set()
+    for opt in optimizers:
+        keys = _state_keys(opt)
+        name = type(opt).__name__
+        if keys is None:
+            uncounted.append(name)
+            continue
+        params = list(chain.from_iterable(g["params"] for g in opt.param_groups))
+        masters = isinstance(opt, MasterState) and any(opt.needs_master(p) for p in params)
+        counted.append(f"{name}: {', '.join(keys)}" if keys else f"{name}: none{' beyond the masters' if masters else ''}")
+        for p in params:
+            if id(p) in seen or not p.requires_grad or not keys:
+                continue
+            seen.add(id(p))
+            dtype = opt.master_dtype if isinstance(opt, MasterState) and opt.needs_master(p) else p.dtype
+            state[_name(dtype)] = state.get(_name(dtype), 0) + len(keys) * p.numel() * dtype.itemsize
+    return state, counted, uncounted
+
+
+def memory_line(weights: dict[str, int], masters: dict[str, int],
+                optimizer_state: tuple[dict[str, int], list[str], list[str]] = ({}, [], [])) -> str:
+    """The one line that splits the memory into weights, master copies and optimizer state (MB = 1e6 bytes, as
+    Lightning); ``optimizer_state`` as :func:`optimizer_state_bytes` returns it."""
+    state, counted, uncounted = optimizer_state
+    total_weights, total_masters, total_state = sum(weights.values()), sum(masters.values()), sum(state.values())
     line = f"Parameter memory (MB): {total_weights / 1e6:,.3f} weights ({', '.join(sorted(weights)) or 'none'})"
+    if masters:
+        line += f" + {total_masters / 1e6:,.3f} {', '.join(sorted(masters))} master copies"
+    if counted:
+        dtypes = f"{', '.join(sorted(state))} " if state else ""  # "float32 "; "" when nothing is kept
+        line += f" + {total_state / 1e6:,.3f} {dtypes}optimizer state ({'; '.join(counted)})"
+    if masters or counted:
+        line += f" = {(total_weights + total_masters + total_state) / 1e6:,.3f}"
     if not masters:
-        return line + ", no master copies (the optimizers update the weights in their own dtype)"
-    return (line + f" + {total_masters / 1e6:,.3f} {', '.join(sorted(masters))} master copies = "
-            f"{(total_weights + total_masters) / 1e6:,.3f}")
+        line += ", no master copies (the optimizers update the weights in their own dtype)"
+    if uncounted:
+        line += (f"; the state of {', '.join(uncounted)} is not counted (its size is not known from the parameters: "
+                 "add it by hand)")
+    return line
 
 
 class _RealSizes:
@@ -83,24 +148,25 @@ class _RealSizes:
             return
         summary = self._summary(trainer, pl_module)
         weights, masters = parameter_bytes(pl_module, trainer.optimizers)
-        size_mb = (sum(weights.values()) + sum(masters.values())) / 1e6
+        state = optimizer_state_bytes(trainer.optimizers)
+        size_mb = (sum(weights.values()) + sum(masters.values()) + sum(state[0].values())) / 1e6
         if trainer.is_global_zero:
             # Lightning's own call; total_flops only where this Lightning's summarize takes it (2.5 and later)
             flops = ({"total_flops": getattr(summary, "total_flops", 0)}
                      if "total_flops" in inspect.signature(self.summarize).parameters else {})
             self.summarize(summary._get_summary_data(), summary.total_parameters, summary.trainable_parameters, size_mb,
                            summary.total_training_modes, **flops, **self._summarize_kwargs)
-        rank_zero_info(memory_line(weights, masters))
+        rank_zero_info(memory_line(weights, masters, state))
 
 
 class ModelSummary(_RealSizes, LightningModelSummary):
     """Lightning's :class:`~lightning.pytorch.callbacks.ModelSummary` with the parameters' real memory: weights at
-    their dtype plus the optimizers' fp32 master copies (module docstring)."""
+    their dtype plus the optimizers' fp32 master copies and state (module docstring)."""
 
 
 class RichModelSummary(_RealSizes, LightningRichModelSummary):
     """Lightning's :class:`~lightning.pytorch.callbacks.RichModelSummary` with the parameters' real memory: weights at
-    their dtype plus the optimizers' fp32 master copies (module docstring)."""
+    their dtype plus the optimizers' fp32 master copies and state (module docstring)."""
 
 
 def swap_model_summary(callbacks: list) -> None:
