@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import os
 import re
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import lightning as L
@@ -144,3 +149,96 @@ def test_optimizer_state_of_plain_torch_optimizers_on_bf16_qwen_like(qwen_like_s
     assert memory_line(*parameter_bytes(model, [rmsprop]), (state, counted, uncounted)).endswith(
         ", no master copies (the optimizers update the weights in their own dtype); the state of RMSprop is not counted "
         "(its size is not known from the parameters: add it by hand)")
+
+
+DISTRIBUTED_SCRIPT = textwrap.dedent(
+    """
+    import json, logging, sys, torch, lightning as L
+    from lightning.pytorch.callbacks import ModelSummary
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from es_lightning import ESModule, GRPOModule, ReasoningDataModule
+    from es_lightning.precision import local
+
+    class Record(logging.Handler):  # every message Lightning's loggers pass on this rank
+        def __init__(self):
+            super().__init__(logging.INFO)
+            self.messages = []
+        def emit(self, record):
+            self.messages.append(record.getMessage())
+
+    model_dir, out = sys.argv[1], sys.argv[2]
+    torch.set_num_threads(1)
+    logging.getLogger("lightning.pytorch").setLevel(logging.INFO)
+    result = {}
+    for name in ("ddp", "fsdp2", "fsdp2_grpo"):  # one process group for the fits, as a script with several gets
+        record = Record()
+        logging.getLogger("lightning.pytorch").addHandler(record)
+        if name == "fsdp2_grpo":
+            module = GRPOModule(model=model_dir, task="countdown", dtype="bfloat16", group_size=2, max_new_tokens=4)
+        else:
+            module = ESModule(model=model_dir, task="countdown", dtype="bfloat16", population_size=2, max_new_tokens=4)
+        strategy = "ddp" if name == "ddp" else ModelParallelStrategy()
+        trainer = L.Trainer(max_steps=1, accelerator="cpu", devices=2, strategy=strategy, logger=False,
+                            limit_val_batches=0, num_sanity_val_steps=0, enable_checkpointing=False,
+                            enable_progress_bar=False, callbacks=[ModelSummary(max_depth=1)])
+        trainer.fit(module, ReasoningDataModule(task="countdown", train_size=8, val_size=2, test_size=2, batch_size=2))
+        logging.getLogger("lightning.pytorch").removeHandler(record)
+        result[name] = {"messages": record.messages, "step": trainer.global_step,
+                        "local": {n: local(p).numel() for n, p in module.model.named_parameters()}}
+    with open(f"{out}.{trainer.global_rank}", "w") as f:
+        json.dump(result, f)
+    from es_lightning.distributed import end_distributed_process
+    end_distributed_process()  # FSDP2's units keep the gloo groups: exit past the teardown (distributed.py)
+    """
+)
+
+
+def test_summary_under_ddp_and_fsdp2_printed_once_per_rank_figures_honest(qwen_like_small_dir, tmp_path, caplog):
+    """2 real CPU processes (gloo), ES on the bf16 Qwen-like fixture. DDP: the line and the table printed once (rank
+    0), the line equal to a 1-process fit's (the population split shards no weights). FSDP2 (ModelParallelStrategy):
+    the same whole-model figures, said to be all ranks together, plus rank 0's own shards — checked against the
+    parameter shapes split by hand (FSDP2 gives rank 0 ceil(rows / 2) of each tensor) and the shards each rank held;
+    GRPO under FSDP2 the same with AdamW's two fp32 moments, sharded as the parameters."""
+    with caplog.at_level(logging.INFO):
+        _fit(ESModule(model=qwen_like_small_dir, task="countdown", dtype="bfloat16", population_size=2,
+                      max_new_tokens=4), tmp_path)
+    single = _line(caplog)
+    count = _qwen_like_parameter_count(qwen_like_small_dir)
+    assert single.endswith(f" = {6 * count / 1e6:,.3f}")  # bf16 weights + fp32 masters, no ES state
+
+    script = tmp_path / "summary_distributed.py"
+    script.write_text(DISTRIBUTED_SCRIPT)
+    out = tmp_path / "result"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run([sys.executable, str(script), qwen_like_small_dir, str(out)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"result.{r}").read_text()) for r in range(2)]
+
+    def lines(rank, fit, start):
+        return [m for m in ranks[rank][fit]["messages"] if start in m]
+
+    for fit in ("ddp", "fsdp2", "fsdp2_grpo"):
+        assert [r[fit]["step"] for r in ranks] == [1, 1]
+        assert len(lines(0, fit, "Parameter memory (MB):")) == 1 and lines(1, fit, "Parameter memory (MB):") == []
+        assert len(lines(0, fit, "Total estimated model params size")) == 1
+        assert lines(1, fit, "Total estimated model params size") == []
+    assert lines(0, "ddp", "Parameter memory (MB):") == [single]
+    assert ranks[0]["ddp"]["local"] == ranks[1]["ddp"]["local"]  # every DDP rank holds the whole model
+
+    shapes = {n: tuple(p.shape) for n, p in AutoModelForCausalLM.from_pretrained(qwen_like_small_dir).named_parameters()}
+    rank0 = sum(math.ceil(shape[0] / 2) * math.prod(shape[1:]) for shape in shapes.values())
+    assert sum(math.prod(shape) for shape in shapes.values()) == count
+    assert sum(ranks[0]["fsdp2"]["local"].values()) == rank0 >= sum(ranks[1]["fsdp2"]["local"].values())
+    assert sum(ranks[0]["fsdp2"]["local"].values()) + sum(ranks[1]["fsdp2"]["local"].values()) == count  # sharded
+    weights, masters = 2 * rank0, 4 * rank0
+    (fsdp2,) = lines(0, "fsdp2", "Parameter memory (MB):")
+    assert fsdp2 == (f"{single}; that is the whole model, all 2 ranks together; per rank (rank 0's FSDP2 shards, the "
+                     f"largest): {weights / 1e6:,.3f} weights + {masters / 1e6:,.3f} master copies + 0.000 optimizer "
+                     f"state = {(weights + masters) / 1e6:,.3f}")
+    (grpo,) = lines(0, "fsdp2_grpo", "Parameter memory (MB):")
+    assert grpo == (f"Parameter memory (MB): {2 * count / 1e6:,.3f} weights (bfloat16) + {4 * count / 1e6:,.3f} float32 "
+                    f"master copies + {8 * count / 1e6:,.3f} float32 optimizer state (MasterAdamW: exp_avg, exp_avg_sq) = "
+                    f"{14 * count / 1e6:,.3f}; that is the whole model, all 2 ranks together; per rank (rank 0's FSDP2 "
+                    f"shards, the largest): {weights / 1e6:,.3f} weights + {masters / 1e6:,.3f} master copies + "
+                    f"{8 * rank0 / 1e6:,.3f} optimizer state = {14 * rank0 / 1e6:,.3f}")

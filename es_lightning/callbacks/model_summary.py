@@ -14,8 +14,14 @@ line that gives the parts, e.g. ``Parameter memory (MB): 0.304 weights (bfloat16
 1.217 float32 optimizer state (MasterAdamW: exp_avg, exp_avg_sq) = 2.130`` for GRPO on the Qwen-like fixture in bf16
 (the 16 bytes per parameter of :mod:`es_lightning.precision`'s table less the gradients), ``+ 0.000 optimizer state
 (ESOptimizer: none beyond the masters)`` for ES. Gradients, activations and the KV cache come on top (the table in
-:mod:`es_lightning.precision` counts them). Tied weights are counted once, as ``Module.parameters()`` yields them; a
-sharded (FSDP2) parameter counts its whole tensor, as Lightning's parameter counts do.
+:mod:`es_lightning.precision` counts them). Tied weights are counted once, as ``Module.parameters()`` yields them.
+
+Under DDP every rank holds all of it (an ES population split over ranks, or GRPO's data split, shards nothing): the
+figure is each rank's, the 1-process figure, printed once (rank 0). Under FSDP2 (``ModelParallelStrategy``, DTensor
+parameters) a sharded parameter counts its whole tensor in the table and the line, as Lightning's parameter counts do
+— the whole model, all ranks together, which the line says — and the line adds what one rank holds: rank 0's own
+shards (``DTensor.to_local()``) of the weights, masters and optimizer state, which FSDP2's ``torch.chunk``-style split
+of dim 0 makes the largest of any rank's. That per-rank figure is what has to fit a device.
 
 Every :class:`~es_lightning.modules.base.ReasoningModule` fit swaps it in for Lightning's own
 (:meth:`~es_lightning.modules.base.ReasoningModule.configure_callbacks`): a ``ModelSummary`` becomes a
@@ -35,7 +41,7 @@ from lightning.pytorch.callbacks import ModelSummary as LightningModelSummary
 from lightning.pytorch.callbacks import RichModelSummary as LightningRichModelSummary
 from lightning.pytorch.utilities import rank_zero_info
 
-from es_lightning.precision import MasterState
+from es_lightning.precision import MasterState, local
 
 __all__ = ["ModelSummary", "RichModelSummary", "optimizer_state_bytes", "parameter_bytes"]
 
@@ -44,12 +50,19 @@ def _name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def parameter_bytes(module: L.LightningModule, optimizers: list) -> tuple[dict[str, int], dict[str, int]]:
+def _numel(p, on_this_rank: bool) -> int:
+    """``p``'s elements: all of them, or with ``on_this_rank`` only this rank's shard of an FSDP2 DTensor."""
+    return local(p).numel() if on_this_rank else p.numel()
+
+
+def parameter_bytes(module: L.LightningModule, optimizers: list, on_this_rank: bool = False
+                    ) -> tuple[dict[str, int], dict[str, int]]:
     """``({weight dtype: bytes}, {master dtype: bytes})`` of ``module``'s parameters (tied ones once) and of the master
-    copies ``optimizers`` hold or will hold (one per parameter that needs one, however many optimizers hold it)."""
+    copies ``optimizers`` hold or will hold (one per parameter that needs one, however many optimizers hold it); whole
+    tensors, or with ``on_this_rank`` this rank's FSDP2 shards only."""
     weights: dict[str, int] = {}
     for p in module.parameters():
-        weights[_name(p.dtype)] = weights.get(_name(p.dtype), 0) + p.numel() * p.element_size()
+        weights[_name(p.dtype)] = weights.get(_name(p.dtype), 0) + _numel(p, on_this_rank) * p.element_size()
     masters: dict[str, int] = {}
     seen: set[int] = set()
     for opt in optimizers:
@@ -60,7 +73,7 @@ def parameter_bytes(module: L.LightningModule, optimizers: list) -> tuple[dict[s
             if id(p) in seen or not opt.needs_master(p):
                 continue
             seen.add(id(p))
-            masters[_name(opt.master_dtype)] = masters.get(_name(opt.master_dtype), 0) + p.numel() * size
+            masters[_name(opt.master_dtype)] = masters.get(_name(opt.master_dtype), 0) + _numel(p, on_this_rank) * size
     return weights, masters
 
 
@@ -79,7 +92,7 @@ def _state_keys(opt) -> tuple[str, ...] | None:
     return None
 
 
-def optimizer_state_bytes(optimizers: list) -> tuple[dict[str, int], list[str], list[str]]:
+def optimizer_state_bytes(optimizers: list, on_this_rank: bool = False) -> tuple[dict[str, int], list[str], list[str]]:
     """``({state dtype: bytes}, [what each counted optimizer keeps], [optimizers not counted])``: the optimizers'
     per-parameter state where its size follows from the parameters, whether or not the first step has allocated it.
 
@@ -91,7 +104,8 @@ def optimizer_state_bytes(optimizers: list) -> tuple[dict[str, int], list[str], 
     ``torch.optim.SGD`` keeps one ``momentum_buffer`` like ``p`` when ``momentum`` is non-zero, nothing otherwise.
     :class:`~es_lightning.es.update.ESOptimizer` keeps nothing beyond its masters (counted as master copies) and step
     counts. The 0-d ``step`` tensors (4 bytes per parameter *tensor*) are left out; any other optimizer's state is
-    reported as not counted, as its size is not known from the parameters."""
+    reported as not counted, as its size is not known from the parameters. With ``on_this_rank``, this rank's FSDP2
+    shards only (an optimizer's state of a DTensor parameter is sharded as the parameter)."""
     state: dict[str, int] = {}
     counted: list[str] = []
     uncounted: list[str] = []
@@ -110,7 +124,7 @@ def optimizer_state_bytes(optimizers: list) -> tuple[dict[str, int], list[str], 
                 continue
             seen.add(id(p))
             dtype = opt.master_dtype if isinstance(opt, MasterState) and opt.needs_master(p) else p.dtype
-            state[_name(dtype)] = state.get(_name(dtype), 0) + len(keys) * p.numel() * dtype.itemsize
+            state[_name(dtype)] = state.get(_name(dtype), 0) + len(keys) * _numel(p, on_this_rank) * dtype.itemsize
     return state, counted, uncounted
 
 
@@ -150,13 +164,20 @@ class _RealSizes:
         weights, masters = parameter_bytes(pl_module, trainer.optimizers)
         state = optimizer_state_bytes(trainer.optimizers)
         size_mb = (sum(weights.values()) + sum(masters.values()) + sum(state[0].values())) / 1e6
+        line = memory_line(weights, masters, state)
+        if any(local(p) is not p for p in pl_module.parameters()):  # FSDP2: DTensor shards
+            on_rank = [sum(part.values()) / 1e6 for part in (*parameter_bytes(pl_module, trainer.optimizers, True),
+                                                            optimizer_state_bytes(trainer.optimizers, True)[0])]
+            line += (f"; that is the whole model, all {trainer.world_size} ranks together; per rank (rank 0's FSDP2 "
+                     f"shards, the largest): {on_rank[0]:,.3f} weights + {on_rank[1]:,.3f} master copies + "
+                     f"{on_rank[2]:,.3f} optimizer state = {sum(on_rank):,.3f}")
         if trainer.is_global_zero:
             # Lightning's own call; total_flops only where this Lightning's summarize takes it (2.5 and later)
             flops = ({"total_flops": getattr(summary, "total_flops", 0)}
                      if "total_flops" in inspect.signature(self.summarize).parameters else {})
             self.summarize(summary._get_summary_data(), summary.total_parameters, summary.trainable_parameters, size_mb,
                            summary.total_training_modes, **flops, **self._summarize_kwargs)
-        rank_zero_info(memory_line(weights, masters, state))
+        rank_zero_info(line)
 
 
 class ModelSummary(_RealSizes, LightningModelSummary):
