@@ -158,3 +158,85 @@ def test_grpo_step_on_two_processes_equals_single_process(mode, single, tiny_mod
         switch = result["switch"]
         assert switch["stages"] == {"1": "grpo", "2": "es"} and switch["es_sharded"]
         assert switch["update_norm"] > 0
+
+
+class FlatOnRanksGRPO(GRPOModule):
+    """GRPO whose rewards are one value on the ranks in ``flat_ranks`` and differ within every group elsewhere."""
+
+    def __init__(self, *args, flat_ranks: tuple[int, ...] = (), **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.flat_ranks = tuple(flat_ranks)
+
+    def score(self, completions, examples, step=None):
+        scores = super().score(completions, examples, step)
+        if self.trainer.global_rank in self.flat_ranks:
+            scores.rewards = torch.full((len(completions),), 0.5)
+        else:  # 0, 1, 2, 3 within each group of 4
+            scores.rewards = torch.arange(len(completions), dtype=torch.float32) % GRPO_KW["group_size"]
+        return scores
+
+
+FLAT_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, warnings, torch, lightning as L
+    from lightning.pytorch.strategies import DDPStrategy
+    sys.path.insert(0, {tests!r})
+    from test_sharding_grpo import GRPO_KW, DATA_KW, FlatOnRanksGRPO
+    from es_lightning import ReasoningDataModule
+
+    class CountingDDP(DDPStrategy):  # counts the scalar collectives a training step makes through the strategy
+        calls = 0
+        def reduce(self, *args, **kwargs):
+            CountingDDP.calls += 1
+            return super().reduce(*args, **kwargs)
+
+    class PerStep(L.Callback):
+        def __init__(self):
+            self.counts = []
+        def on_train_batch_start(self, *args):
+            CountingDDP.calls = 0
+        def on_train_batch_end(self, *args):
+            self.counts.append(CountingDDP.calls)
+
+    if __name__ == "__main__":
+        torch.set_num_threads(1)
+        out = {{}}
+        for name, flat_ranks in (("all", (0, 1)), ("one", (1,))):
+            per_step = PerStep()
+            trainer = L.Trainer(max_steps=3, accelerator="cpu", devices=2, strategy=CountingDDP(), logger=False,
+                                enable_checkpointing=False, limit_val_batches=0, num_sanity_val_steps=0,
+                                enable_progress_bar=False, enable_model_summary=False, callbacks=[per_step])
+            module = FlatOnRanksGRPO(model={model!r}, flat_ranks=flat_ranks, **GRPO_KW)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                trainer.fit(module, ReasoningDataModule(batch_size=2, **DATA_KW))
+            out[name] = {{"said": [str(w.message) for w in caught if "update is zero" in str(w.message)],
+                         "reduces": per_step.counts,
+                         "frac": float(trainer.logged_metrics["train/frac_reward_zero_std"])}}
+        if trainer.global_rank == 0:
+            json.dump(out, open({out!r} + "/flat.json", "w"))
+    """
+)
+
+
+def test_grpo_flat_reward_warning_under_ddp_costs_no_collective(tiny_model_dir, tmp_path):
+    """The all-groups-flat warning is about the global update: it comes once when every group on every rank scored one
+    reward, and not when only one rank's groups did (the other rank's gradients make the averaged update non-zero). It
+    is decided from ``train/frac_reward_zero_std`` as ``log_step`` reduced it across ranks: a step makes the same three
+    scalar collectives (the kept-groups count, ``dapo``'s token count and the metrics) whether the warning is still to
+    come or not; the check once made a fourth on every step until it had warned (every step of a fit whose rewards
+    differ)."""
+    script = tmp_path / "grpo_flat.py"
+    tests = os.path.dirname(os.path.abspath(__file__))
+    script.write_text(FLAT_SCRIPT.format(tests=tests, out=str(tmp_path), model=tiny_model_dir))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads((tmp_path / "flat.json").read_text())
+    said = result["all"]["said"]
+    assert len(said) == 1 and said[0].startswith("GRPO step 0: the 4 completions of every group scored the same "
+                                                 "reward (all 0.5)"), said
+    assert result["all"]["frac"] == 1.0
+    assert result["one"]["said"] == [] and result["one"]["frac"] == 0.5
+    assert result["all"]["reduces"] == result["one"]["reduces"] == [3, 3, 3], result

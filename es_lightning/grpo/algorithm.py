@@ -194,8 +194,7 @@ class GRPOAlgorithm(Algorithm):
 
         kept_cpu = kept.cpu()
         flat_rows = torch.isclose(group_std, torch.zeros_like(group_std)).cpu()[kept_cpu]  # [kept rows]
-        self._warn_flat(module, flat_rows, scores.rewards[kept_cpu], step)
-        module.log_step(StepMetrics(
+        logged = module.log_step(StepMetrics(
             rewards=torch.where(kept_cpu, scores.rewards, torch.full_like(scores.rewards, float("nan"))),
             frac_reward_zero_std=float(flat_rows.to(torch.float32).mean()),
             accuracy=float(scores.correct[kept_cpu].to(torch.float32).mean()),
@@ -206,19 +205,17 @@ class GRPOAlgorithm(Algorithm):
             times={"generate": t1 - t0, "score": t2 - t1, "update": t3 - t2},
             extra=stats,
         ))
+        self._warn_flat(module, logged["train/frac_reward_zero_std"], scores.rewards[kept_cpu], step)
 
-    def _warn_flat(self, module: ReasoningModule, flat_rows: Tensor, rewards: Tensor, step: int) -> None:
+    def _warn_flat(self, module: ReasoningModule, frac_flat: float, rewards: Tensor, step: int) -> None:
         """Once a fit: a step whose every group (of every rank) scored one reward within the group has advantages all 0,
         so its policy-gradient update is zero; a run of such steps learns nothing, and only
-        ``train/frac_reward_zero_std`` (1.0) would say so. ``flat_rows`` [kept rows]: whether the row's group is flat."""
-        if "flat" in self.__dict__.get("_warned", ()):
-            return
-        flat = bool(flat_rows.all())
-        trainer = module._trainer
-        if trainer is not None and trainer.world_size > 1:  # every rank decides alike (a collective on each of them)
-            uneven = torch.tensor([0.0 if flat else 1.0], dtype=torch.float64, device=module.device)
-            flat = float(trainer.strategy.reduce(uneven, reduce_op="sum")) == 0.0
-        if not flat:
+        ``train/frac_reward_zero_std`` (1.0) would say so. ``frac_flat``: that metric as :meth:`ReasoningModule.log_step`
+        logged it, the mean of the ranks' shares of flat groups — 1.0 exactly when every group of every rank is flat
+        (each share is at most 1), so every rank decides alike without a collective of its own. Not when only some
+        ranks' groups are flat: the gradients DDP averages are then not zero. A rank whose groups were all dropped
+        (NaN/inf rewards) has no share (NaN), and such a step does not warn. ``rewards`` [kept rows]: this rank's."""
+        if frac_flat != 1.0:
             return
         s = self.settings
         values = sorted({float(r) for r in rewards.tolist()})

@@ -501,9 +501,11 @@ class ReasoningModule(L.LightningModule):
         self.set_algorithm(cls(dict(record["settings"])), dict(record["sampling"]))
         return True
 
-    def log_step(self, metrics: StepMetrics) -> None:
+    def log_step(self, metrics: StepMetrics) -> dict[str, float]:
         """Log a training step's metrics under the shared keys (:mod:`es_lightning.metrics.training`), averaged over
-        ranks in one collective; the same call for every algorithm, so a stage switch logs consistently."""
+        ranks in one collective; the same call for every algorithm, so a stage switch logs consistently. Returns the
+        values logged (``{"train/<name>": value}``, the same on every rank), so an algorithm can decide on a global
+        value (GRPO's all-groups-flat warning) without a collective of its own."""
         self.last_rewards = metrics.rewards.detach().cpu().clone()
         values = shared_metrics(metrics, self.optimizers().param_groups[0]["lr"])
         if self.trainer.world_size > 1:
@@ -522,6 +524,7 @@ class ReasoningModule(L.LightningModule):
         kw = dict(on_step=True, on_epoch=False, batch_size=metrics.batch_size)
         self.log("train/reward_mean", reward, prog_bar=True, **kw)
         self.log_dict(values, **kw)
+        return {"train/reward_mean": reward, **values}
 
     # ------------------------------------------------------------------ Lightning hooks
     def configure_callbacks(self):
