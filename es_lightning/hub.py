@@ -102,27 +102,16 @@ def describe_hub_error(exc: BaseException, repo: str | None = None, kind: str = 
     return None
 
 
-#: a hub model's refusal's local fix, in a fit's terms (an analysis command, whose models are not ``model:``, rewords it)
+#: a hub model's refusal's local fix, in a fit's terms (an analysis command, whose models are not ``model:``, gives its own)
 MODEL_FIX_LOCAL = "point model: at a local directory"
-
-
-def with_local_fix(err: Exception, local_fix: str) -> Exception:
-    """``err`` (raised by :func:`hub_errors`) with its local fix reworded as ``local_fix``, or ``err`` itself when it
-    names none (another failure) or already says that."""
-    said = getattr(err, "local_fix", None)
-    if not said or said == local_fix or said not in str(err):
-        return err
-    reworded = type(err)(str(err).replace(said, local_fix))
-    reworded.local_fix = local_fix
-    return reworded
 
 
 @contextlib.contextmanager
 def hub_errors(repo: str, kind: str = "model", revision: str | None = None,
                local_fix: str | None = None) -> Iterator[None]:
     """Load from the hub inside; a hub failure becomes ``ConnectionError`` / ``FileNotFoundError`` with one clear line
-    (its ``local_fix`` attribute the words of the way out through a local copy, which :func:`with_local_fix`
-    rewords)."""
+    ending with ``local_fix``, the way out through a local copy in the words of whoever was given the model or
+    dataset (:func:`describe_hub_error`)."""
     prepare_hub_access()
     try:
         yield
@@ -130,6 +119,4 @@ def hub_errors(repo: str, kind: str = "model", revision: str | None = None,
         line = describe_hub_error(err, repo, kind, revision, local_fix)
         if line is None:
             raise
-        refusal = ConnectionError(line) if "offline" in line else FileNotFoundError(line)
-        refusal.local_fix = local_fix or (MODEL_FIX_LOCAL if kind == "model" else None)
-        raise refusal from err
+        raise (ConnectionError(line) if "offline" in line else FileNotFoundError(line)) from err

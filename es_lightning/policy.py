@@ -352,6 +352,7 @@ def load_policy(
     trust_remote_code: bool = False,
     revision: str | None = None,
     attn_implementation: str | None = None,
+    local_fix: str | None = None,
     **model_kwargs: Any,
 ) -> Policy:
     """Load model + tokenizer from a hub id, a local directory or ``builtin:<name>``.
@@ -362,6 +363,10 @@ def load_policy(
         trust_remote_code: allow custom modelling code from the repository (off by default).
         attn_implementation: e.g. ``"sdpa"`` or ``"flash_attention_2"``; default lets transformers choose.
         revision: the hub commit, branch or tag to load (a hub id only: a local directory given one is refused).
+        local_fix: the way out through a local copy that the refusal of a hub model that cannot be loaded (offline and
+            not cached, no such repository) ends with, in the words of whoever was given the model — a class's argument
+            (``model_fix_local("ESModule(model=...)")``), an analysis command's option — so that no caller rewrites the
+            exception's message afterwards. Default: this call's (:func:`model_fix_local`).
         model_kwargs: more ``from_pretrained`` keywords. ``torch_dtype`` (transformers' older name, which TRL's
             ``model_init_kwargs`` still carry) is read as ``dtype``: passed on beside our ``dtype``, the default
             ``float32`` won and a ``torch_dtype=torch.bfloat16`` model was loaded in fp32 without a word.
@@ -390,7 +395,7 @@ def load_policy(
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     # a hub id: fail fast offline
-    hub = hub_errors(name_or_path, revision=revision, local_fix=model_fix_local("load_policy(...)"))
+    hub = hub_errors(name_or_path, revision=revision, local_fix=local_fix or model_fix_local("load_policy(...)"))
     with hub if not Path(path).is_dir() else contextlib.nullcontext():
         try:
             model = AutoModelForCausalLM.from_pretrained(path, **kwargs)

@@ -232,6 +232,18 @@ def test_a_missing_hub_model_from_a_script_names_the_python_argument(monkeypatch
         assert "\n" not in str(err.value) and "model:" not in str(err.value) and trainer.global_step == 0
 
 
+def test_load_policy_words_a_missing_hub_model_s_way_out_as_its_caller_says(monkeypatch):
+    """A caller that was given the model (a module's ``model=``, an analysis's ``--tuned``) says how to give a local copy
+    instead through ``load_policy(local_fix=...)``: its refusal ends with those words from the start, the hub's error
+    its cause, rather than being caught and rebuilt with its message rewritten."""
+    offline(monkeypatch)
+    fix = "give a local model directory as --tuned"
+    with pytest.raises(ConnectionError, match=rf"is not in the local Hugging Face cache .*, or {fix}$") as err:
+        load_policy(MISSING_HUB_MODEL, local_fix=fix)
+    assert "\n" not in str(err.value) and "load_policy(" not in str(err.value) and "model:" not in str(err.value)
+    assert err.value.__cause__ is not None and not hasattr(err.value, "local_fix")
+
+
 def test_a_missing_hub_model_in_the_command_names_the_recipe_key(monkeypatch, tmp_path, capsys):
     """The `es-lightning` command keeps the recipe's words for the same refusal (a script's: the test above)."""
     from pathlib import Path

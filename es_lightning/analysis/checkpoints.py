@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 
-from es_lightning.hub import with_local_fix
 from es_lightning.policy import Policy, RemoteCodeRefused, load_policy, resolve_model_path
 from es_lightning.precision import checkpoint_masters
 from es_lightning.tasks.base import TASK_KEY
@@ -296,15 +295,10 @@ def load_model(spec: str, dtype: str | torch.dtype | None = None, trust_remote_c
             cannot be loaded (offline and not cached, no such repository) is refused naming it as the way to a local
             copy; a ``.ckpt`` whose base is such a hub model names the run's ``export/`` (a whole model) for it.
     """
-    try:
-        return _load_model(spec, dtype, trust_remote_code)
+    try:  # a hub id offline or unknown: the fix in an analysis's terms
+        return _load_model(spec, dtype, trust_remote_code, model_local_fix(spec, model_option))
     except RemoteCodeRefused as err:
         raise err.naming(remote_code_option) from None
-    except (ConnectionError, FileNotFoundError) as err:  # a hub id offline or unknown: the fix in an analysis's terms
-        refusal = with_local_fix(err, model_local_fix(spec, model_option))
-        if refusal is err:
-            raise
-        raise refusal from None
 
 
 def model_local_fix(spec: str, model_option: str | None = None) -> str:
@@ -317,10 +311,10 @@ def model_local_fix(spec: str, model_option: str | None = None) -> str:
     return f"give a local model directory as {model_option}"
 
 
-def _load_model(spec: str, dtype: str | torch.dtype | None, trust_remote_code: bool) -> LoadedModel:
+def _load_model(spec: str, dtype: str | torch.dtype | None, trust_remote_code: bool, local_fix: str) -> LoadedModel:
     if not is_lightning_checkpoint(spec):
-        return LoadedModel(policy=load_policy(spec, dtype=dtype or "float32", trust_remote_code=trust_remote_code), spec=spec,
-                           stored_dtype=stored_dtype(spec), trust_remote_code=trust_remote_code)
+        policy = load_policy(spec, dtype=dtype or "float32", trust_remote_code=trust_remote_code, local_fix=local_fix)
+        return LoadedModel(policy=policy, spec=spec, stored_dtype=stored_dtype(spec), trust_remote_code=trust_remote_code)
     checkpoint = read_checkpoint(spec)
     hparams = dict(checkpoint["hyper_parameters"])
     base = locate_base(str(hparams["model"]), spec)
@@ -332,11 +326,10 @@ def _load_model(spec: str, dtype: str | torch.dtype | None, trust_remote_code: b
             trust_remote_code=trust_remote_code,
             attn_implementation=hparams.get("attn_implementation"),
             revision=hparams.get("revision"),
+            local_fix=local_fix,
         )
     except ConnectionError as err:  # a hub base, offline and not cached: which model it is, the way out kept
-        refusal = ConnectionError(f"{spec!r} was trained from base model {base!r} (its 'model' hyperparameter): {err}")
-        refusal.local_fix = getattr(err, "local_fix", None)
-        raise refusal from err
+        raise ConnectionError(f"{spec!r} was trained from base model {base!r} (its 'model' hyperparameter): {err}") from err
     except FileNotFoundError as err:
         raise FileNotFoundError(
             f"{spec!r} was trained from base model {base!r} (its 'model' hyperparameter), which cannot be loaded: {err}. "

@@ -43,7 +43,6 @@ from es_lightning.generation.config import (
     position_limit,
     prompt_limit,
 )
-from es_lightning.hub import with_local_fix
 from es_lightning.metrics.training import StepMetrics, shared_metrics
 from es_lightning.modules.stage import STAGE_KEY, peek_stage_on_load
 from es_lightning.policy import Policy, load_policy, model_fix_local, prompt_token_counts, resolve_dtype
@@ -202,13 +201,9 @@ class ReasoningModule(L.LightningModule):
     def configure_model(self) -> None:
         """Load the policy once (Lightning calls this inside the strategy's context before fit/validate/test)."""
         if self.model is None:
-            try:
-                policy = load_policy(self.model_name, **self.policy_load_options())
-            except (ConnectionError, FileNotFoundError) as err:  # a hub model: from a script, the fix is this class's
-                refusal = with_local_fix(err, model_fix_local(f"{type(self).__name__}(model=...)"))
-                if refusal is err:
-                    raise
-                raise refusal from err.__cause__
+            # a hub model that cannot be loaded: from a script, the way out is this class's argument
+            policy = load_policy(self.model_name, **self.policy_load_options(),
+                                 local_fix=model_fix_local(f"{type(self).__name__}(model=...)"))
             self.model = policy.model
             self.tokenizer = policy.tokenizer
         if self._device_mesh is not None:  # ModelParallelStrategy: FSDP2-shard the policy (es_lightning/distributed.py)
