@@ -122,6 +122,14 @@ def remembered_argv() -> list[str]:
     return list(_CONTEXT["argv"])
 
 
+def spoken(command_form: str, python_form: str) -> str:
+    """A fix in the words of whoever set the value: ``command_form`` inside the ``es-lightning`` command (a recipe key
+    or option: ``trainer.precision 32-true``), ``python_form`` from a script (the call that takes it:
+    ``Trainer(precision='32-true')``). The command records its argv (:func:`remember`); a script has none, and is told
+    of no YAML key it never wrote."""
+    return command_form if _CONTEXT["argv"] else python_form
+
+
 @contextlib.contextmanager
 def building() -> Iterator[None]:
     """Mark the construction of the trainer and its classes (errors raised there by Lightning are configuration's)."""

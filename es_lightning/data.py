@@ -181,11 +181,10 @@ def data_fix_local() -> str:
     """A hub dataset's refusal's local fix in the words of whoever asked for it: inside the ``es-lightning`` command the
     recipe's key, from a script the call (``ReasoningDataModule(source=...)``): a script is told of no key it never
     wrote (as :func:`~es_lightning.policy.model_fix_local` for a model)."""
-    from es_lightning.cli_errors import remembered_argv  # the command records its argv; a script has none
+    from es_lightning.cli_errors import spoken
 
-    if remembered_argv():
-        return "point data.source at a local file or directory"
-    return "pass a local file or directory instead: ReasoningDataModule(source='/path/to/data')"
+    return spoken("point data.source at a local file or directory",
+                  "pass a local file or directory instead: ReasoningDataModule(source='/path/to/data')")
 
 
 class ReasoningDataModule(L.LightningDataModule):

@@ -339,11 +339,9 @@ def model_fix_local(call: str) -> str:
     command the recipe's key (:data:`MODEL_FIX_LOCAL`), from a script the Python ``call`` that takes it, the model
     argument a local directory (``call="ESModule(model=...)"``: ``pass a local model directory instead:
     ESModule(model='/path/to/model_dir')``). A script is told of no YAML key it never wrote."""
-    from es_lightning.cli_errors import remembered_argv  # the command records its argv; a script has none
+    from es_lightning.cli_errors import spoken
 
-    if remembered_argv():
-        return MODEL_FIX_LOCAL
-    return "pass a local model directory instead: " + call.replace("...", "'/path/to/model_dir'")
+    return spoken(MODEL_FIX_LOCAL, "pass a local model directory instead: " + call.replace("...", "'/path/to/model_dir'"))
 
 
 def load_policy(

@@ -168,13 +168,13 @@ def _dtype_fix(dtype: str, precision: str, owner: str | None, master_dtype: str 
     """One fix of :func:`check_device_dtype`: the recipe's keys inside the command (``dtype: float16 with
     trainer.precision: 16-true``), the Python calls from a script (``GRPOModule(dtype='float16', master_dtype='float32')
     with Trainer(precision='16-true')``)."""
-    from es_lightning.cli_errors import remembered_argv  # the command records its argv; a script has none
+    from es_lightning.cli_errors import spoken
 
-    if remembered_argv():
-        master = f", master_dtype: {master_dtype}" if master_dtype else ""
-        return f"dtype: {dtype}{master} with trainer.precision: {precision}"
+    master = f", master_dtype: {master_dtype}" if master_dtype else ""
     args = f"dtype={dtype!r}" + (f", master_dtype={master_dtype!r}" if master_dtype else "")
-    return f"{owner}({args}) with Trainer(precision={precision!r})" if owner else f"{args} with Trainer(precision={precision!r})"
+    return spoken(f"dtype: {dtype}{master} with trainer.precision: {precision}",
+                  f"{owner}({args}) with Trainer(precision={precision!r})" if owner else
+                  f"{args} with Trainer(precision={precision!r})")
 
 
 @functools.cache

@@ -381,6 +381,33 @@ def test_a_mistake_raised_in_a_spawned_worker_is_one_line():
     assert explain(_worker_failure(lambda: [][1])) is None
 
 
+def test_fixes_speak_the_command_s_keys_inside_it_and_python_calls_from_a_script(monkeypatch):
+    """One rule (``cli_errors.spoken``) decides how a fix names a setting: the recipe key inside the `es-lightning`
+    command (it records its argv), the Python call from a script (which wrote no YAML). The hub refusals' ways out
+    for a model and a dataset and the dtype refusal's fix each follow it."""
+    from es_lightning import cli_errors
+    from es_lightning.cli_errors import spoken
+    from es_lightning.data import data_fix_local
+    from es_lightning.policy import model_fix_local
+    from es_lightning.precision import check_device_dtype
+
+    def fixes() -> tuple[str, str, str, str]:
+        with pytest.raises(ValueError) as err:
+            check_device_dtype("cpu", torch.float16, owner="GRPOModule")
+        return (spoken("key", "call"), model_fix_local("ESModule(model=...)"), data_fix_local(),
+                str(err.value).split("; use ")[1])
+
+    monkeypatch.setitem(cli_errors._CONTEXT, "argv", [])
+    assert fixes() == ("call", "pass a local model directory instead: ESModule(model='/path/to/model_dir')",
+                       "pass a local file or directory instead: ReasoningDataModule(source='/path/to/data')",
+                       "GRPOModule(dtype='bfloat16') with Trainer(precision='bf16-true'), or GRPOModule(dtype='float32') "
+                       "with Trainer(precision='32-true')")
+    monkeypatch.setitem(cli_errors._CONTEXT, "argv", ["fit", "--config", "recipe.yaml"])
+    assert fixes() == ("key", "point model: at a local directory", "point data.source at a local file or directory",
+                       "dtype: bfloat16 with trainer.precision: bf16-true, or dtype: float32 with trainer.precision: "
+                       "32-true")
+
+
 def test_a_spawned_workers_mistake_is_located_like_the_ddp_one(monkeypatch):
     """From a worker's traceback text (no ``self`` to look at) the option is named when a frame is a method of a
     configured class — ESModule's constructor here — and not when the mistake comes from code no section owns."""

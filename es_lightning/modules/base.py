@@ -353,16 +353,15 @@ class ReasoningModule(L.LightningModule):
                 check_device_dtype(self.device, dtype, owner=type(self).__name__)
             except ValueError as err:
                 if dtype == computes and dtype != configured:
-                    from es_lightning.cli_errors import SettingError, remembered_argv  # the trainer's setting
+                    from es_lightning.cli_errors import SettingError, spoken  # the trainer's setting
 
                     other = (["bf16-true", "32-true"] if dtype == torch.float16 else
                              ["16-true", "32-true"] if self.device.type == "cuda" else ["32-true"])
                     why = f"computes in {str(dtype).removeprefix('torch.')}: {str(err).split(';', 1)[0]}"
-                    if remembered_argv():  # the command: its option / YAML key
-                        raise SettingError(f"trainer.precision {precision} {why}; use trainer.precision "
-                                           f"{' or '.join(other)}") from err
-                    raise SettingError(f"Trainer(precision={precision!r}) {why}; use "  # a script: its call
-                                       + " or ".join(f"Trainer(precision={o!r})" for o in other)) from err
+                    raise SettingError(spoken(
+                        f"trainer.precision {precision} {why}; use trainer.precision {' or '.join(other)}",
+                        f"Trainer(precision={precision!r}) {why}; use "
+                        + " or ".join(f"Trainer(precision={o!r})" for o in other))) from err
                 raise
 
     # ------------------------------------------------------------------ rollouts and scoring
