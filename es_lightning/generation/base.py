@@ -155,3 +155,17 @@ def refuse_overlong_prompts(prompts: Sequence[str], lengths: Sequence[int], limi
 def default_seed() -> int:
     """A seed drawn from torch's global RNG, so ``seed_everything`` governs unseeded calls."""
     return int(torch.randint(0, 2**31 - 1, (1,)).item())
+
+
+def close_after_failure(close, failure: BaseException) -> None:
+    """Call ``close`` (a generator's :meth:`close`: a vLLM engine's memory and workers) while ``failure`` propagates,
+    so that the error the user sees stays ``failure``: a ``close`` that fails in turn is said in one warning, not
+    raised in its place."""
+    import warnings
+
+    try:
+        close()
+    except Exception as err:  # the original error is the one to fix; this one only says what is still held
+        warnings.warn(f"closing the generation engine after {type(failure).__name__} failed too ({type(err).__name__}: "
+                      f"{str(err).splitlines()[0] if str(err) else ''}); its memory may stay held until the process "
+                      "exits", RuntimeWarning, stacklevel=2)

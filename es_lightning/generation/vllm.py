@@ -90,6 +90,7 @@ from es_lightning.generation.base import (
     PromptLengths,
     Rollout,
     SamplingParams,
+    close_after_failure,
     default_seed,
     refuse_overlong_prompts,
 )
@@ -295,15 +296,20 @@ class VLLMGenerator(Generator):
         self.es_centre_current = False
         self._adapters: list[str] | None = None
         self._prompt_lengths = PromptLengths()  # the longest prompt so far; the max_model_len warning said once
-        self.llm = self._build_engine(kwargs)
         #: the longest prompt + completion the engine takes (vLLM's, from max_model_len or the model's config: its
         #: smallest length key, e.g. a ``seq_length`` below the positions a fit's start checked against)
-        self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
-        if self._dist_was_initialized:  # shut down before the trainer's group goes at exit (es_lightning/distributed.py)
-            from es_lightning.distributed import close_before_group_exit
+        self.max_model_len: int | None = None
+        self.llm = self._build_engine(kwargs)
+        try:  # built, but no caller holds this object to close it yet: a failure from here on closes it first
+            self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
+            if self._dist_was_initialized:  # shut down before the trainer's group goes at exit (es_lightning/distributed.py)
+                from es_lightning.distributed import close_before_group_exit
 
-            close_before_group_exit(self.close)
-        self.push_weights()
+                close_before_group_exit(self.close)
+            self.push_weights()
+        except BaseException as err:  # e.g. the first push (a parameter the engine's architecture lacks)
+            close_after_failure(self.close, err)
+            raise
 
     # ------------------------------------------------------------------ engine
     def _write_config(self, path: str) -> None:

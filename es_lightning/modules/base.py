@@ -36,6 +36,7 @@ from torch import Tensor
 
 from es_lightning.algorithms import SAMPLING_KEYS, Algorithm, get_algorithm
 from es_lightning.generation import Generator, Rollout, SamplingParams, check_generation_options, make_generator
+from es_lightning.generation.base import close_after_failure
 from es_lightning.generation.config import (
     DERIVED_MAX_MODEL_LEN,
     SHORTEN_PROMPTS,
@@ -533,7 +534,8 @@ class ReasoningModule(L.LightningModule):
         swap_model_summary(have)
         if self._trainer is not None and self._trainer.state.fn == "fit":
             _check_manual_optimization_flags(self._trainer)  # Lightning checks them right after this hook
-        return [cls() for cls in (PassAtKCallback, ParameterDrift) if not any(isinstance(cb, cls) for cb in have)]
+        return [cls() for cls in (PassAtKCallback, ParameterDrift, CloseGeneratorOnFailure)
+                if not any(isinstance(cb, cls) for cb in have)]
 
     def validation_step(self, batch: list[dict[str, Any]], batch_idx: int) -> None:
         """Nothing here but the batch's check: :class:`~es_lightning.callbacks.PassAtKCallback` samples and scores each
@@ -835,6 +837,19 @@ class ReasoningModule(L.LightningModule):
                 "restored its optimizer state into the optimizers of the stage this module starts in, before the stage "
                 "was known (the checkpoint path could not be read ahead); resume from a local checkpoint path"
             )
+
+
+class CloseGeneratorOnFailure(L.Callback):
+    """Close the module's generator (a vLLM engine: its weights, KV cache, GPU memory and worker) when a fit,
+    ``validate`` or ``test`` fails — an out-of-memory error, a task's verifier bug, Ctrl+C — before the error reaches
+    the user's script, which would otherwise go on (a notebook: another fit, an evaluation) beside an engine nothing
+    uses. Lightning gives the LightningModule no ``on_exception`` hook; a callback's runs for every trainer entry
+    point. The error raised is the original one; the next rollout builds a new engine (:attr:`ReasoningModule.generator`)."""
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        close = getattr(pl_module, "close_generator", None)
+        if close is not None:
+            close_after_failure(close, exception)
 
 
 def check_batch_size_finders(trainer: L.Trainer, algorithm: Algorithm) -> None:

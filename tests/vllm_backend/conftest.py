@@ -34,6 +34,18 @@ def keep_alive() -> list:
     return []
 
 
+@pytest.fixture
+def closed_engines(monkeypatch) -> list:
+    """The vLLM engines shut down during the test, as each is: (its max_model_len, whether it was running)."""
+    from es_lightning.generation.vllm import VLLMGenerator
+
+    closed = []
+    real_close = VLLMGenerator.close
+    monkeypatch.setattr(VLLMGenerator, "close", lambda self: (closed.append((self.max_model_len, self.llm is not None)),
+                                                              real_close(self)))
+    return closed
+
+
 def _policy(name: str):
     from es_lightning.policy import load_policy
 

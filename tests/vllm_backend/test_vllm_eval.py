@@ -85,7 +85,7 @@ def test_eval_on_vllm_of_a_model_of_its_own_code(tmp_path, qwen_like_dir):
     assert vllm["entropy"] == pytest.approx(hf["entropy"], abs=1e-4)
 
 
-def test_a_problem_past_the_max_model_len_vllm_derives_is_refused_and_the_engine_closed(monkeypatch,
+def test_a_problem_past_the_max_model_len_vllm_derives_is_refused_and_the_engine_closed(closed_engines,
                                                                                        llama_like_seq40_dir):
     """With no max_model_len among the generation options, vLLM takes its own from the model's config (seq_length 40;
     the scaled RoPE gives no limit to check before the engine exists): the problems are checked against it once the
@@ -94,13 +94,9 @@ def test_a_problem_past_the_max_model_len_vllm_derives_is_refused_and_the_engine
     from es_lightning import CountdownTask
     from es_lightning.analysis.evaluate import evaluate_policy
     from es_lightning.analysis.settings import EvalSettings
-    from es_lightning.generation.vllm import VLLMGenerator
     from es_lightning.policy import load_policy
 
-    closed = []  # the engines built, as each is shut down: (max_model_len, whether it was running)
-    real_close = VLLMGenerator.close
-    monkeypatch.setattr(VLLMGenerator, "close", lambda self: (closed.append((self.max_model_len, self.llm is not None)),
-                                                              real_close(self)))
+    closed = closed_engines
     problems = [{"nums": [3, 5, 7], "target": 22}, {"nums": list(range(1, 25)), "target": 17}]
     settings = EvalSettings(num_problems=2, num_samples=1, temperature=0.0, max_new_tokens=8, batch_size=2,
                             generation_backend="vllm", generation_options={"cpu_kv_cache_gib": 0.0625, "max_num_seqs": 4})

@@ -588,25 +588,14 @@ def _refusal(what: str, where: str) -> str:
             "format or system_prompt), or remove those rows from the data")
 
 
-def _closed_engines(monkeypatch) -> list:
-    """The vLLM engines shut down from now on, as each is: (its max_model_len, whether it was running)."""
-    from es_lightning.generation.vllm import VLLMGenerator
-
-    closed = []
-    real_close = VLLMGenerator.close
-    monkeypatch.setattr(VLLMGenerator, "close", lambda self: (closed.append((self.max_model_len, self.llm is not None)),
-                                                              real_close(self)))
-    return closed
-
-
-def test_a_row_past_the_max_model_len_vllm_derives_is_refused_before_the_first_step(tmp_path, keep_alive, monkeypatch,
+def test_a_row_past_the_max_model_len_vllm_derives_is_refused_before_the_first_step(tmp_path, keep_alive, closed_engines,
                                                                                     llama_like_seq40_dir):
     """With no generation_options.max_model_len, vLLM takes its own from the model's config (here its seq_length,
     40; the scaled RoPE gives no position limit to check the rows against before the engine exists): the rows are
     checked again once the engine is built, refused in one line before the first step — shorter prompts the fix, not
     a max_model_len vLLM would refuse — not at the step that draws the row. The refused fit's engine is closed (its
     memory not held while the script goes on); a second fit of the same module builds its own and trains."""
-    closed = _closed_engines(monkeypatch)
+    closed = closed_engines
     module = _derived_engine_module(llama_like_seq40_dir, keep_alive)
     data, source = _long_row_data(tmp_path, "train", 7)
     trainer = L.Trainer(max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -625,11 +614,11 @@ def test_a_row_past_the_max_model_len_vllm_derives_is_refused_before_the_first_s
 
 
 def test_a_validation_row_past_the_max_model_len_vllm_derives_is_refused_before_validating(tmp_path, keep_alive,
-                                                                                          monkeypatch,
+                                                                                          closed_engines,
                                                                                           llama_like_seq40_dir):
     """``validate`` builds its engine at its start: its rows are checked against the engine's own max_model_len then,
     refused in one line before a problem is generated, and the engine closed."""
-    closed = _closed_engines(monkeypatch)
+    closed = closed_engines
     module = _derived_engine_module(llama_like_seq40_dir, keep_alive)
     data, source = _long_row_data(tmp_path, "validation", 2)
     trainer = L.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False)
@@ -664,3 +653,35 @@ def test_a_kv_cache_short_of_the_max_model_len_vllm_derives_names_the_one_the_da
                         enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
     trainer.fit(module, data)
     assert trainer.global_step == 1 and module.generator.max_model_len == 77
+
+
+def _score_as_verdict_task():
+    from es_lightning import CountdownTask
+
+    class ScoreAsVerdict(CountdownTask):
+        """A verifier bug: is_correct returns a graded score where a verdict belongs (the scorer stops the run)."""
+
+        def is_correct(self, completion, example):
+            return 0.5
+
+    return ScoreAsVerdict(prompt_format="compact")
+
+
+def test_a_fit_that_fails_in_a_step_closes_its_engine_and_raises_the_original_error(keep_alive, closed_engines):
+    """A fit that fails after its engine was built (here a task's verifier returning 0.5 for a verdict, in the first
+    training step; an out-of-memory error alike) closed nothing: the engine's memory and worker stayed held while the
+    user's script went on. It is closed as the error propagates, and the error raised is the verifier's."""
+    from es_lightning import ESModule, ReasoningDataModule
+    from es_lightning.scoring import RewardError
+
+    module = ESModule(population_size=4, sigma=0.02, lr=0.01, max_new_tokens=8, temperature=0.0,
+                      generation_backend="vllm", generation_options=dict(max_model_len=96, cpu_kv_cache_gib=0.0625,
+                                                                          max_num_seqs=16))
+    keep_alive.append(module)
+    data = ReasoningDataModule(_score_as_verdict_task(), train_size=16, val_size=2, test_size=2, batch_size=4)
+    trainer = L.Trainer(max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
+    with pytest.raises(RewardError, match=r"^ScoreAsVerdict at step 0: is_correct returned 0.5 \(float\), not a "
+                       "correctness verdict"):
+        trainer.fit(module, data)
+    assert closed_engines == [(96, True)] and module._generator is None and trainer.global_step == 0

@@ -200,3 +200,17 @@ def test_prefix_caching_never_serves_another_members_prefix(keep_alive, qwen_lik
         assert torch.equal(member.completion_ids, fresh.completion_ids)
         assert torch.equal(member.logprobs, fresh.logprobs)
         gen.es_restore()
+
+
+def test_an_engine_whose_first_push_fails_is_closed_and_the_error_is_the_push_s(closed_engines):
+    """A policy holding a parameter the engine's architecture lacks (a value head, as TRL's value-head models add)
+    fails the first push, inside ``VLLMGenerator(...)``, after the engine is built: no caller holds the generator to
+    close it, so the constructor closes it before vLLM's error propagates (the engine's memory and worker were held
+    until the process ended)."""
+    from conftest import _engine, _policy
+
+    policy = _policy("builtin:countdown-tiny")
+    policy.model.v_head = torch.nn.Linear(policy.model.config.hidden_size, 1)
+    with pytest.raises(ValueError, match=r"^There is no module or parameter named 'v_head' in "):
+        _engine(policy)
+    assert closed_engines == [(128, True)]
