@@ -37,6 +37,7 @@ from es_lightning.analysis.output import check_out_dir, format_table, markdown_t
 from es_lightning.analysis.settings import PAPER_EVAL, REMOTE_CODE_OPTION, EvalSettings, resolve_device
 from es_lightning.data import DROP_INVALID_HINT, ReasoningDataModule, count_trained, procedural_split
 from es_lightning.data_files import HUB_CONFIG_HINT
+from es_lightning.generation.config import KVCacheTooSmall
 from es_lightning.policy import Policy
 from es_lightning.tasks import Task, get_task
 
@@ -267,7 +268,11 @@ def evaluate_policy(
 
     try:
         if module.generation_backend == "vllm":  # the engine's own max_model_len (vLLM derives one where none is set)
-            module.start_generator()
+            try:
+                module.start_generator()
+            except KVCacheTooSmall as err:  # name the max_model_len these problems need, as a fit names its data's
+                need = module.longest_sequence_of(list(problems), settings.completion_cap())
+                raise (err.with_need(need) if need is not None else err) from err.__cause__
             _refuse_overlong_problems(module, problems)
         metrics = evaluator.evaluate_examples(module, list(problems), on_batch=on_batch)
     finally:  # a vLLM engine holds its own copy of the weights and GPU memory: one engine at a time

@@ -735,12 +735,18 @@ class ReasoningModule(L.LightningModule):
         if not callable(getattr(dm, "describe_row", None)):
             return None
         examples = [e for split in splits for e in (dm.splits.get(split) or [])]
-        if not examples:
-            return None
         new_tokens = [self.sampling.max_new_tokens] + [
             n for n in (getattr(cb, "max_new_tokens", None) for cb in self._trainer.callbacks)
             if isinstance(n, int) and not isinstance(n, bool)]
-        return max(prompt_token_counts(self.policy.tokenizer, self.prompts(examples))) + max(new_tokens)
+        return self.longest_sequence_of(examples, max(new_tokens))
+
+    def longest_sequence_of(self, examples: Sequence[dict[str, Any]], max_new_tokens: int) -> int | None:
+        """The longest prompt of ``examples`` as rendered and encoded (tokens) plus ``max_new_tokens``: the
+        ``max_model_len`` they need (:meth:`longest_sequence` for a data module's rows, ``evaluate_policy`` for its
+        problems); ``None`` without examples."""
+        if not examples:
+            return None
+        return max(prompt_token_counts(self.policy.tokenizer, self.prompts(examples))) + max_new_tokens
 
     def prompt_token_limit(self) -> int | None:
         """The prompt length (tokens) from which no completion fits (:func:`~es_lightning.generation.config.prompt_limit`):

@@ -109,3 +109,31 @@ def test_a_problem_past_the_max_model_len_vllm_derives_is_refused_and_the_engine
         "the first is problem 1 of those evaluated (69 tokens as prompted); shorten the prompts (the task's "
         "prompt format or system_prompt), or remove those rows from the data"), refused.value
     assert closed == [(40, True)]
+
+
+def test_a_kv_cache_short_of_the_max_model_len_vllm_derives_names_the_one_the_problems_need(llama_like_dir):
+    """With no max_model_len among the generation options, vLLM takes Llama 3's 131,072 from the model's config, which
+    a small KV cache cannot hold one sequence of: the refusal names the max_model_len these problems need (their
+    longest prompt, 69 tokens, + max_new_tokens 8), as a fit's names its data's, not a bare "the run needs"; with that
+    max_model_len the evaluation runs."""
+    from dataclasses import replace
+
+    from es_lightning import CountdownTask
+    from es_lightning.analysis.evaluate import evaluate_policy
+    from es_lightning.analysis.settings import EvalSettings
+    from es_lightning.policy import load_policy
+
+    problems = [{"nums": [3, 5, 7], "target": 22}, {"nums": list(range(1, 25)), "target": 17}]
+    settings = EvalSettings(num_problems=2, num_samples=1, temperature=0.0, max_new_tokens=8, batch_size=2,
+                            generation_backend="vllm", generation_options={"cpu_kv_cache_gib": 0.0625, "max_num_seqs": 4})
+    policy = load_policy(llama_like_dir, dtype="float32")
+    with pytest.raises(ValueError) as refused:
+        evaluate_policy(policy, CountdownTask(prompt_format="compact"), problems, settings)
+    assert str(refused.value) == (
+        "the vLLM engine's KV cache (generation_options.cpu_kv_cache_gib=0.0625) holds 130944 tokens, short of one "
+        "sequence of its max_model_len 131072 (vLLM's own for this model, from its config: generation_options sets "
+        "none): set generation_options.max_model_len to the longest prompt + max_new_tokens the run needs (here 77), "
+        "or raise generation_options.cpu_kv_cache_gib"), refused.value
+    settings = replace(settings, generation_options={**settings.generation_options, "max_model_len": 77})
+    metrics = evaluate_policy(policy, CountdownTask(prompt_format="compact"), problems, settings)
+    assert 0.0 <= metrics["pass@1"] <= 1.0
