@@ -220,7 +220,7 @@ def test_a_prompt_with_no_room_for_a_completion_is_refused_in_one_line(tiny_mode
     assert message.startswith("prompt 2 of this batch has 142 tokens (too long too: 1 more of its 3 prompts), and the "
                               "model's max_position_embeddings is 128: no room for a completion (its text around the "
                               "middle: '...+2+2+2+"), message
-    assert message.endswith("; shorten the prompt (the task's prompt format or system_prompt), or remove the rows whose "
+    assert message.endswith("; shorten the prompts (the task's prompt format or system_prompt), or remove the rows whose "
                             "prompt has 128 tokens or more from the data"), message
     with pytest.warns(UserWarning, match=r"prompts of up to 126 tokens so far plus max_new_tokens=4 exceed .*lower "
                                          r"max_new_tokens to 2"):

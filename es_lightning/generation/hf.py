@@ -37,6 +37,7 @@ from es_lightning.generation.base import (
     refuse_overlong_prompts,
 )
 from es_lightning.generation.config import (
+    SHORTEN_PROMPTS,
     checkpoint_defaults_off,
     checkpoint_eos_token_ids,
     prompt_limit,
@@ -268,8 +269,7 @@ class HFGenerator(Generator):
         where the vLLM backend stops the completion there. It names the longest prompt seen so far and the
         ``max_new_tokens`` that fits it: a MATH run's prompts of many lengths get one line, not one per length."""
         limit = prompt_limit(getattr(model, "config", None))
-        refuse_overlong_prompts(prompts, lengths, limit, "the model's max_position_embeddings",
-                                "shorten the prompt (the task's prompt format or system_prompt)")
+        refuse_overlong_prompts(prompts, lengths, limit, "the model's max_position_embeddings", SHORTEN_PROMPTS)
         longest = max(lengths, default=0)
         worst = self._prompt_lengths.see(longest)
         if limit is None or longest + max_new_tokens <= limit or not self._prompt_lengths.first_warning(limit):

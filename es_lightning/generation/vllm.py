@@ -97,6 +97,7 @@ from es_lightning.generation.base import (
 from es_lightning.generation.config import (
     DERIVED_MAX_MODEL_LEN,
     DERIVED_NOTE,
+    SHORTEN_PROMPTS,
     KVCacheTooSmall,
     checkpoint_eos_token_ids,
     position_limit,
@@ -592,16 +593,15 @@ class VLLMGenerator(Generator):
         positions = position_limit(config)
         need = longest + max_new_tokens if positions is None else min(longest + max_new_tokens, positions)
         room = f"set generation_options.max_model_len to at least {need} (prompt + max_new_tokens)"
-        shorten = "shorten the prompt (the task's prompt format or system_prompt)"
         # a max_model_len vLLM derived itself (none given) is the most it accepts: only shorter prompts fit under it
         derived = not self.max_model_len_asked
         refuse_overlong_prompts(prompts, lengths, prompt_limit(config, self.max_model_len),
                                 DERIVED_MAX_MODEL_LEN if derived else "the vLLM engine's max_model_len",
-                                room if not derived and (positions is None or longest < positions) else shorten)
+                                room if not derived and (positions is None or longest < positions) else SHORTEN_PROMPTS)
         worst = self._prompt_lengths.see(longest)
         fix = f"set generation_options.max_model_len to at least {worst + max_new_tokens} (prompt + max_new_tokens)"
         if derived:
-            fix = "shorten the prompts (the task's prompt format or system_prompt) or lower max_new_tokens"
+            fix = f"{SHORTEN_PROMPTS} or lower max_new_tokens"
         if longest + max_new_tokens > self.max_model_len and self._prompt_lengths.first_warning(self.max_model_len):
             note = f" {DERIVED_NOTE}" if derived else ""
             warnings.warn(f"prompts of up to {worst} tokens so far plus max_new_tokens={max_new_tokens} exceed the "

@@ -180,7 +180,7 @@ def test_prompts_beyond_max_model_len(builtin_pair):
         gen.generate([prompt + "1 ="], 1, SamplingParams(max_new_tokens=40, temperature=0.0, stop=["#"]))
     assert not [w for w in seen if "max_model_len" in str(w.message)], [str(w.message) for w in seen]
     with pytest.raises(ValueError, match=r"prompt 0 of this batch has 1\d\d tokens, and the vLLM engine's "
-                                         r"max_model_len is 128: no room for a completion .*; shorten the prompt"):
+                                         r"max_model_len is 128: no room for a completion .*; shorten the prompts "):
         gen.generate([prompt * 2], 1, SamplingParams(max_new_tokens=4, temperature=0.0))
 
 
@@ -409,7 +409,7 @@ def test_a_max_model_len_vllm_derives_is_met_with_shorter_prompts(llama_like_seq
         gen.generate([" ".join(map(str, range(1, 16)))], 1, SamplingParams(max_new_tokens=8, temperature=0.0))
     with pytest.raises(ValueError, match=r"prompt 0 of this batch has 78 tokens, and the vLLM engine's max_model_len "
                                          r"\(vLLM's own for this model, .*\) is 40: no room for a completion .*; shorten "
-                                         r"the prompt \(the task's prompt format or system_prompt\), or remove the rows"):
+                                         r"the prompts \(the task's prompt format or system_prompt\), or remove the rows"):
         gen.generate([" ".join(map(str, range(1, 30)))], 1, SamplingParams(max_new_tokens=8, temperature=0.0))
 
 
