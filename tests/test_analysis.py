@@ -258,7 +258,7 @@ def test_drift_command_on_a_checkpoint_writes_json_and_png(es_checkpoint, tmp_pa
     assert (tmp_path / "drift.png").read_bytes()[:8] == PNG_MAGIC
     out = capsys.readouterr().out
     assert "D_rel" in out and "s_τ all" in out and "largest relative drift" in out
-    with pytest.raises(ValueError, match="pass --base"):
+    with pytest.raises(ValueError, match="pass base="):
         drift_command(tuned=BUILTIN, out_dir=str(tmp_path))
 
 
@@ -315,7 +315,7 @@ def test_drift_against_an_unrelated_base_warns(es_checkpoint, tmp_path, capsys):
     report = drift_command(tuned=path, base=str(tmp_path / "other"), out_dir=str(tmp_path / "out"), plot=False)
     err = capsys.readouterr().err
     assert report.relative_drift > 0.5
-    assert f"was trained from '{BUILTIN}'" in err and f"not from --base '{tmp_path / 'other'}'" in err
+    assert f"was trained from '{BUILTIN}'" in err and f"not from base='{tmp_path / 'other'}'" in err
     assert f"relative drift {report.relative_drift:.2f} is far beyond any fine-tune" in err
     drift_command(tuned=path, base=BUILTIN, out_dir=str(tmp_path / "out2"), plot=False)  # its own base: no warning
     assert "warning" not in capsys.readouterr().err
@@ -440,7 +440,7 @@ def test_the_analyses_of_a_runs_export_take_its_base_from_the_runs_config(tmp_pa
     export, config = str(run / "export"), run / "config.yaml"
     capsys.readouterr()
     report = drift_command(tuned=export, taus=[0.0], out_dir="d", plot=False)
-    said = f"base model {BUILTIN}, as {config} names it (--base to choose another)"
+    said = f"base model {BUILTIN}, as {config} names it (base= to choose another)"
     assert said in capsys.readouterr().out
     given = drift_command(tuned=export, base=BUILTIN, taus=[0.0], out_dir="d", plot=False)
     assert report.sources["base"] == BUILTIN and report.to_json() == given.to_json() and report.relative_drift > 0
@@ -457,7 +457,7 @@ def test_the_analyses_of_a_runs_export_take_its_base_from_the_runs_config(tmp_pa
     shutil.copytree(export, alone)
     for command in (drift_command, ablation_command, forgetting_command):
         with pytest.raises(ValueError, match=r"is neither a .ckpt nor a run's export/ beside its config.yaml, so its base "
-                                             r"model is unknown; pass --base \(the model it was trained from, e\.g\. --base "):
+                                             r"model is unknown; pass base= \(the model it was trained from, e\.g\. base="):
             command(tuned=str(alone), out_dir="x", plot=False)
 
 
@@ -491,9 +491,9 @@ def test_forgetting_of_a_run_trained_on_a_suite_task_names_the_suite_to_give(tmp
     ckpt = str(_fit_a_run(BUILTIN, "--data.init_args.task", "es_lightning.AdditionTask", "--trainer.callbacks",
                           "[{class_path: es_lightning.RunCheckpoint}]") / "checkpoints" / "last.ckpt")
     with pytest.raises(ValueError, match=r"contains the training task 'addition'; forgetting is measured on other tasks: "
-                                         r"give --tasks sort \("):
+                                         r"give tasks=\['sort'\] \("):
         forgetting_command(tuned=ckpt, out_dir="f", plot=False)
-    with pytest.raises(ValueError, match=r"give other tasks, e\.g\. --tasks sort \("):
+    with pytest.raises(ValueError, match=r"give other tasks, e\.g\. tasks=\['sort'\] \("):
         forgetting_command(tuned=ckpt, tasks=["addition"], out_dir="f", plot=False)
     report = forgetting_command(tuned=ckpt, tasks=["sort"], eval=EvalSettings(num_problems=1, num_samples=1),
                                 out_dir="f", plot=False, progress=False)
@@ -592,7 +592,7 @@ def test_eval_names_only_the_task_settings_training_chose(qwen_like_small_dir, t
 
 
 def test_one_task_twice_is_refused():
-    with pytest.raises(ValueError, match=r"--tasks names \['countdown'\] more than once"):
+    with pytest.raises(ValueError, match=r"tasks= names \['countdown'\] more than once"):
         evaluate_models([BUILTIN], tasks=["countdown", {"class_path": "countdown", "init_args": {"prompt_format": "r1"}}],
                         settings=EvalSettings(num_problems=1, num_samples=1), progress=False)
 
@@ -1254,3 +1254,55 @@ def test_a_missing_hub_model_or_dataset_in_an_analysis_names_the_option_that_gav
         assert "model:" not in line and "data." not in line and "in its place" not in line, (args, line)
         if str(hub_based) in args:  # which model is missing: the .ckpt's base, not the .ckpt
             assert f"{str(hub_based)!r} was trained from base model {model!r}" in line, line
+
+
+def test_an_analysis_called_from_a_script_names_its_python_arguments_the_command_its_options(tmp_path, monkeypatch, capsys):
+    """The analyses a script calls (drift_command, forgetting_command, compare_methods, evaluate_models ...) worded
+    their refusals as command-line options (`pass --base`, `give a local model directory as --tuned`): a script is
+    told of the Python argument it passes (`base=`), the `es-lightning analyze` command still of its option."""
+    from es_helpers import offline
+
+    from es_lightning.analysis import compare_methods
+
+    offline(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    missing = "es-lightning-tests/no-such-model"
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    script_cases = [
+        (lambda: drift_command(tuned=BUILTIN, out_dir="d"),
+         "pass base= (the model it was trained from, e.g. base='builtin:countdown-tiny')"),
+        (lambda: drift_command(tuned=BUILTIN, base=missing, out_dir="d"), "give a local model directory as base="),
+        (lambda: drift_command(tuned=missing, out_dir="d"), "give a local model directory as tuned="),
+        (lambda: drift_command(tuned=BUILTIN, taus=[], out_dir="d"), "e.g. taus=[0, 1e-6, 1e-5, 1e-4]"),
+        (lambda: drift_command(tuned=BUILTIN, out_dir=str(afile)), "out_dir="),
+        (lambda: forgetting_command(tuned=BUILTIN, tasks=["countdown"], out_dir="f"),
+         "give other tasks, e.g. tasks=['addition', 'sort'] (the training task is added as a reference row by "
+         "training_task=)"),
+        (lambda: compare_methods(methods=[], seeds=[0]), "e.g. methods=['GRPO', 'ES'], seeds=[0]"),
+        (lambda: compare_methods(methods=["GRPO", "GRPO→ES"], budget="time"), "leave them out: methods=['GRPO']"),
+        (lambda: eval_command(checkpoints=[missing], out_dir="e"), "give a local model directory as checkpoints="),
+        (lambda: evaluate_models([BUILTIN], tasks=[]), "e.g. tasks=['countdown', 'addition', 'sort']"),
+    ]
+    for call, said in script_cases:
+        with pytest.raises((ValueError, ConnectionError, FileNotFoundError)) as refused:
+            call()
+        assert said in str(refused.value) and " --" not in str(refused.value), (said, str(refused.value))
+    command_cases = [
+        (["analyze", "drift", "--tuned", BUILTIN, "--out_dir", "d"],
+         "pass --base (the model it was trained from, e.g. --base builtin:countdown-tiny)"),
+        (["analyze", "drift", "--tuned", missing, "--out_dir", "d"], "give a local model directory as --tuned"),
+        (["analyze", "drift", "--tuned", BUILTIN, "--out_dir", str(afile)], f"--out_dir {str(afile)!r} cannot be written"),
+        (["analyze", "forgetting", "--tuned", BUILTIN, "--tasks", "countdown", "--out_dir", "f"],
+         "give other tasks, e.g. --tasks addition sort (the training task is added as a reference row by --training_task)"),
+        (["analyze", "compare", "--methods", "[GRPO, GRPO→ES]", "--budget", "time"], "leave them out: --methods [GRPO]"),
+        (["eval", "--checkpoints", missing, "--out_dir", "e"], "give a local model directory as --checkpoints"),
+    ]
+    for args, said in command_cases:
+        with pytest.raises(SystemExit) as stop:
+            cli_main(args)
+        line = capsys.readouterr().err.strip().splitlines()[-1]
+        assert stop.value.code == 2 and said in line, (args, line)
+    # the command's words end with it: the script's next call is told of its Python argument again
+    with pytest.raises(ValueError, match=r"pass base= "):
+        drift_command(tuned=BUILTIN, out_dir="d")

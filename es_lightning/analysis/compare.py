@@ -43,7 +43,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from es_lightning.analysis.output import check_out_dir, format_table, markdown_table, write_json
+from es_lightning.analysis.output import callers_words, check_out_dir, format_table, markdown_table, write_json
 from es_lightning.analysis.settings import COMPARE_EVAL, EvalSettings
 
 #: method label → recipe file (relative to ``recipes_dir``)
@@ -178,7 +178,8 @@ def compare_methods(
         raise ValueError(f"unknown methods {unknown}; choose from {list(METHODS)}")
     if not methods or not seeds:
         raise ValueError(f"compare needs at least one method and one seed, got methods {list(methods)} and seeds "
-                         f"{list(seeds)}; e.g. --methods \"[GRPO, ES]\" --seeds \"[0]\"")
+                         f"{list(seeds)}; e.g. "
+                         + callers_words('--methods "[GRPO, ES]" --seeds "[0]"', "methods=['GRPO', 'ES'], seeds=[0]"))
     method_overrides = {m: list(args) for m, args in (method_overrides or {}).items()}
     stray = [m for m in method_overrides if m not in methods]
     if stray:
@@ -190,7 +191,7 @@ def compare_methods(
     if budget == "time" and sequential:
         kept = [m for m in methods if m not in SEQUENTIAL]
         raise ValueError(f"budget 'time' has no step at which {sequential} could switch; leave them out: "
-                         f"--methods [{', '.join(kept)}]")
+                         + callers_words(f"--methods [{', '.join(kept)}]", f"methods={kept!r}"))
     if budget == "time" and len(methods) < 2:
         raise ValueError(f"budget 'time' gives the first method's training time to the others; name at least two "
                          f"methods, got {list(methods)}")
@@ -206,7 +207,8 @@ def compare_methods(
     recipes = {m: Path(recipes_dir) / METHODS[m] for m in methods}
     missing = [str(p) for p in recipes.values() if not p.is_file()]
     if missing:
-        raise FileNotFoundError(f"recipes not found: {missing}; run from the repository root or pass --recipes_dir")
+        raise FileNotFoundError(f"recipes not found: {missing}; run from the repository root or pass "
+                                f"{callers_words('--recipes_dir', 'recipes_dir=')}")
     out = Path(out_dir)
     problems = task = base_model = base_dtype = None
     base: dict[str, float] = {}

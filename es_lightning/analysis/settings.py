@@ -17,10 +17,19 @@ from typing import Any
 
 import torch
 
-__all__ = ["COMPARE_EVAL", "PAPER_EVAL", "REMOTE_CODE_OPTION", "SWEEP_EVAL", "EvalSettings", "default_ks", "resolve_device"]
+__all__ = ["COMPARE_EVAL", "PAPER_EVAL", "REMOTE_CODE_OPTION", "SWEEP_EVAL", "EvalSettings", "default_ks", "remote_code_option",
+           "resolve_device"]
 
 #: how a refusal of a model needing its own code names the setting in ``es-lightning eval`` / ``analyze``
 REMOTE_CODE_OPTION = "--eval.trust_remote_code true"
+
+
+def remote_code_option() -> str:
+    """How a refusal of a model needing its own code names the setting: :data:`REMOTE_CODE_OPTION` in the command,
+    the field of the settings object a script passes (``EvalSettings(trust_remote_code=True)``)."""
+    from es_lightning.analysis.output import callers_words
+
+    return callers_words(REMOTE_CODE_OPTION, "EvalSettings(trust_remote_code=True)")
 
 
 def default_ks(num_samples: int) -> list[int]:

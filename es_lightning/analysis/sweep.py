@@ -27,7 +27,7 @@ from typing import Any
 
 import lightning as L
 
-from es_lightning.analysis.output import check_out_dir, format_table, write_json
+from es_lightning.analysis.output import callers_words, check_out_dir, format_table, write_json
 from es_lightning.analysis.settings import SWEEP_EVAL, EvalSettings
 from es_lightning.policy import save_model, save_tokenizer
 
@@ -84,8 +84,8 @@ def population_sweep(
 
     if not Path(recipe).is_file():
         raise FileNotFoundError(
-            f"ES recipe {recipe!r} not found; run from the repository root (recipes/es.yaml) or pass --recipe "
-            "path/to/es.yaml"
+            f"ES recipe {recipe!r} not found; run from the repository root (recipes/es.yaml) or pass "
+            + callers_words("--recipe path/to/es.yaml", "recipe='path/to/es.yaml'")
         )
     _check_es_recipe(recipe)
     if batch_size is not None and batch_size < 1:
