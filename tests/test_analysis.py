@@ -1306,3 +1306,38 @@ def test_an_analysis_called_from_a_script_names_its_python_arguments_the_command
     # the command's words end with it: the script's next call is told of its Python argument again
     with pytest.raises(ValueError, match=r"pass base= "):
         drift_command(tuned=BUILTIN, out_dir="d")
+
+
+def test_an_analysis_fit_of_a_missing_hub_model_names_the_option_that_gave_it(tmp_path, monkeypatch, capsys):
+    """`analyze sweep --overrides '[--model.init_args.model, <hub id>]'` (or `analyze compare --method_overrides`) of a
+    hub model this machine cannot load was refused naming `model:`, the recipe's key, which the override replaced:
+    the line names the option the user gave it in; a recipe whose own `model:` is missing names that key in its file
+    and the override that replaces it; a script calling population_sweep is told of its `overrides=`."""
+    from es_helpers import offline
+
+    from es_lightning.analysis import population_sweep
+
+    offline(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    missing, es = "es-lightning-tests/no-such-model", str(ROOT / "recipes" / "es.yaml")
+    sweep = ["analyze", "sweep", "--populations", "2", "--steps", "1", "--eval.num_problems", "1", "--eval.num_samples", "1",
+             "--plot", "false"]
+    recipe = tmp_path / "hub.yaml"  # a recipe of a hub model this machine does not have
+    recipe.write_text(Path(es).read_text().replace(f"model: {BUILTIN}", f"model: {missing}"))
+    cases = [
+        ([*sweep, "--recipe", es, "--overrides", f"[--model.init_args.model, {missing}]"],
+         "point --model.init_args.model in --overrides at a local directory"),
+        ([*sweep, "--recipe", str(recipe)],
+         f"point model: in {recipe} at a local directory, or give --overrides '[--model.init_args.model, /path/to/model_dir]'"),
+        (["analyze", "compare", "--recipes_dir", str(ROOT / "recipes"), "--methods", "[ES]", "--seeds", "[0]", "--steps", "2",
+          "--method_overrides", f'{{"ES": [--model.init_args.model, {missing}]}}'],
+         "point --model.init_args.model in --method_overrides at a local directory"),
+    ]
+    for args, fix in cases:
+        with pytest.raises(SystemExit) as stop:
+            cli_main(args)
+        line = capsys.readouterr().err.strip().splitlines()[-1]
+        assert stop.value.code == 2 and repr(missing) in line and line.endswith(fix), (args, line)
+    with pytest.raises(ConnectionError, match=r"point --model\.init_args\.model in overrides= at a local directory$"):
+        population_sweep(recipe=es, populations=[2], steps=1, overrides=["--model.init_args.model", missing],
+                          settings=replace(SWEEP_EVAL, num_problems=1, num_samples=1), out_dir="s")

@@ -170,7 +170,7 @@ def compare_methods(
     """Fit every method for every seed and evaluate everything the same way (see the module docstring).
     ``method_overrides``: further fit arguments for one method's fits, after ``overrides``."""
     from es_lightning.analysis.evaluate import evaluate_policy, heldout_problems, tasks_as_trained, warn_trained_problems
-    from es_lightning.analysis.runs import now_doing
+    from es_lightning.analysis.runs import naming_the_fit_model, now_doing
     from es_lightning.policy import load_policy
 
     unknown = [m for m in methods if m not in METHODS]
@@ -226,9 +226,12 @@ def compare_methods(
             run = f"{method}, seed {seed}"
             now_doing(f"setting up the fit of {run}", finished, kept)  # what a signal between fits cuts
             start = time.perf_counter()
-            module, fit_data, updates, train_s = _fit(recipe, int(seed), steps, out / f"seed{seed}" / recipe.stem,
-                                                      [*overrides, *method_overrides.get(method, ())],
-                                                      seconds=pace, run=run, finished=finished, kept=kept)
+            # a hub model that cannot be loaded: the way out names the option that gave it, or the recipe's key
+            given = {"--overrides": list(overrides), "--method_overrides": method_overrides.get(method, [])}
+            with naming_the_fit_model(recipe, given):
+                module, fit_data, updates, train_s = _fit(recipe, int(seed), steps, out / f"seed{seed}" / recipe.stem,
+                                                          [*overrides, *method_overrides.get(method, ())],
+                                                          seconds=pace, run=run, finished=finished, kept=kept)
             fit_s = time.perf_counter() - start
             if budget == "time" and pace is None:
                 pace = train_s

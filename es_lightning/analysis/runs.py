@@ -39,7 +39,7 @@ import contextlib
 import signal
 import threading
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import lightning as L
@@ -223,6 +223,45 @@ def fit_run(trainer: L.Trainer, module, datamodule, run: str, finished: Sequence
     requeue = sigterm.requeue_signal(trainer) if sigterm.requeue_requested(trainer) is not None else None
     raise _stopped(requeue or signal.SIGTERM, requeue is not None, f"at step {trainer.global_step} of the fit of {run}",
                    finished, kept) from None
+
+
+#: the command-line option that sets a fit's model (a recipe's ``model:`` key under ``model.init_args``)
+MODEL_OPTION = "--model.init_args.model"
+
+
+def fit_model_fix(recipe: str | Path, given: Mapping[str, Sequence[str]]) -> str:
+    """A hub model's refusal's way out through a local copy, in the words of whoever gave an analysis's fit its model:
+    the last of the analysis's options that sets ``--model.init_args.model`` (``given``: each option → the fit
+    arguments it gave, in the order the fit applies them, e.g. ``{"--overrides": [...]}``), else the recipe's
+    ``model:`` key, or an override in the first option. A script is told of its Python argument (``overrides=``), the
+    command of its option (:func:`~es_lightning.analysis.output.callers_words`); neither of a fit's bare ``model:``."""
+    from es_lightning.analysis.output import callers_words
+
+    for option, args in reversed(list(given.items())):
+        if any(str(a).split("=", 1)[0] == MODEL_OPTION for a in args):
+            return f"point {MODEL_OPTION} in {callers_words(option, option.lstrip('-') + '=')} at a local directory"
+    first = next(iter(given), "--overrides")
+    override = callers_words(f"{first} '[{MODEL_OPTION}, /path/to/model_dir]'",
+                             f"{first.lstrip('-')}=['{MODEL_OPTION}', '/path/to/model_dir']")
+    return f"point model: in {recipe} at a local directory, or give {override}"
+
+
+@contextlib.contextmanager
+def naming_the_fit_model(recipe: str | Path, given: Mapping[str, Sequence[str]]) -> Iterator[None]:
+    """Around an analysis's fit of ``recipe`` (its CLI built, its model loaded, trained): a hub model that cannot be
+    loaded (offline and not cached, no such repository) is refused with the way out :func:`fit_model_fix` words — the
+    option the user gave the model in, not ``model:`` (the fit's own key, which an override replaced)."""
+    from es_lightning.hub import with_local_fix
+
+    try:
+        yield
+    except (ConnectionError, FileNotFoundError) as err:
+        if not str(err).startswith("model "):  # a dataset's refusal, or another file: as it is
+            raise
+        refusal = with_local_fix(err, fit_model_fix(recipe, given))
+        if refusal is err:
+            raise
+        raise refusal from err.__cause__
 
 
 def recipe_cli(recipe: str | Path, steps: int, root: str | Path, args: Sequence[str] = (), progress_bar: bool = False):

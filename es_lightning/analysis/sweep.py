@@ -80,7 +80,7 @@ def population_sweep(
 ) -> SweepReport:
     """Fit the ES recipe once per population size and evaluate every result the same way (see the module docstring)."""
     from es_lightning.analysis.evaluate import evaluate_policy, heldout_problems, tasks_as_trained, warn_trained_problems
-    from es_lightning.analysis.runs import fit_run, now_doing, recipe_cli
+    from es_lightning.analysis.runs import fit_run, naming_the_fit_model, now_doing, recipe_cli
 
     if not Path(recipe).is_file():
         raise FileNotFoundError(
@@ -109,56 +109,58 @@ def population_sweep(
         return (f"{models}, nothing else was written" if models else f"nothing was written to {out}") + \
             " (sweep.json comes once every run is done)"
 
-    for n in sizes:
-        done = [f"N={r['population_size']}" for r in rows[1:]]
-        now_doing(f"setting up the fit of N={n}", done, kept(done))  # what a signal between fits cuts
-        args = ["--model.init_args.population_size", str(n)]
-        if batch_size is not None:
-            args += ["--data.init_args.batch_size", str(batch_size)]
-        cli = recipe_cli(recipe, steps, out / f"N{n}", [*args, *overrides])
-        module, trainer = cli.model, cli.trainer
-        if getattr(getattr(module, "algorithm", None), "name", None) != "es":
-            raise ValueError(f"{recipe!r} configures {type(module).__name__}, not an ES module with a population_size")
-        recorder = _RewardRecorder()
-        trainer.callbacks.append(recorder)
-        cli.datamodule.setup("fit")
-        task = tasks_as_trained([cli.datamodule.task], settings.chat_template, [])[0]  # --eval.chat_template if set
+    # a hub model that cannot be loaded: the way out names the option that gave it (--overrides), or the recipe's key
+    with naming_the_fit_model(recipe, {"--overrides": list(overrides)}):
+        for n in sizes:
+            done = [f"N={r['population_size']}" for r in rows[1:]]
+            now_doing(f"setting up the fit of N={n}", done, kept(done))  # what a signal between fits cuts
+            args = ["--model.init_args.population_size", str(n)]
+            if batch_size is not None:
+                args += ["--data.init_args.batch_size", str(batch_size)]
+            cli = recipe_cli(recipe, steps, out / f"N{n}", [*args, *overrides])
+            module, trainer = cli.model, cli.trainer
+            if getattr(getattr(module, "algorithm", None), "name", None) != "es":
+                raise ValueError(f"{recipe!r} configures {type(module).__name__}, not an ES module with a population_size")
+            recorder = _RewardRecorder()
+            trainer.callbacks.append(recorder)
+            cli.datamodule.setup("fit")
+            task = tasks_as_trained([cli.datamodule.task], settings.chat_template, [])[0]  # --eval.chat_template if set
 
-        if problems is None:  # the base model, once: same problems and seeds for every row
-            now_doing("preparing the held-out problems", done, kept(done))
-            problems = heldout_problems(task, settings.num_problems, settings.seed, settings.source,
-                                        settings.column_mapping)
-            if settings.source != "procedural":  # the recipe's own data file: past its test rows, training rows
-                warn_trained_problems(task, problems, cli.datamodule.splits["train"], settings.source,
-                                      f"the fits of {recipe} (data.source {cli.datamodule.source!r})")
-            if settings.max_new_tokens is None:  # the recipe's own cap
-                settings = replace(settings, max_new_tokens=module.sampling.max_new_tokens)
-        own_code = replace(settings, trust_remote_code=True) if module.trust_remote_code else settings  # vLLM's too
-        evaluate = functools.partial(evaluate_policy, module.policy, task, problems, own_code)
-        if not rows:
-            now_doing("evaluating the base model", done, kept(done))
-            rows.append({"population_size": 0, "steps": 0, "reward": float("nan"), "seconds_per_update": float("nan"),
-                         "rewards": [], **evaluate()})
-        start = time.perf_counter()
-        fit_run(trainer, module, cli.datamodule, f"N={n}", done, kept(done))
-        seconds = time.perf_counter() - start
-        if trainer.global_step != steps:
-            raise RuntimeError(f"N={n}: the fit stopped after {trainer.global_step} of {steps} updates")
-        now_doing(f"evaluating N={n}", done, kept(done))
-        rewards = recorder.rewards
-        row = {"population_size": n, "steps": trainer.global_step,
-               "reward": sum(rewards[-reward_window:]) / len(rewards[-reward_window:]),
-               "seconds_per_update": seconds / steps, "rewards": rewards, **evaluate()}
-        if save_models:
-            row["path"] = str(out / "models" / f"N{n}")
-            now_doing(f"saving the model of N={n}", done, kept(done, row["path"]))
-            save_model(module.policy.model, row["path"])  # torch_dtype too: transformers 4 read a bf16 model as fp32
-            save_tokenizer(module.policy.tokenizer, row["path"])
-        rows.append(row)
-        print(f"N={n}: reward {row['reward']:.3f}, pass@1 {row['pass@1']:.3f} ({seconds:.0f}s)", flush=True)
-        now_doing(f"releasing the model of N={n}", [*done, f"N={n}"], kept([*done, f"N={n}"]))
-        del cli, module, trainer
-        gc.collect()
+            if problems is None:  # the base model, once: same problems and seeds for every row
+                now_doing("preparing the held-out problems", done, kept(done))
+                problems = heldout_problems(task, settings.num_problems, settings.seed, settings.source,
+                                            settings.column_mapping)
+                if settings.source != "procedural":  # the recipe's own data file: past its test rows, training rows
+                    warn_trained_problems(task, problems, cli.datamodule.splits["train"], settings.source,
+                                          f"the fits of {recipe} (data.source {cli.datamodule.source!r})")
+                if settings.max_new_tokens is None:  # the recipe's own cap
+                    settings = replace(settings, max_new_tokens=module.sampling.max_new_tokens)
+            own_code = replace(settings, trust_remote_code=True) if module.trust_remote_code else settings  # vLLM's too
+            evaluate = functools.partial(evaluate_policy, module.policy, task, problems, own_code)
+            if not rows:
+                now_doing("evaluating the base model", done, kept(done))
+                rows.append({"population_size": 0, "steps": 0, "reward": float("nan"), "seconds_per_update": float("nan"),
+                             "rewards": [], **evaluate()})
+            start = time.perf_counter()
+            fit_run(trainer, module, cli.datamodule, f"N={n}", done, kept(done))
+            seconds = time.perf_counter() - start
+            if trainer.global_step != steps:
+                raise RuntimeError(f"N={n}: the fit stopped after {trainer.global_step} of {steps} updates")
+            now_doing(f"evaluating N={n}", done, kept(done))
+            rewards = recorder.rewards
+            row = {"population_size": n, "steps": trainer.global_step,
+                   "reward": sum(rewards[-reward_window:]) / len(rewards[-reward_window:]),
+                   "seconds_per_update": seconds / steps, "rewards": rewards, **evaluate()}
+            if save_models:
+                row["path"] = str(out / "models" / f"N{n}")
+                now_doing(f"saving the model of N={n}", done, kept(done, row["path"]))
+                save_model(module.policy.model, row["path"])  # torch_dtype too: transformers 4 read a bf16 model as fp32
+                save_tokenizer(module.policy.tokenizer, row["path"])
+            rows.append(row)
+            print(f"N={n}: reward {row['reward']:.3f}, pass@1 {row['pass@1']:.3f} ({seconds:.0f}s)", flush=True)
+            now_doing(f"releasing the model of N={n}", [*done, f"N={n}"], kept([*done, f"N={n}"]))
+            del cli, module, trainer
+            gc.collect()
     for row in rows:
         row["base_pass@1"] = rows[0]["pass@1"]
     run_settings = dict(recipe=recipe, steps=steps, batch_size=batch_size, overrides=list(overrides), task=task.name,
