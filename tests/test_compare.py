@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -145,3 +146,27 @@ def test_distinct_correct_is_bounded_by_pass_at_k():
                           EvalSettings(num_samples=16, ks=[1, 16], temperature=1.0, max_new_tokens=12, seed=5))
     assert out["pass@16"] > 0
     assert out["pass@16"] - 1e-6 <= out["distinct_correct"] <= 16 * out["pass@1"] + 1e-6
+
+
+def test_compare_refuses_a_bad_eval_source_before_any_fit(tmp_path, monkeypatch, capsys):
+    """`analyze compare --eval.source <a missing file | a file without the task's columns>` read the held-out problems
+    only after its first fit (minutes of training, then the refusal): it refuses in the same one line at once, before
+    any fit starts — no run directory written, no update made — from the command and from a script alike."""
+    monkeypatch.chdir(tmp_path)
+    StepClock.runs.clear()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"foo": 1}\n{"foo": 2}\n')
+    out = tmp_path / "cmp"
+    cases = [(str(tmp_path / "nope.jsonl"), FileNotFoundError, f"data source {str(tmp_path / 'nope.jsonl')!r} does not exist"),
+             (str(bad), ValueError, "its 'train' split lacks column(s) ['nums', 'target'] that task 'countdown' needs")]
+    for source, kind, said in cases:
+        with pytest.raises(SystemExit) as stop:
+            cli_main(["analyze", "compare", "--recipes_dir", str(ROOT / "recipes"), "--methods", "[ES]", "--seeds", "[0]",
+                      "--steps", "2", "--eval.source", source, "--out_dir", str(out),
+                      "--overrides", "[--trainer.callbacks+, es_helpers.StepClock]"])
+        line = capsys.readouterr().err.strip().splitlines()[-1]
+        assert stop.value.code == 2 and said in line, line
+        with pytest.raises(kind, match=re.escape(said)):
+            compare_methods(seeds=[0], steps=2, methods=["ES"], recipes_dir=ROOT / "recipes", out_dir=out,
+                            settings=replace(COMPARE_EVAL, source=source), overrides=["--trainer.callbacks+", "es_helpers.StepClock"])
+        assert StepClock.runs == [] and not (out / "seed0").exists(), source  # no fit started

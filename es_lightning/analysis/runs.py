@@ -264,6 +264,31 @@ def naming_the_fit_model(recipe: str | Path, given: Mapping[str, Sequence[str]])
         raise refusal from err.__cause__
 
 
+def recipe_task(recipe: str | Path, args: Sequence[str] = ()):
+    """The task a fit of ``recipe`` with ``args`` (as :func:`recipe_cli` takes them) trains on, read without building
+    the fit: the recipe parsed as ``es-lightning fit`` parses it and only its data module built (no model loaded, no
+    data read), so an analysis draws its held-out problems — refusing a missing ``--eval.source`` or one without the
+    task's columns — before minutes of training. ``None`` for a data module without a task."""
+    import logging
+
+    from jsonargparse import ArgumentParser
+
+    from es_lightning.lightning_cli import _ParseOnlyCLI
+
+    seed_log = logging.getLogger("lightning.fabric.utilities.seed")
+    level = seed_log.level
+    seed_log.setLevel(logging.WARNING)  # "Seed set to 0": the fit says it, not this look at its recipe
+    try:
+        with warnings.catch_warnings():  # LightningCLI warns when args= is used while sys.argv holds the analysis's own
+            warnings.filterwarnings("ignore", message=".*LightningCLI's args parameter.*")
+            config = _ParseOnlyCLI(args=["--config", str(recipe), *args], run=False, save_config_callback=None).config
+    finally:
+        seed_log.setLevel(level)
+    parser = ArgumentParser()
+    parser.add_subclass_arguments(L.LightningDataModule, "data", required=True)
+    return getattr(parser.instantiate(parser.parse_object({"data": config.data.as_dict()})).data, "task", None)
+
+
 def recipe_cli(recipe: str | Path, steps: int, root: str | Path, args: Sequence[str] = (), progress_bar: bool = False):
     """The (not yet run) ``ESLightningCLI`` of ``recipe`` for ``steps`` updates, logging and checkpointing off,
     working directory ``root``, further command-line ``args`` applied last; its PassAtKCallback, TrainingReport and
