@@ -36,8 +36,9 @@ from es_lightning.analysis.drift import (
     update_chunks,
     warn_about_base,
 )
-from es_lightning.analysis.output import Signed, callers_words, check_out_dir, format_table, write_json
+from es_lightning.analysis.output import Signed, check_out_dir, format_table, write_json
 from es_lightning.analysis.settings import PAPER_EVAL, EvalSettings, remote_code_option
+from es_lightning.cli_errors import spoken
 from es_lightning.policy import save_model, save_tokenizer
 
 Weights = Mapping[str, torch.Tensor]
@@ -193,7 +194,7 @@ def sparsity_ablation(
 
     try:
         if top_percent:
-            now_doing(f"finding the thresholds of {callers_words('--top_percent', 'top_percent=')}")
+            now_doing(f"finding the thresholds of {spoken('--top_percent', 'top_percent=')}")
         for setting in ablation_settings(taus, top_percent, base_weights, tuned_weights):
             now_doing(f"evaluating {setting.label}", kept=kept())
             sparsity = ablate_(tuned_model, base_weights, tuned_weights, setting.tau)
@@ -272,14 +273,14 @@ def ablation_command(
         # export/ evaluated in float32 gave its "tuned" row other Pass@k than `es-lightning eval` of the same export
         if not dtype and record.dtype:
             dtype = record.dtype
-            print(f"both models in {dtype}, as {tuned} was trained ({callers_words('--dtype', 'dtype=')} to choose)")
+            print(f"both models in {dtype}, as {tuned} was trained ({spoken('--dtype', 'dtype=')} to choose)")
         now_doing(f"loading {tuned}")
         tuned_model = load_model(tuned, dtype=dtype, trust_remote_code=eval.trust_remote_code, remote_code_option=remote_code_option(),
-                                 model_option=callers_words("--tuned", "tuned="))
+                                 model_option=spoken("--tuned", "tuned="))
         base = base or _base_of(tuned_model, "ablation")
         now_doing(f"loading {base}")
         base_model = load_model(base, dtype=start_dtype(tuned_model, dtype), trust_remote_code=eval.trust_remote_code,
-                                remote_code_option=remote_code_option(), model_option=callers_words("--base", "base="))
+                                remote_code_option=remote_code_option(), model_option=spoken("--base", "base="))
         # a .ckpt base's masters, as drift reads them; τ = ∞ still gives its weights: each is its master rounded once
         base_weights = {**snapshot(base_model.policy.model), **base_model.masters}
         del base_model

@@ -43,8 +43,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from es_lightning.analysis.output import callers_words, check_out_dir, format_table, markdown_table, write_json
+from es_lightning.analysis.output import check_out_dir, format_table, markdown_table, write_json
 from es_lightning.analysis.settings import COMPARE_EVAL, EvalSettings
+from es_lightning.cli_errors import spoken
 
 #: method label → recipe file (relative to ``recipes_dir``)
 METHODS = {"GRPO": "grpo.yaml", "ES": "es.yaml", "GRPO→ES": "grpo_es.yaml", "ES→GRPO": "es_grpo.yaml",
@@ -179,7 +180,7 @@ def compare_methods(
     if not methods or not seeds:
         raise ValueError(f"compare needs at least one method and one seed, got methods {list(methods)} and seeds "
                          f"{list(seeds)}; e.g. "
-                         + callers_words('--methods "[GRPO, ES]" --seeds "[0]"', "methods=['GRPO', 'ES'], seeds=[0]"))
+                         + spoken('--methods "[GRPO, ES]" --seeds "[0]"', "methods=['GRPO', 'ES'], seeds=[0]"))
     method_overrides = {m: list(args) for m, args in (method_overrides or {}).items()}
     stray = [m for m in method_overrides if m not in methods]
     if stray:
@@ -191,7 +192,7 @@ def compare_methods(
     if budget == "time" and sequential:
         kept = [m for m in methods if m not in SEQUENTIAL]
         raise ValueError(f"budget 'time' has no step at which {sequential} could switch; leave them out: "
-                         + callers_words(f"--methods [{', '.join(kept)}]", f"methods={kept!r}"))
+                         + spoken(f"--methods [{', '.join(kept)}]", f"methods={kept!r}"))
     if budget == "time" and len(methods) < 2:
         raise ValueError(f"budget 'time' gives the first method's training time to the others; name at least two "
                          f"methods, got {list(methods)}")
@@ -208,7 +209,7 @@ def compare_methods(
     missing = [str(p) for p in recipes.values() if not p.is_file()]
     if missing:
         raise FileNotFoundError(f"recipes not found: {missing}; run from the repository root or pass "
-                                f"{callers_words('--recipes_dir', 'recipes_dir=')}")
+                                f"{spoken('--recipes_dir', 'recipes_dir=')}")
     out = Path(out_dir)
     problems = task = base_model = base_dtype = None
     base: dict[str, float] = {}

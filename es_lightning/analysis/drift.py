@@ -34,7 +34,8 @@ from typing import Any
 
 import torch
 
-from es_lightning.analysis.output import callers_words, check_out_dir, format_table, write_json
+from es_lightning.analysis.output import check_out_dir, format_table, write_json
+from es_lightning.cli_errors import spoken
 
 KINDS = ("embeddings", "attention", "mlp", "norms", "lm_head", "other")
 #: default τ grid: 0 (bit-identical weights) and decades from 1e-7 to 1e-2
@@ -99,7 +100,7 @@ def check_taus(taus: Sequence[float] | None) -> list[float]:
     """Sorted, deduplicated τ ≥ 0 (``inf`` allowed)."""
     taus = list(DEFAULT_TAUS if taus is None else taus)
     if not taus:
-        raise ValueError("give at least one tau, e.g. " + callers_words("--taus 0 1e-6 1e-5 1e-4", "taus=[0, 1e-6, 1e-5, 1e-4]"))
+        raise ValueError("give at least one tau, e.g. " + spoken("--taus 0 1e-6 1e-5 1e-4", "taus=[0, 1e-6, 1e-5, 1e-4]"))
     bad = [t for t in taus if not t >= 0]  # also catches NaN
     if bad:
         raise ValueError(f"every tau must be >= 0 (|Δθ| <= tau counts as unchanged), got {bad}")
@@ -112,7 +113,7 @@ def _drift_taus(taus: Sequence[float] | None) -> list[float]:
     taus = check_taus(taus)
     if math.isinf(taus[-1]):
         raise ValueError("every tau must be finite (s_inf = 1 whatever the update, and drift.json cannot hold it), got "
-                         "inf; drop it, e.g. " + callers_words("--taus 0 1e-6 1e-5 1e-4", "taus=[0.0, 1e-6, 1e-5, 1e-4]"))
+                         "inf; drop it, e.g. " + spoken("--taus 0 1e-6 1e-5 1e-4", "taus=[0.0, 1e-6, 1e-5, 1e-4]"))
     return taus
 
 
@@ -318,14 +319,14 @@ def drift_command(
     with stopping_on_signals(f"nothing was written to {out} (drift.json comes once the update is measured)",
                              less=""):
         now_doing(f"loading {tuned}")
-        remote_code = callers_words("--trust_remote_code true", "trust_remote_code=True")
+        remote_code = spoken("--trust_remote_code true", "trust_remote_code=True")
         tuned_model = load_model(tuned, dtype=dtype, trust_remote_code=trust_remote_code, remote_code_option=remote_code,
-                                 model_option=callers_words("--tuned", "tuned="))
+                                 model_option=spoken("--tuned", "tuned="))
         trained_from = recorded_base(tuned_model)
         base = base or _base_of(tuned_model, "drift")
         now_doing(f"loading {base}")
         base_model = load_model(base, dtype=start_dtype(tuned_model, dtype), trust_remote_code=trust_remote_code,
-                                remote_code_option=remote_code, model_option=callers_words("--base", "base="))
+                                remote_code_option=remote_code, model_option=spoken("--base", "base="))
         # θ₀ too is read from a .ckpt base's masters (a GRPO → ES stage, two checkpoints of one run): its rounded weights
         # are off its masters by up to half an ulp, as large as the update measured
         now_doing("measuring the update")
@@ -366,7 +367,7 @@ def warn_about_base(tuned: str, base: str, trained_from: tuple[str | None, str] 
     unrelated models mean nothing)."""
     recorded, where = trained_from if isinstance(trained_from, tuple) else (trained_from, "its 'model' hyperparameter")
     out = []
-    given, leave_out = callers_words(f"--base {base!r}", f"base={base!r}"), callers_words("leave --base out", "leave base out")
+    given, leave_out = spoken(f"--base {base!r}", f"base={base!r}"), spoken("leave --base out", "leave base out")
     if recorded is not None and _same_source(base, recorded) is False:
         out.append(f"{tuned} was trained from {recorded!r} ({where}), not from {given}; {leave_out} to "
                    "measure against the model it was trained from")
@@ -419,9 +420,9 @@ def _base_of(loaded, analysis: str) -> str:
     if base is None:
         raise ValueError(
             f"{analysis}: {loaded.spec!r} is neither a .ckpt nor a run's export/ beside its config.yaml, so its base "
-            "model is unknown; pass " + callers_words("--base (the model it was trained from, e.g. --base builtin:countdown-tiny)",
+            "model is unknown; pass " + spoken("--base (the model it was trained from, e.g. --base builtin:countdown-tiny)",
                                                       "base= (the model it was trained from, e.g. base='builtin:countdown-tiny')")
         )
     if loaded.base is None:  # read from the run's config.yaml: say so (a .ckpt's own is its hyperparameter)
-        print(f"base model {base}, {where} ({callers_words('--base', 'base=')} to choose another)")
+        print(f"base model {base}, {where} ({spoken('--base', 'base=')} to choose another)")
     return base

@@ -33,8 +33,9 @@ from typing import Any
 import torch
 
 from es_lightning.analysis.checkpoints import LoadedModel, TrainedWith, check_model_spec, load_model, trained_with
-from es_lightning.analysis.output import callers_words, check_out_dir, format_table, markdown_table, write_json
+from es_lightning.analysis.output import check_out_dir, format_table, markdown_table, write_json
 from es_lightning.analysis.settings import PAPER_EVAL, EvalSettings, remote_code_option, resolve_device
+from es_lightning.cli_errors import spoken
 from es_lightning.data import DROP_INVALID_HINT, ReasoningDataModule, count_trained, procedural_split
 from es_lightning.data_files import HUB_CONFIG_HINT
 from es_lightning.generation.config import KVCacheTooSmall
@@ -336,7 +337,7 @@ def evaluate_models(
         if not isinstance(model, LoadedModel):
             check_model_spec(model)
     if not tasks:
-        raise ValueError("name at least one task, e.g. " + callers_words("--tasks countdown addition sort",
+        raise ValueError("name at least one task, e.g. " + spoken("--tasks countdown addition sort",
                                                                        "tasks=['countdown', 'addition', 'sort']"))
     trained = [(m.spec if isinstance(m, LoadedModel) else m, trained_with(m.spec if isinstance(m, LoadedModel) else m))
                for m in models]
@@ -344,14 +345,14 @@ def evaluate_models(
     named = [t.name for t in task_objs]
     if len(set(named)) < len(named):  # rows and problems are keyed by the task's name
         twice = sorted({n for n in named if named.count(n) > 1})
-        raise ValueError(f"{callers_words('--tasks', 'tasks=')} names {twice} more than once (two settings of one task): "
-                         f"evaluate each setting in {callers_words('a command', 'a call')} of its own")
+        raise ValueError(f"{spoken('--tasks', 'tasks=')} names {twice} more than once (two settings of one task): "
+                         f"evaluate each setting in {spoken('a command', 'a call')} of its own")
     if dtype is None:  # one dtype for every row: a base model is not compared in float32 with a bf16 checkpoint
         recorded = [(spec, t.dtype) for spec, t in trained if t.dtype]
         if recorded:
             dtype = recorded[0][1]
             if len(recorded) < len(trained) or any(d != dtype for _, d in recorded):
-                print(f"every model in {dtype}, as {recorded[0][0]} was trained ({callers_words('--dtype', 'dtype=')} to choose)")
+                print(f"every model in {dtype}, as {recorded[0][0]} was trained ({spoken('--dtype', 'dtype=')} to choose)")
     now_doing("preparing the held-out problems")
     problems = {t.name: heldout_problems(t, settings.num_problems, settings.seed, (task_sources or {}).get(t.name, settings.source),
                                          settings.column_mapping) for t in task_objs}
@@ -457,7 +458,7 @@ def _changed_settings(name: str, recorded: dict[str, Any]) -> dict[str, Any]:
 def _task_from_spec(spec: dict[str, Any]) -> Task:
     unknown = set(spec) - {"class_path", "init_args"}
     if "class_path" not in spec or unknown:
-        example = callers_words("--tasks '[{class_path: countdown, init_args: {prompt_format: r1, use_chat_template: true}}]'",
+        example = spoken("--tasks '[{class_path: countdown, init_args: {prompt_format: r1, use_chat_template: true}}]'",
                                 "tasks=[{'class_path': 'countdown', 'init_args': {'prompt_format': 'r1', 'use_chat_template': True}}]")
         raise ValueError(f"a task given with its settings needs class_path and optionally init_args, got {spec}; e.g. {example}")
     return get_task(spec["class_path"], **dict(spec.get("init_args") or {}))
@@ -534,7 +535,7 @@ def eval_command(
     with stopping_on_signals(f"nothing was written to {out} (eval.json comes once every model is evaluated)",
                              less="fewer models, tasks or problems"):
         report = evaluate_models(checkpoints, tasks=tasks, labels=labels, settings=eval, dtype=dtype, progress=progress,
-                                 model_options=[callers_words("--checkpoints", "checkpoints=")] * len(checkpoints))
+                                 model_options=[spoken("--checkpoints", "checkpoints=")] * len(checkpoints))
         now_writing(out, ["eval.json", "eval.md", *(["pass_at_k.png"] if plot else [])])
         s = report.settings
         print(

@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from es_lightning.analysis.evaluate import EvalReport, evaluate_models
-from es_lightning.analysis.output import Signed, callers_words, check_out_dir, format_table, write_json
+from es_lightning.analysis.output import Signed, check_out_dir, format_table, write_json
 from es_lightning.analysis.settings import PAPER_EVAL, EvalSettings, remote_code_option
+from es_lightning.cli_errors import spoken
 from es_lightning.tasks import get_task
 
 #: the built-in held-out suite: procedural tasks unlike Countdown
@@ -99,16 +100,16 @@ def _suite(tasks: Sequence[str], training_task: str | None, tuned: str) -> tuple
     if trained in suite:
         others = [t for t, name in zip(tasks, suite) if name != trained]
         suggested = others or [t for t in DEFAULT_SUITE if t != trained] or ["countdown"]
-        tasks_given = callers_words(f"--tasks {' '.join(map(str, suggested))}", f"tasks={list(suggested)!r}")
+        tasks_given = spoken(f"--tasks {' '.join(map(str, suggested))}", f"tasks={list(suggested)!r}")
         fix = tasks_given if others else f"other tasks, e.g. {tasks_given}"
         raise ValueError(
             f"the held-out suite {suite} contains the training task {trained!r}; forgetting is measured on other tasks: "
             f"give {fix} (the training task is added as a reference row by "
-            f"{callers_words('--training_task', 'training_task=')})"
+            f"{spoken('--training_task', 'training_task=')})"
         )
     if not suite:
         raise ValueError("the held-out suite is empty; name tasks other than the training task, e.g. "
-                         + callers_words("--tasks addition sort", "tasks=['addition', 'sort']"))
+                         + spoken("--tasks addition sort", "tasks=['addition', 'sort']"))
     return suite, training_task, trained
 
 
@@ -157,14 +158,14 @@ def forgetting_command(
         recorded = None if dtype else trained_with(tuned).dtype
         if recorded:
             dtype = recorded
-            print(f"both models in {dtype}, as {tuned} was trained ({callers_words('--dtype', 'dtype=')} to choose)")
+            print(f"both models in {dtype}, as {tuned} was trained ({spoken('--dtype', 'dtype=')} to choose)")
         now_doing(f"loading {tuned}")
         tuned_model = load_model(tuned, dtype=dtype, trust_remote_code=eval.trust_remote_code, remote_code_option=remote_code_option(),
-                                 model_option=callers_words("--tuned", "tuned="))
+                                 model_option=spoken("--tuned", "tuned="))
         base = base or _base_of(tuned_model, "forgetting")
         warn_about_base(tuned, base, recorded_base(tuned_model))
         report = forgetting(base, tuned_model, tasks=tasks, training_task=training_task, settings=eval, dtype=dtype,
-                            progress=progress, model_options=[callers_words("--base", "base="), callers_words("--tuned", "tuned=")])
+                            progress=progress, model_options=[spoken("--base", "base="), spoken("--tuned", "tuned=")])
         report.evaluation.sources = {"base": base, "tuned": tuned}
         now_writing(out, ["forgetting.json", *(["forgetting.png"] if plot else [])])
         print(f"forgetting of {tuned} (base {base}): {eval.num_problems} held-out problems/task, n={eval.num_samples}, "

@@ -8,6 +8,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from es_lightning.cli_errors import spoken
+
 
 def _cell(value: Any, digits: int) -> str:
     if isinstance(value, bool) or value is None:
@@ -52,15 +54,6 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], digits
     return "\n".join(out)
 
 
-def callers_words(command: str, script: str) -> str:
-    """An analysis's argument as whoever called it wrote it: ``command`` (the option, ``--base``) inside the
-    ``es-lightning`` command, ``script`` (the Python argument, ``base=``) when a script called the function. A script
-    is told of no option it never wrote, as :func:`~es_lightning.policy.model_fix_local` words a model's refusal."""
-    from es_lightning.cli_errors import remembered_argv  # the command records its argv; a script has none
-
-    return command if remembered_argv() else script
-
-
 def check_out_dir(out_dir: str | Path) -> None:
     """Refuse, before any model is loaded or trained, an ``--out_dir`` that cannot be written (``ValueError``: the
     analysis commands print it as one line)."""
@@ -68,8 +61,8 @@ def check_out_dir(out_dir: str | Path) -> None:
 
     problem = unwritable(out_dir)
     if problem:
-        given = callers_words(f"--out_dir {str(out_dir)!r}", f"out_dir={str(out_dir)!r}")
-        fix = callers_words("choose another with --out_dir /a/writable/dir", "pass another: out_dir='/a/writable/dir'")
+        given = spoken(f"--out_dir {str(out_dir)!r}", f"out_dir={str(out_dir)!r}")
+        fix = spoken("choose another with --out_dir /a/writable/dir", "pass another: out_dir='/a/writable/dir'")
         raise ValueError(f"{given} cannot be written: {problem}; {fix}")
 
 

@@ -234,14 +234,14 @@ def fit_model_fix(recipe: str | Path, given: Mapping[str, Sequence[str]]) -> str
     the last of the analysis's options that sets ``--model.init_args.model`` (``given``: each option → the fit
     arguments it gave, in the order the fit applies them, e.g. ``{"--overrides": [...]}``), else the recipe's
     ``model:`` key, or an override in the first option. A script is told of its Python argument (``overrides=``), the
-    command of its option (:func:`~es_lightning.analysis.output.callers_words`); neither of a fit's bare ``model:``."""
-    from es_lightning.analysis.output import callers_words
+    command of its option (:func:`~es_lightning.cli_errors.spoken`); neither of a fit's bare ``model:``."""
+    from es_lightning.cli_errors import spoken
 
     for option, args in reversed(list(given.items())):
         if any(str(a).split("=", 1)[0] == MODEL_OPTION for a in args):
-            return f"point {MODEL_OPTION} in {callers_words(option, option.lstrip('-') + '=')} at a local directory"
+            return f"point {MODEL_OPTION} in {spoken(option, option.lstrip('-') + '=')} at a local directory"
     first = next(iter(given), "--overrides")
-    override = callers_words(f"{first} '[{MODEL_OPTION}, /path/to/model_dir]'",
+    override = spoken(f"{first} '[{MODEL_OPTION}, /path/to/model_dir]'",
                              f"{first.lstrip('-')}=['{MODEL_OPTION}', '/path/to/model_dir']")
     return f"point model: in {recipe} at a local directory, or give {override}"
 

@@ -27,9 +27,9 @@ REMOTE_CODE_OPTION = "--eval.trust_remote_code true"
 def remote_code_option() -> str:
     """How a refusal of a model needing its own code names the setting: :data:`REMOTE_CODE_OPTION` in the command,
     the field of the settings object a script passes (``EvalSettings(trust_remote_code=True)``)."""
-    from es_lightning.analysis.output import callers_words
+    from es_lightning.cli_errors import spoken
 
-    return callers_words(REMOTE_CODE_OPTION, "EvalSettings(trust_remote_code=True)")
+    return spoken(REMOTE_CODE_OPTION, "EvalSettings(trust_remote_code=True)")
 
 
 def default_ks(num_samples: int) -> list[int]:

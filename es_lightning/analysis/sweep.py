@@ -27,8 +27,9 @@ from typing import Any
 
 import lightning as L
 
-from es_lightning.analysis.output import callers_words, check_out_dir, format_table, write_json
+from es_lightning.analysis.output import check_out_dir, format_table, write_json
 from es_lightning.analysis.settings import SWEEP_EVAL, EvalSettings
+from es_lightning.cli_errors import spoken
 from es_lightning.policy import save_model, save_tokenizer
 
 DEFAULT_POPULATIONS = (8, 16, 32, 64)
@@ -85,7 +86,7 @@ def population_sweep(
     if not Path(recipe).is_file():
         raise FileNotFoundError(
             f"ES recipe {recipe!r} not found; run from the repository root (recipes/es.yaml) or pass "
-            + callers_words("--recipe path/to/es.yaml", "recipe='path/to/es.yaml'")
+            + spoken("--recipe path/to/es.yaml", "recipe='path/to/es.yaml'")
         )
     _check_es_recipe(recipe)
     if batch_size is not None and batch_size < 1:
