@@ -24,6 +24,7 @@ import torch
 from es_lightning import ReasoningDataModule
 from es_lightning.generation import Rollout
 from es_lightning.modules.grpo import GRPOModule
+from es_lightning.tasks.countdown import CountdownTask
 
 GRPO_KW = dict(group_size=4, lr=1e-2, max_new_tokens=6, loss_type="dapo", max_grad_norm=1.0)
 DATA_KW = dict(task="countdown", train_size=16, val_size=4, test_size=4)
@@ -240,3 +241,81 @@ def test_grpo_flat_reward_warning_under_ddp_costs_no_collective(tiny_model_dir, 
     assert result["all"]["frac"] == 1.0
     assert result["one"]["said"] == [] and result["one"]["frac"] == 0.5
     assert result["all"]["reduces"] == result["one"]["reduces"] == [3, 3, 3], result
+
+
+class PlannedRewards(CountdownTask):
+    """Countdown whose reward function scores each group by a plan, ``PLAN[step][rank]``: one kind a group of the rank's
+    batch — ``"flat"`` (0.5 for all), ``"varied"`` (0, 1, 2, 3) or ``"nan"`` (dropped). A reward of the rank it runs on,
+    as a task whose verifier fails on some ranks' problems gives."""
+
+    PLAN = (
+        (("flat", "flat"), ("nan", "nan")),  # rank 1 drops all its groups; every kept group is flat: 2/2
+        (("flat", "varied"), ("nan", "nan")),  # 1 flat of the 2 kept groups
+        (("nan", "flat"), ("varied", "varied")),  # uneven kept groups: 1 flat of 3 (the ranks' shares 1 and 0)
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def reward(self, completions, examples):
+        kinds = self.PLAN[self.calls][torch.distributed.get_rank()]
+        self.calls += 1
+        G = GRPO_KW["group_size"]
+        values = {"flat": lambda j: 0.5, "varied": float, "nan": lambda j: float("nan")}
+        return [values[kinds[i // G]](i % G) for i in range(len(completions))]
+
+
+DROPPED_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, warnings, torch, lightning as L
+    sys.path.insert(0, {tests!r})
+    from test_sharding_grpo import GRPO_KW, DATA_KW, PlannedRewards
+    from es_lightning import ReasoningDataModule
+    from es_lightning.modules.grpo import GRPOModule
+
+    class PerStep(L.Callback):
+        def __init__(self):
+            self.values = []
+        def on_train_batch_end(self, trainer, *args):
+            self.values.append({{k: float(trainer.callback_metrics[k])
+                                for k in ("train/frac_reward_zero_std", "train/accuracy")}})
+
+    if __name__ == "__main__":
+        torch.set_num_threads(1)
+        per_step = PerStep()
+        trainer = L.Trainer(max_steps=3, accelerator="cpu", devices=2, strategy="ddp", logger=False,
+                            enable_checkpointing=False, limit_val_batches=0, num_sanity_val_steps=0,
+                            enable_progress_bar=False, enable_model_summary=False, callbacks=[per_step])
+        module = GRPOModule(model={model!r}, **GRPO_KW)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(module, ReasoningDataModule(batch_size=2, **{{**DATA_KW, "task": PlannedRewards()}}))
+        if trainer.global_rank == 0:
+            json.dump({{"steps": per_step.values,
+                       "said": [str(w.message) for w in caught if "update is zero" in str(w.message)]}},
+                      open({out!r} + "/dropped.json", "w"))
+    """
+)
+
+
+def test_grpo_shares_under_ddp_are_of_every_ranks_groups(tiny_model_dir, tmp_path):
+    """Under DDP ``train/frac_reward_zero_std`` is the share of flat groups among every rank's kept groups, from the
+    ranks' counts in log_step's one collective: a rank whose groups were all dropped (NaN rewards) adds none — its own
+    share, the mean of nothing, made the rank mean NaN, and the all-groups-flat warning could not come on such a step —
+    and ranks that kept different numbers of groups weigh by them (1 flat of 3 kept is 1/3, not the mean 0.5 of the
+    ranks' shares 1 and 0). ``train/accuracy`` (of the kept completions) likewise stays finite."""
+    script = tmp_path / "grpo_dropped.py"
+    tests = os.path.dirname(os.path.abspath(__file__))
+    script.write_text(DROPPED_SCRIPT.format(tests=tests, out=str(tmp_path), model=tiny_model_dir))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads((tmp_path / "dropped.json").read_text())
+    frac = [step["train/frac_reward_zero_std"] for step in result["steps"]]
+    assert frac == pytest.approx([1.0, 0.5, 1 / 3], abs=1e-6)  # logged as float32, frac
+    assert all(0.0 <= step["train/accuracy"] <= 1.0 for step in result["steps"]), result["steps"]
+    said = result["said"]
+    assert len(said) == 1 and said[0].startswith("GRPO step 0: the 4 completions of every group scored the same "
+                                                 "reward (all 0.5)"), said

@@ -193,17 +193,23 @@ class GRPOAlgorithm(Algorithm):
         t3 = device_time(module.device)  # the last backward and optimizer step may still be running on a GPU
 
         kept_cpu = kept.cpu()
-        flat_rows = torch.isclose(group_std, torch.zeros_like(group_std)).cpu()[kept_cpu]  # [kept rows]
+        # shares of this rank's kept groups / rows; log_step logs them under DDP as shares of every rank's counts (a
+        # rank whose groups were all dropped has none of its own). No rank keeps a group: _kept_rows stopped the fit.
+        kept_group = kept_cpu.view(-1, G)[:, 0]  # [B]
+        flat_group = torch.isclose(group_std, torch.zeros_like(group_std)).cpu().view(-1, G)[:, 0]  # [B]
+        flat_groups, kept_groups = int((flat_group & kept_group).sum()), int(kept_group.sum())
+        correct_rows, kept_rows = int(scores.correct[kept_cpu].sum()), int(kept_cpu.sum())
         logged = module.log_step(StepMetrics(
             rewards=torch.where(kept_cpu, scores.rewards, torch.full_like(scores.rewards, float("nan"))),
-            frac_reward_zero_std=float(flat_rows.to(torch.float32).mean()),
-            accuracy=float(scores.correct[kept_cpu].to(torch.float32).mean()),
+            frac_reward_zero_std=flat_groups / kept_groups if kept_groups else float("nan"),
+            accuracy=correct_rows / kept_rows if kept_rows else float("nan"),
             mean_length=float(rollout.completion_lengths.to(torch.float32).mean()),
             clipped_ratio=float(rollout.truncated.to(torch.float32).mean()),
             entropy=masked_token_mean(rollout.entropy, rollout.completion_mask),
             batch_size=len(batch),
             times={"generate": t1 - t0, "score": t2 - t1, "update": t3 - t2},
             extra=stats,
+            shares={"frac_reward_zero_std": (flat_groups, kept_groups), "accuracy": (correct_rows, kept_rows)},
         ))
         self._warn_flat(module, logged["train/frac_reward_zero_std"], scores.rewards[kept_cpu], step)
 
@@ -211,10 +217,10 @@ class GRPOAlgorithm(Algorithm):
         """Once a fit: a step whose every group (of every rank) scored one reward within the group has advantages all 0,
         so its policy-gradient update is zero; a run of such steps learns nothing, and only
         ``train/frac_reward_zero_std`` (1.0) would say so. ``frac_flat``: that metric as :meth:`ReasoningModule.log_step`
-        logged it, the mean of the ranks' shares of flat groups — 1.0 exactly when every group of every rank is flat
-        (each share is at most 1), so every rank decides alike without a collective of its own. Not when only some
-        ranks' groups are flat: the gradients DDP averages are then not zero. A rank whose groups were all dropped
-        (NaN/inf rewards) has no share (NaN), and such a step does not warn. ``rewards`` [kept rows]: this rank's."""
+        logged it, the share of flat groups among every rank's kept groups — 1.0 exactly when every kept group of every
+        rank is flat, so every rank decides alike without a collective of its own (a rank whose groups were all dropped
+        for NaN/inf rewards adds no group). Not when only some ranks' groups are flat: the gradients DDP averages are
+        then not zero. ``rewards`` [kept rows]: this rank's (none on a rank that kept no group)."""
         if frac_flat != 1.0:
             return
         s = self.settings

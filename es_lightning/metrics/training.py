@@ -8,8 +8,9 @@ Each algorithm fills a :class:`StepMetrics` after its update; :meth:`ReasoningMo
                                    (ES: one per population member; GRPO: one per completion)
 ``train/frac_reward_zero_std``     ES: 1 when every member scored the same (a zero update), with
                                    ``prompt_groups`` the share of member groups that did; GRPO: share of groups
-                                   whose completions scored the same (zero advantage) — TRL's name
-``train/accuracy``                 share of the step's completions the verifier accepts
+                                   whose completions scored the same (zero advantage) — TRL's name; under DDP
+                                   of every rank's kept groups (``StepMetrics.shares``)
+``train/accuracy``                 share of the step's completions the verifier accepts (GRPO: of the kept ones)
 ``train/completions/mean_length``  mean completion length in tokens; ``clipped_ratio``: share that hit
                                    ``max_new_tokens`` (TRL's names)
 ``train/entropy``                  mean token entropy (nats) of the policy at the sampling temperature (before
@@ -38,7 +39,8 @@ __all__ = ["StepMetrics", "device_time", "shared_metrics"]
 @dataclass
 class StepMetrics:
     """What one training step reports. Values are rank-local; the module averages them over ranks (TRL's convention),
-    except ``train/reward_mean`` and ``train/reward_std``, which are of every rank's rewards."""
+    except ``train/reward_mean`` and ``train/reward_std``, which are of every rank's rewards, and the ``shares``, which
+    are of every rank's counts."""
 
     rewards: Tensor  # the rewards the update used: ES [N] (per member), GRPO [B*G] (per completion); non-finite = dropped
     frac_reward_zero_std: float
@@ -49,6 +51,11 @@ class StepMetrics:
     batch_size: int  # prompts in the step's batch
     times: dict[str, float] = field(default_factory=dict)  # {"generate": s, "score": s, "update": s}
     extra: dict[str, float] = field(default_factory=dict)  # the algorithm's own, keys without the "train/" prefix
+    # metrics that are a share of counted things, {name: (counted, out of)} on this rank (GRPO's frac_reward_zero_std:
+    # flat groups of the kept groups), keys without the "train/" prefix: under DDP the share of every rank's counts
+    # (sum over ranks, then divided), not the mean of the ranks' shares — a rank that kept no group has no share (NaN)
+    # and ranks that kept different numbers weigh by their counts. Its value in the other fields is this rank's share.
+    shares: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
 def shared_metrics(step: StepMetrics, lr: float) -> dict[str, float]:

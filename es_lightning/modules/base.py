@@ -505,13 +505,21 @@ class ReasoningModule(L.LightningModule):
         values = shared_metrics(metrics, self.optimizers().param_groups[0]["lr"])
         if self.trainer.world_size > 1:
             # rank means (TRL's convention), except the reward mean and spread: of every rank's rewards, from the
-            # ranks' count, sum and sum of squares (a mean of the ranks' own spreads misses the spread between them)
+            # ranks' count, sum and sum of squares (a mean of the ranks' own spreads misses the spread between them),
+            # and the shares of counted things (StepMetrics.shares: GRPO's flat groups of the kept groups), from every
+            # rank's counts — a rank that kept nothing has no share of its own, and the mean of the ranks' shares is
+            # not the global share when they counted different numbers (the means of the counts: the same ratio)
             rewards = metrics.rewards.detach().double().cpu()
             kept = rewards[torch.isfinite(rewards)]
             moments = [float(kept.numel()), float(kept.sum()), float((kept * kept).sum())]
-            flat = torch.tensor([*values.values(), *moments], dtype=torch.float64, device=self.device)
+            counts = [float(c) for pair in metrics.shares.values() for c in pair]
+            flat = torch.tensor([*values.values(), *moments, *counts], dtype=torch.float64, device=self.device)
             flat = self.trainer.strategy.reduce(flat, reduce_op="mean").tolist()
-            values, (count, total, squares) = dict(zip(values, flat[:len(values)])), flat[len(values):]
+            values, flat = dict(zip(values, flat[:len(values)])), flat[len(values):]
+            (count, total, squares), counts = flat[:3], flat[3:]
+            for i, name in enumerate(metrics.shares):
+                counted, out_of = counts[2 * i:2 * i + 2]
+                values[f"train/{name}"] = counted / out_of if out_of else float("nan")
             mean = total / count if count else float("nan")
             values["train/reward_mean"] = mean
             values["train/reward_std"] = math.sqrt(max(squares / count - mean * mean, 0.0)) if count else float("nan")
