@@ -22,7 +22,7 @@ import torch
 from lightning.pytorch.callbacks import ModelSummary as LightningModelSummary
 from transformers import AutoModelForCausalLM
 
-from es_lightning import ESModule, GRPOModule, ReasoningDataModule
+from es_lightning import ESModule, GRPOModule, ReasoningDataModule, ReasoningModule
 from es_lightning.callbacks.model_summary import (
     ModelSummary,
     RichModelSummary,
@@ -149,6 +149,32 @@ def test_optimizer_state_of_plain_torch_optimizers_on_bf16_qwen_like(qwen_like_s
     assert memory_line(*parameter_bytes(model, [rmsprop]), (state, counted, uncounted)).endswith(
         ", no master copies (the optimizers update the weights in their own dtype); the state of RMSprop is not counted "
         "(its size is not known from the parameters: add it by hand)")
+
+
+class _NoOptimizer(ReasoningModule):
+    """A ReasoningModule of the user's that trains nothing itself: its configure_optimizers returns None (no algorithm),
+    so Lightning fits it with its placeholder optimizer."""
+
+    def training_step(self, batch, batch_idx):
+        return None
+
+
+def test_a_fit_without_an_optimizer_names_no_placeholder(tmp_path, caplog):
+    """Lightning fits a module whose configure_optimizers returns None with its ``_MockOptimizer``; the line said "the
+    state of _MockOptimizer is not counted" and "the optimizers update the weights in their own dtype". It names no
+    optimizer: there is none, so no state and no master copies."""
+    module = _NoOptimizer()  # the built-in model, fp32
+    trainer = L.Trainer(max_epochs=1, limit_train_batches=1, accelerator="cpu", devices=1, logger=False,
+                        limit_val_batches=0, num_sanity_val_steps=0, enable_checkpointing=False,
+                        enable_progress_bar=False, default_root_dir=tmp_path)
+    with caplog.at_level(logging.INFO):
+        trainer.fit(module, ReasoningDataModule(task="countdown", train_size=4, val_size=2, test_size=2, batch_size=2,
+                                                seed=0))
+    assert [type(opt).__name__ for opt in trainer.optimizers] == ["_MockOptimizer"]  # Lightning's placeholder
+    assert optimizer_state_bytes(trainer.optimizers) == ({}, [], [])
+    weights = sum(p.numel() * 4 for p in module.parameters())
+    assert _line(caplog) == (f"Parameter memory (MB): {weights / 1e6:,.3f} weights (float32), no optimizer (no master "
+                             "copies or optimizer state)")
 
 
 DISTRIBUTED_SCRIPT = textwrap.dedent(

@@ -39,6 +39,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelSummary as LightningModelSummary
 from lightning.pytorch.callbacks import RichModelSummary as LightningRichModelSummary
+from lightning.pytorch.core.optimizer import _MockOptimizer
 from lightning.pytorch.utilities import rank_zero_info
 
 from es_lightning.precision import MasterState, local
@@ -104,13 +105,17 @@ def optimizer_state_bytes(optimizers: list, on_this_rank: bool = False) -> tuple
     ``torch.optim.SGD`` keeps one ``momentum_buffer`` like ``p`` when ``momentum`` is non-zero, nothing otherwise.
     :class:`~es_lightning.es.update.ESOptimizer` keeps nothing beyond its masters (counted as master copies) and step
     counts. The 0-d ``step`` tensors (4 bytes per parameter *tensor*) are left out; any other optimizer's state is
-    reported as not counted, as its size is not known from the parameters. With ``on_this_rank``, this rank's FSDP2
-    shards only (an optimizer's state of a DTensor parameter is sharded as the parameter)."""
+    reported as not counted, as its size is not known from the parameters. Lightning's placeholder for a
+    ``configure_optimizers`` that returned ``None`` (``_MockOptimizer``) is no optimizer: nothing to count or name. With
+    ``on_this_rank``, this rank's FSDP2 shards only (an optimizer's state of a DTensor parameter is sharded as the
+    parameter)."""
     state: dict[str, int] = {}
     counted: list[str] = []
     uncounted: list[str] = []
     seen: set[int] = set()
     for opt in optimizers:
+        if isinstance(opt, _MockOptimizer):  # the fit runs with no optimizer
+            continue
         keys = _state_keys(opt)
         name = type(opt).__name__
         if keys is None:
@@ -142,7 +147,9 @@ def memory_line(weights: dict[str, int], masters: dict[str, int],
         line += f" + {total_state / 1e6:,.3f} {dtypes}optimizer state ({'; '.join(counted)})"
     if masters or counted:
         line += f" = {(total_weights + total_masters + total_state) / 1e6:,.3f}"
-    if not masters:
+    if not (masters or counted or uncounted):  # configure_optimizers returned None: Lightning's placeholder only
+        line += ", no optimizer (no master copies or optimizer state)"
+    elif not masters:
         line += ", no master copies (the optimizers update the weights in their own dtype)"
     if uncounted:
         line += (f"; the state of {', '.join(uncounted)} is not counted (its size is not known from the parameters: "
