@@ -251,17 +251,10 @@ def naming_the_fit_model(recipe: str | Path, given: Mapping[str, Sequence[str]])
     """Around an analysis's fit of ``recipe`` (its CLI built, its model loaded, trained): a hub model that cannot be
     loaded (offline and not cached, no such repository) is refused with the way out :func:`fit_model_fix` words — the
     option the user gave the model in, not ``model:`` (the fit's own key, which an override replaced)."""
-    from es_lightning.hub import with_local_fix
+    from es_lightning.policy import model_given_by
 
-    try:
+    with model_given_by(fit_model_fix(recipe, given)):
         yield
-    except (ConnectionError, FileNotFoundError) as err:
-        if not str(err).startswith("model "):  # a dataset's refusal, or another file: as it is
-            raise
-        refusal = with_local_fix(err, fit_model_fix(recipe, given))
-        if refusal is err:
-            raise
-        raise refusal from err.__cause__
 
 
 def recipe_task(recipe: str | Path, args: Sequence[str] = ()):
