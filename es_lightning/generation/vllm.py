@@ -300,7 +300,12 @@ class VLLMGenerator(Generator):
         #: the longest prompt + completion the engine takes (vLLM's, from max_model_len or the model's config: its
         #: smallest length key, e.g. a ``seq_length`` below the positions a fit's start checked against)
         self.max_model_len: int | None = None
-        self.llm = self._build_engine(kwargs)
+        self.llm = None
+        try:
+            self.llm = self._build_engine(kwargs)
+        except BaseException:  # vLLM's refusal, Ctrl+C, ...: what the build left in the process goes with it
+            self._release_process_state()
+            raise
         try:  # built, but no caller holds this object to close it yet: a failure from here on closes it first
             self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
             if self._dist_was_initialized:  # shut down before the trainer's group goes at exit (es_lightning/distributed.py)
@@ -348,9 +353,12 @@ class VLLMGenerator(Generator):
                 token = self.policy.tokenizer.eos_token_id or 0
                 llm.generate([TokensPrompt(prompt_token_ids=[token])], VSamplingParams(max_tokens=1), use_tqdm=False)
                 return llm
-            except (ValueError, RuntimeError, NotImplementedError, TypeError, AssertionError) as err:
+            except BaseException as err:  # any failure once the engine exists (KeyError, Ctrl+C, ...) closes it
                 if llm is not None:
-                    llm.llm_engine.engine_core.shutdown()
+                    engine_core, llm = llm.llm_engine.engine_core, None  # the traceback's frame no longer holds it
+                    close_after_failure(engine_core.shutdown, err)
+                if not isinstance(err, _ENGINE_REFUSALS):
+                    raise
                 raise (self._kv_cache_too_small(err, kwargs) or ValueError(self._engine_error(err, kwargs))) from err
 
     def _kv_cache_too_small(self, err: BaseException, options: dict[str, Any]) -> KVCacheTooSmall | None:
@@ -410,9 +418,19 @@ class VLLMGenerator(Generator):
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()
             del llm
-        dist = torch.distributed
-        if not self._dist_was_initialized and dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+        self._release_process_state()
+
+    def _release_process_state(self) -> None:
+        """Remove what building the engine left in the process besides the engine: the one-process ``torch.distributed``
+        group and parallel groups vLLM created (with its rendezvous file ``vllm_dist_*`` in the temporary directory),
+        when the process had no group before, and the config directory written for it (:meth:`_write_config`). A build
+        that fails inside ``vllm.LLM(...)`` (a KV cache that holds no block, ...) leaves no engine to shut down, but
+        these were created already. Under DDP the groups are the trainer's and stay."""
+        if not self._dist_was_initialized:
+            from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+            destroy_model_parallel()
+            destroy_distributed_environment()  # vLLM's world group, then torch.distributed's (its own)
         self._config_dir.cleanup()
 
     def _rpc(self, method: str, *args: Any) -> list[Any]:
@@ -782,6 +800,11 @@ def _refuse_fused_experts(llm) -> None:
     found = [name for names in llm.apply_model(fused_experts) for name in names]
     if found:
         raise ValueError(_MOE_REFUSAL.format(where=found[0]))
+
+
+#: the exception types a failing engine build raises for a setting or a model vLLM refuses: translated into one line
+#: (:meth:`VLLMGenerator._engine_error`); any other (KeyError, OSError, Ctrl+C) propagates unchanged
+_ENGINE_REFUSALS = (ValueError, RuntimeError, NotImplementedError, TypeError, AssertionError)
 
 
 def _invalid_field(err: BaseException) -> str | None:

@@ -152,11 +152,23 @@ LEAKS = textwrap.dedent(r"""
                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
     path = sys.argv[1]
     Qwen2ForCausalLM(config).save_pretrained(path); tok.save_pretrained(path)
+    import glob, tempfile
+    from vllm.distributed import parallel_state
+
+    def left():  # what a failed build left in the process: groups, our config folder, vLLM's rendezvous file
+        tmp = tempfile.gettempdir()
+        return [torch.distributed.is_initialized(), parallel_state._WORLD is not None, parallel_state._TP is not None,
+                len(glob.glob(os.path.join(tmp, "es-lightning-vllm-*"))), len(glob.glob(os.path.join(tmp, "vllm_dist_*")))]
+
     try:
         VLLMGenerator(load_policy(path), max_model_len=64, cpu_kv_cache_gib=0.0625)
         out["refusal"] = None
+    except ValueError as err:  # after vllm.LLM(...) returned: its first token
+        out["refusal"], out["refusal_left"] = str(err), left()
+    try:  # inside vllm.LLM(...): no engine to shut down, but its groups were created
+        VLLMGenerator(load_policy("builtin:countdown-tiny"), max_model_len=128, cpu_kv_cache_gib=0.00001)
     except ValueError as err:
-        out["refusal"] = str(err)
+        out["no_block"], out["no_block_left"] = str(err), left()
     # the same model in a fit: refused when the fit starts, before any training step or evaluation
     module = ESModule(model=path, population_size=2, max_new_tokens=4, generation_backend="vllm",
                       generation_options=dict(max_model_len=64, cpu_kv_cache_gib=0.0625))
@@ -194,8 +206,11 @@ def test_engine_leaves_the_process_as_it_found_it(tmp_path):
     ``close()`` removes the group. A model the CPU engine cannot run (head_dim 8) is refused at construction with
     vLLM's reason in one line — in a fit (``generation_backend: vllm``), when the fit starts, before any step. A GRPO →
     low-rank ES switch rebuilds the GRPO stage's engine with LoRA adapters (one engine per process: the old one closed),
-    and the module's ``trust_remote_code`` reaches the engine."""
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    and the module's ``trust_remote_code`` reaches the engine. A build that fails, after ``vllm.LLM(...)`` returned (the
+    head_dim 8 model's first token) or inside it (a KV cache that holds no block), leaves nothing in the process while
+    its error is held: no ``torch.distributed`` or vLLM group, no config folder, no rendezvous file."""
+    (tmp_path / "tmp").mkdir()  # the script's temporary directory: only its own files in it
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path / "tmp")}
     proc = subprocess.run([sys.executable, "-c", LEAKS, str(tmp_path / "head8")], capture_output=True, text=True,
                           env=env, timeout=600, cwd=tmp_path)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
@@ -207,6 +222,10 @@ def test_engine_leaves_the_process_as_it_found_it(tmp_path):
     assert out["dist_after_close"] is False
     assert out["refusal"] is not None and out["refusal"].startswith("vLLM cannot load this model: ")
     assert "head_dim=8" in out["refusal"] and "\n" not in out["refusal"]
+    # a failed build leaves nothing behind, while its error is still held: no groups, no config folder, no file
+    assert out["refusal_left"] == [False, False, False, 0, 0]
+    assert out["no_block"].startswith("generation_options.cpu_kv_cache_gib=1e-05 holds no KV-cache block")
+    assert out["no_block_left"] == [False, False, False, 0, 0]
     assert out["fit_refusal"] == out["refusal"] and out["fit_steps"] == 0
     # the engine was rebuilt with 4 adapter slots, and builds the model as the policy was (trust_remote_code)
     assert out["switch"] == [2, "es", "VLLMLowRankEvaluator", 4, True]
