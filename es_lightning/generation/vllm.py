@@ -468,9 +468,35 @@ class VLLMGenerator(Generator):
         if named is None or self._stale:
             named, self._stale = self.policy.model.named_parameters(), False
         with preserved_host_state():
-            self.llm.apply_model(lambda model: model.load_weights((n, t.detach()) for n, t in named))
+            try:
+                self.llm.apply_model(lambda model: model.load_weights((n, t.detach()) for n, t in named))
+            except (ValueError, KeyError) as err:  # vLLM names the first parameter it has no place for, in many frames
+                self._stale = True  # some weights may be in the engine, some not: all are pushed next time
+                lacking = self._parameters_the_engine_lacks()
+                if not lacking:
+                    raise
+                raise ValueError(_lacking_refusal(lacking, self.llm.apply_model(lambda m: type(m).__name__)[0])) from err
             self.llm.reset_prefix_cache()
         self.es_centre_current = False
+
+    def _parameters_the_engine_lacks(self) -> list[str]:
+        """The policy's parameters (HF names) the engine's ``load_weights`` has no place for — a value head added to
+        the policy, say — each pushed alone (vLLM's loader stops at the first, naming its module only: ``'v_head'``)."""
+        named = [(n, p.detach()) for n, p in self.policy.model.named_parameters()]
+
+        def lacking(model: torch.nn.Module) -> list[str]:
+            names = []
+            for name, tensor in named:
+                try:
+                    model.load_weights([(name, tensor)])
+                except KeyError:  # a loader that looks names up in its parameters itself
+                    names.append(name)
+                except ValueError as err:
+                    if "no module or parameter named" in str(err):  # vLLM's AutoWeightsLoader
+                        names.append(name)
+            return names
+
+        return list(dict.fromkeys(n for names in self.llm.apply_model(lacking) for n in names))
 
     def weights_changed(self) -> None:
         """The policy's weights changed (an optimizer step, a restored checkpoint, a stage switch): they are pushed
@@ -800,6 +826,15 @@ def _refuse_fused_experts(llm) -> None:
     found = [name for names in llm.apply_model(fused_experts) for name in names]
     if found:
         raise ValueError(_MOE_REFUSAL.format(where=found[0]))
+
+
+def _lacking_refusal(names: Sequence[str], architecture: str) -> str:
+    """One line for policy parameters the engine's architecture has no place for (:meth:`VLLMGenerator.push_weights`)."""
+    shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+    return (f"the policy's parameter{'s' if len(names) > 1 else ''} {shown} {'have' if len(names) > 1 else 'has'} no "
+            f"counterpart in vLLM's {architecture} (the engine built from the model's config), so the policy's weights "
+            "cannot be pushed into the engine: remove them from the policy's model (keep a value head or other added "
+            "layers in a module of their own, outside policy.model) or use generation_backend: hf")
 
 
 #: the exception types a failing engine build raises for a setting or a model vLLM refuses: translated into one line

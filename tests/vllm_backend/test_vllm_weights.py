@@ -205,12 +205,18 @@ def test_prefix_caching_never_serves_another_members_prefix(keep_alive, qwen_lik
 def test_an_engine_whose_first_push_fails_is_closed_and_the_error_is_the_push_s(closed_engines):
     """A policy holding a parameter the engine's architecture lacks (a value head, as TRL's value-head models add)
     fails the first push, inside ``VLLMGenerator(...)``, after the engine is built: no caller holds the generator to
-    close it, so the constructor closes it before vLLM's error propagates (the engine's memory and worker were held
-    until the process ended)."""
+    close it, so the constructor closes it before the error propagates (the engine's memory and worker were held
+    until the process ended). The error is one line naming every such parameter and the fixes, not vLLM's raw
+    ``There is no module or parameter named 'v_head'`` (its module only, the first one, under many frames)."""
     from conftest import _engine, _policy
 
     policy = _policy("builtin:countdown-tiny")
     policy.model.v_head = torch.nn.Linear(policy.model.config.hidden_size, 1)
-    with pytest.raises(ValueError, match=r"^There is no module or parameter named 'v_head' in "):
+    with pytest.raises(ValueError) as refused:
         _engine(policy)
+    assert str(refused.value) == (
+        "the policy's parameters v_head.weight, v_head.bias have no counterpart in vLLM's Qwen2ForCausalLM (the engine "
+        "built from the model's config), so the policy's weights cannot be pushed into the engine: remove them from the "
+        "policy's model (keep a value head or other added layers in a module of their own, outside policy.model) or use "
+        "generation_backend: hf")
     assert closed_engines == [(128, True)]
