@@ -119,12 +119,12 @@ def load_local(source: str, config: str | None, columns: Sequence[str]):
         return loaded
     if source.startswith((".", "/", "~")) or _format_of(path) is not None:
         raise FileNotFoundError(
-            f"data source {source!r} does not exist (relative paths are read from {os.getcwd()}); give a "
-            "jsonl/json/parquet/arrow/csv file or directory, a hub dataset name, 'hub' or 'procedural'"
-        )
+            f"data source {source!r} does not exist (relative paths are read from {os.getcwd()}); give a {SOURCE_KINDS}")
     return None
 
 
+#: what a source may be, the fix of one that does not exist (an evaluation words it for its own option)
+SOURCE_KINDS = "jsonl/json/parquet/arrow/csv file or directory, a hub dataset name, 'hub' or 'procedural'"
 #: the fix of a hub dataset directory whose data files are in its config folders (an evaluation names its own)
 HUB_CONFIG_HINT = "set data.hub_config to one of them, or point data.source at it"
 

@@ -13,6 +13,7 @@ from es_lightning.analysis.compare import CompareReport, compare_methods
 from es_lightning.analysis.evaluate import evaluate_policy, heldout_problems
 from es_lightning.analysis.settings import COMPARE_EVAL, EvalSettings
 from es_lightning.cli import cli_main
+from es_lightning.data_files import SOURCE_KINDS
 from es_lightning.policy import load_policy
 from es_lightning.tasks import CountdownTask
 
@@ -157,16 +158,19 @@ def test_compare_refuses_a_bad_eval_source_before_any_fit(tmp_path, monkeypatch,
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"foo": 1}\n{"foo": 2}\n')
     out = tmp_path / "cmp"
-    cases = [(str(tmp_path / "nope.jsonl"), FileNotFoundError, f"data source {str(tmp_path / 'nope.jsonl')!r} does not exist"),
-             (str(bad), ValueError, "its 'train' split lacks column(s) ['nums', 'target'] that task 'countdown' needs")]
-    for source, kind, said in cases:
+    nope = str(tmp_path / "nope.jsonl")  # named as the evaluation's option (command) or argument (script), not training data
+    cases = [(nope, FileNotFoundError, f"--eval.source {nope!r} does not exist", f"EvalSettings(source=...) {nope!r} does not exist"),
+             (str(bad), ValueError, *["its 'train' split lacks column(s) ['nums', 'target'] that task 'countdown' needs"] * 2)]
+    for source, kind, said, said_to_a_script in cases:
         with pytest.raises(SystemExit) as stop:
             cli_main(["analyze", "compare", "--recipes_dir", str(ROOT / "recipes"), "--methods", "[ES]", "--seeds", "[0]",
                       "--steps", "2", "--eval.source", source, "--out_dir", str(out),
                       "--overrides", "[--trainer.callbacks+, es_helpers.StepClock]"])
         line = capsys.readouterr().err.strip().splitlines()[-1]
         assert stop.value.code == 2 and said in line, line
-        with pytest.raises(kind, match=re.escape(said)):
+        assert "data source" not in line and (kind is not FileNotFoundError or line.endswith("give --eval.source a "
+                                                                                          f"{SOURCE_KINDS}")), line
+        with pytest.raises(kind, match=re.escape(said_to_a_script)):
             compare_methods(seeds=[0], steps=2, methods=["ES"], recipes_dir=ROOT / "recipes", out_dir=out,
                             settings=replace(COMPARE_EVAL, source=source), overrides=["--trainer.callbacks+", "es_helpers.StepClock"])
         assert StepClock.runs == [] and not (out / "seed0").exists(), source  # no fit started

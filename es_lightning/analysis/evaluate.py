@@ -37,7 +37,7 @@ from es_lightning.analysis.output import check_out_dir, format_table, markdown_t
 from es_lightning.analysis.settings import PAPER_EVAL, EvalSettings, remote_code_option, resolve_device
 from es_lightning.cli_errors import spoken
 from es_lightning.data import DROP_INVALID_HINT, ReasoningDataModule, count_trained, procedural_split
-from es_lightning.data_files import HUB_CONFIG_HINT
+from es_lightning.data_files import HUB_CONFIG_HINT, SOURCE_KINDS
 from es_lightning.generation.config import KVCacheTooSmall
 from es_lightning.policy import Policy
 from es_lightning.tasks import Task, get_task
@@ -184,7 +184,11 @@ _EVAL_TERMS = (("data.column_mapping", "--eval.column_mapping"), ("data.source",
 def _in_eval_terms(err: Exception, kind: type[Exception] = ValueError) -> Exception:
     """``err`` (raised by the data module) with its hints naming ``--eval.*``, the options an evaluation is given, as a
     ``kind``."""
-    text = str(err).replace(DROP_INVALID_HINT, EVAL_INVALID_HINT)  # an evaluation scores every row it is given
+    text = str(err)
+    if text.startswith("data source ") and text.endswith(f"; give a {SOURCE_KINDS}"):  # a missing file: not training data's
+        option = spoken("--eval.source", "EvalSettings(source=...)")
+        text = f"{option} {text.removeprefix('data source ').removesuffix(f'give a {SOURCE_KINDS}')}give {option} a {SOURCE_KINDS}"
+    text = text.replace(DROP_INVALID_HINT, EVAL_INVALID_HINT)  # an evaluation scores every row it is given
     text = text.replace(HUB_CONFIG_HINT, EVAL_HUB_CONFIG_HINT)  # an evaluation has no hub_config: its source names one
     for data_option, eval_option in _EVAL_TERMS:
         text = text.replace(data_option, eval_option)
