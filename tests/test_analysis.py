@@ -1341,3 +1341,35 @@ def test_an_analysis_fit_of_a_missing_hub_model_names_the_option_that_gave_it(tm
     with pytest.raises(ConnectionError, match=r"point --model\.init_args\.model in overrides= at a local directory$"):
         population_sweep(recipe=es, populations=[2], steps=1, overrides=["--model.init_args.model", missing],
                           settings=replace(SWEEP_EVAL, num_problems=1, num_samples=1), out_dir="s")
+
+
+def test_sweep_refuses_a_bad_eval_source_before_its_first_fit_is_set_up(tmp_path, monkeypatch, capsys):
+    """`analyze sweep --eval.source <a missing file | a file without the task's columns>` read the held-out problems
+    only after setting up the first fit (its Trainer, module and training data): it refuses them first, as compare
+    does. The fits' training file here does not exist, so a refusal that came after the fit's set-up would be its."""
+    from es_helpers import offline
+
+    from es_lightning.analysis import population_sweep
+    from es_lightning.data_files import SOURCE_KINDS
+
+    offline(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    missing, es = str(tmp_path / "no-such-train.jsonl"), str(ROOT / "recipes" / "es.yaml")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"foo": 1}\n{"foo": 2}\n')
+    nope = str(tmp_path / "nope.jsonl")
+    cases = [(nope, FileNotFoundError, f"--eval.source {nope!r} does not exist", f"EvalSettings(source=...) {nope!r} does not exist"),
+             (str(bad), ValueError, *["its 'train' split lacks column(s) ['nums', 'target'] that task 'countdown' needs"] * 2)]
+    for source, kind, said, said_to_a_script in cases:
+        with pytest.raises(SystemExit) as stop:
+            cli_main(["analyze", "sweep", "--recipe", es, "--populations", "2", "--steps", "1", "--eval.num_problems", "1",
+                      "--eval.num_samples", "1", "--plot", "false", "--eval.source", source, "--out_dir", "s",
+                      "--overrides", f"[--data.init_args.source, {missing}]"])
+        line = capsys.readouterr().err.strip().splitlines()[-1]
+        assert stop.value.code == 2 and said in line and missing not in line, line
+        assert kind is not FileNotFoundError or line.endswith(f"give --eval.source a {SOURCE_KINDS}"), line
+        with pytest.raises(kind) as refused:
+            population_sweep(recipe=es, populations=[2], steps=1, overrides=["--data.init_args.source", missing],
+                             settings=replace(SWEEP_EVAL, num_problems=1, num_samples=1, source=source), out_dir="s")
+        assert said_to_a_script in str(refused.value) and missing not in str(refused.value), refused.value
+        assert not (tmp_path / "s").exists()

@@ -170,8 +170,8 @@ def compare_methods(
 ) -> CompareReport:
     """Fit every method for every seed and evaluate everything the same way (see the module docstring).
     ``method_overrides``: further fit arguments for one method's fits, after ``overrides``."""
-    from es_lightning.analysis.evaluate import evaluate_policy, heldout_problems, tasks_as_trained, warn_trained_problems
-    from es_lightning.analysis.runs import naming_the_fit_model, now_doing, recipe_task
+    from es_lightning.analysis.evaluate import evaluate_policy, warn_trained_problems
+    from es_lightning.analysis.runs import heldout_of, naming_the_fit_model, now_doing, recipe_heldout
     from es_lightning.policy import load_policy
 
     unknown = [m for m in methods if m not in METHODS]
@@ -218,20 +218,15 @@ def compare_methods(
     def evaluate(policy, trust_remote_code: bool) -> dict[str, float]:  # a vLLM engine builds the model as loaded
         return evaluate_policy(policy, task, problems, replace(settings, trust_remote_code=trust_remote_code))
 
-    def draw(fit_task) -> None:  # the same problems and samples for every row
-        nonlocal task, problems
-        task = tasks_as_trained([fit_task], settings.chat_template, [])[0]  # the recipe's; --eval.chat_template
-        problems = heldout_problems(task, settings.num_problems, settings.seed, settings.source, settings.column_mapping)
-
     finished: list[str] = []  # "method, seed s" of every fit done: a signal's line names them
     kept = f"nothing was written to {out} (compare.json and compare.md come once every run is done)"
     # the held-out problems before any fit, from the first fit's task read off its recipe: a missing --eval.source or
     # one without the task's columns is refused now, not after the first fit's minutes of training
     now_doing("preparing the held-out problems", finished, kept)
     first = next(iter(recipes))
-    first_task = recipe_task(recipes[first], [*overrides, *method_overrides.get(first, ())])
-    if first_task is not None:
-        draw(first_task)
+    drawn = recipe_heldout(recipes[first], [*overrides, *method_overrides.get(first, ())], settings)
+    if drawn is not None:
+        task, problems = drawn
     for seed in seeds:
         results[int(seed)] = {}
         pace = None  # budget "time": the first method's training seconds on this seed
@@ -251,7 +246,7 @@ def compare_methods(
             own_code = settings.trust_remote_code or module.trust_remote_code  # as the fit loaded it
             if problems is None:  # a data module of no task before its fit (none of es-lightning's)
                 now_doing("preparing the held-out problems", finished, kept)
-                draw(fit_data.task)
+                task, problems = heldout_of(fit_data.task, settings)
             if base_model is None:
                 base_model = module.model_name
                 now_doing(f"evaluating the base model ({base_model})", finished, kept)

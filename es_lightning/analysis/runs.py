@@ -41,6 +41,7 @@ import threading
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 
@@ -280,6 +281,24 @@ def recipe_task(recipe: str | Path, args: Sequence[str] = ()):
     parser = ArgumentParser()
     parser.add_subclass_arguments(L.LightningDataModule, "data", required=True)
     return getattr(parser.instantiate(parser.parse_object({"data": config.data.as_dict()})).data, "task", None)
+
+
+def heldout_of(fit_task, settings) -> tuple[Any, list[dict[str, Any]]]:
+    """The task an analysis evaluates its fits of ``fit_task`` on (the recipe's, ``--eval.chat_template`` if set) and
+    its held-out problems drawn by ``settings`` (an :class:`~es_lightning.analysis.settings.EvalSettings`): the same
+    problems and samples for every row."""
+    from es_lightning.analysis.evaluate import heldout_problems, tasks_as_trained
+
+    task = tasks_as_trained([fit_task], settings.chat_template, [])[0]
+    return task, heldout_problems(task, settings.num_problems, settings.seed, settings.source, settings.column_mapping)
+
+
+def recipe_heldout(recipe: str | Path, args: Sequence[str], settings) -> tuple[Any, list[dict[str, Any]]] | None:
+    """:func:`heldout_of` the task of a fit of ``recipe`` with ``args``, read before any fit (:func:`recipe_task`): a
+    missing ``--eval.source``, or one without the task's columns, is refused before a model is loaded or trained, not
+    after the first fit's minutes. ``None`` for a data module without a task (drawn after its fit instead)."""
+    fit_task = recipe_task(recipe, args)
+    return None if fit_task is None else heldout_of(fit_task, settings)
 
 
 def recipe_cli(recipe: str | Path, steps: int, root: str | Path, args: Sequence[str] = (), progress_bar: bool = False):

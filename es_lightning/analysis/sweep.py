@@ -80,8 +80,8 @@ def population_sweep(
     save_models: bool = False,
 ) -> SweepReport:
     """Fit the ES recipe once per population size and evaluate every result the same way (see the module docstring)."""
-    from es_lightning.analysis.evaluate import evaluate_policy, heldout_problems, tasks_as_trained, warn_trained_problems
-    from es_lightning.analysis.runs import fit_run, naming_the_fit_model, now_doing, recipe_cli
+    from es_lightning.analysis.evaluate import evaluate_policy, warn_trained_problems
+    from es_lightning.analysis.runs import fit_run, heldout_of, naming_the_fit_model, now_doing, recipe_cli, recipe_heldout
 
     if not Path(recipe).is_file():
         raise FileNotFoundError(
@@ -110,27 +110,34 @@ def population_sweep(
         return (f"{models}, nothing else was written" if models else f"nothing was written to {out}") + \
             " (sweep.json comes once every run is done)"
 
+    def fit_args(n: int) -> list[str]:
+        args = ["--model.init_args.population_size", str(n)]
+        if batch_size is not None:
+            args += ["--data.init_args.batch_size", str(batch_size)]
+        return [*args, *overrides]
+
+    # the held-out problems before any model is built, from the task read off the recipe: a missing --eval.source or
+    # one without the task's columns is refused now, not after the base model has loaded
+    now_doing("preparing the held-out problems", [], kept([]))
+    drawn = recipe_heldout(recipe, fit_args(sizes[0]), settings)
+    if drawn is not None:
+        task, problems = drawn
     # a hub model that cannot be loaded: the way out names the option that gave it (--overrides), or the recipe's key
     with naming_the_fit_model(recipe, {"--overrides": list(overrides)}):
         for n in sizes:
             done = [f"N={r['population_size']}" for r in rows[1:]]
             now_doing(f"setting up the fit of N={n}", done, kept(done))  # what a signal between fits cuts
-            args = ["--model.init_args.population_size", str(n)]
-            if batch_size is not None:
-                args += ["--data.init_args.batch_size", str(batch_size)]
-            cli = recipe_cli(recipe, steps, out / f"N{n}", [*args, *overrides])
+            cli = recipe_cli(recipe, steps, out / f"N{n}", fit_args(n))
             module, trainer = cli.model, cli.trainer
             if getattr(getattr(module, "algorithm", None), "name", None) != "es":
                 raise ValueError(f"{recipe!r} configures {type(module).__name__}, not an ES module with a population_size")
             recorder = _RewardRecorder()
             trainer.callbacks.append(recorder)
             cli.datamodule.setup("fit")
-            task = tasks_as_trained([cli.datamodule.task], settings.chat_template, [])[0]  # --eval.chat_template if set
-
-            if problems is None:  # the base model, once: same problems and seeds for every row
+            if problems is None:  # a data module of no task before its fit (none of es-lightning's)
                 now_doing("preparing the held-out problems", done, kept(done))
-                problems = heldout_problems(task, settings.num_problems, settings.seed, settings.source,
-                                            settings.column_mapping)
+                task, problems = heldout_of(cli.datamodule.task, settings)
+            if not rows:  # the first fit, once: same problems and seeds for every row
                 if settings.source != "procedural":  # the recipe's own data file: past its test rows, training rows
                     warn_trained_problems(task, problems, cli.datamodule.splits["train"], settings.source,
                                           f"the fits of {recipe} (data.source {cli.datamodule.source!r})")
