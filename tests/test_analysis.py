@@ -820,7 +820,7 @@ def test_eval_refuses_bad_input(tmp_path):
             EvalSettings(**bad)
     with pytest.raises(ValueError, match="max_new_tokens is null"):
         EvalSettings(max_new_tokens=None).completion_cap()
-    with pytest.raises(ValueError, match=r"'hf' takes no generation_options.*add --eval.generation_backend vllm") as err:
+    with pytest.raises(ValueError, match=r"'hf' takes no generation_options.*add EvalSettings\(generation_backend='vllm'\)") as err:
         EvalSettings(generation_options={"max_model_len": 64})  # engine settings without the vllm backend
     assert "configs/generation" not in str(err.value)  # a fit's config fragment: no option of an evaluation
     with pytest.raises(ValueError, match=r"generation_backend must be one of \('hf', 'vllm'\), got 'vlm'"):
@@ -1168,7 +1168,7 @@ def test_eval_settings_without_vllm_name_the_option():
 
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vllm is installed")
-    with pytest.raises(ImportError, match=r"needs vLLM: pip install .* \(option --eval.generation_backend\)$"):
+    with pytest.raises(ImportError, match=r"needs vLLM: pip install .* \(EvalSettings\(generation_backend=\.\.\.\)\)$"):
         EvalSettings(generation_backend="vllm")
 
 
@@ -1373,3 +1373,25 @@ def test_sweep_refuses_a_bad_eval_source_before_its_first_fit_is_set_up(tmp_path
                              settings=replace(SWEEP_EVAL, num_problems=1, num_samples=1, source=source), out_dir="s")
         assert said_to_a_script in str(refused.value) and missing not in str(refused.value), refused.value
         assert not (tmp_path / "s").exists()
+
+
+def test_eval_settings_refusals_name_the_option_in_the_command_and_the_argument_in_a_script(capsys):
+    """EvalSettings' refusals named `--eval.*` options (`(option --eval.num_samples)`, `use --eval.device cpu`) even to a
+    script, which has none: the command keeps its options, a script is told of `EvalSettings(<field>=...)`."""
+    from es_lightning.analysis import eval_command
+
+    cases = [(["--eval.num_samples", "0"], dict(num_samples=0),
+              "(option --eval.num_samples)", "(EvalSettings(num_samples=...))"),
+             (["--eval.device", "nosuchdevice"], dict(device="nosuchdevice"),
+              "use auto, cpu or cuda (option --eval.device)", "use auto, cpu or cuda (EvalSettings(device=...))"),
+             (["--eval.generation_options", "{max_model_len: 64}"], dict(generation_options={"max_model_len": 64}),
+              "add --eval.generation_backend vllm, or drop --eval.generation_options",
+              "add EvalSettings(generation_backend='vllm'), or drop EvalSettings(generation_options=...)")]
+    for args, fields, command_said, script_said in cases:
+        with pytest.raises(SystemExit) as stop:
+            cli_main(["eval", "--checkpoints", BUILTIN, "--out_dir", "never", *args])
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and command_said in err and "EvalSettings(" not in err, err
+        with pytest.raises(ValueError) as refused:
+            eval_command(checkpoints=[BUILTIN], eval=EvalSettings(**fields), out_dir="never")
+        assert script_said in str(refused.value) and "--eval." not in str(refused.value), refused.value

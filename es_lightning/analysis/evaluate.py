@@ -34,7 +34,7 @@ import torch
 
 from es_lightning.analysis.checkpoints import LoadedModel, TrainedWith, check_model_spec, load_model, trained_with
 from es_lightning.analysis.output import check_out_dir, format_table, markdown_table, write_json
-from es_lightning.analysis.settings import PAPER_EVAL, EvalSettings, remote_code_option, resolve_device
+from es_lightning.analysis.settings import PAPER_EVAL, EvalSettings, eval_option, remote_code_option, resolve_device
 from es_lightning.cli_errors import spoken
 from es_lightning.data import DROP_INVALID_HINT, ReasoningDataModule, count_trained, procedural_split
 from es_lightning.data_files import HUB_CONFIG_HINT, SOURCE_KINDS
@@ -186,12 +186,12 @@ def _in_eval_terms(err: Exception, kind: type[Exception] = ValueError) -> Except
     ``kind``."""
     text = str(err)
     if text.startswith("data source ") and text.endswith(f"; give a {SOURCE_KINDS}"):  # a missing file: not training data's
-        option = spoken("--eval.source", "EvalSettings(source=...)")
+        option = eval_option("source")
         text = f"{option} {text.removeprefix('data source ').removesuffix(f'give a {SOURCE_KINDS}')}give {option} a {SOURCE_KINDS}"
     text = text.replace(DROP_INVALID_HINT, EVAL_INVALID_HINT)  # an evaluation scores every row it is given
     text = text.replace(HUB_CONFIG_HINT, EVAL_HUB_CONFIG_HINT)  # an evaluation has no hub_config: its source names one
-    for data_option, eval_option in _EVAL_TERMS:
-        text = text.replace(data_option, eval_option)
+    for data_option, evaluation_option in _EVAL_TERMS:
+        text = text.replace(data_option, evaluation_option)
     return kind(text)
 
 
@@ -437,7 +437,7 @@ def tasks_as_trained(tasks: Sequence[str | dict[str, Any] | Task], chat_template
             task.use_chat_template = bool(chat_template)
         out.append(task)
     if said and source is not None:
-        print(f"tasks as {source[0]} was trained: {'; '.join(said)} (--eval.chat_template to choose the template)")
+        print(f"tasks as {source[0]} was trained: {'; '.join(said)} ({eval_option('chat_template')} to choose the template)")
     return out
 
 

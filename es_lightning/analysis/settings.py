@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["COMPARE_EVAL", "PAPER_EVAL", "REMOTE_CODE_OPTION", "SWEEP_EVAL", "EvalSettings", "default_ks", "remote_code_option",
-           "resolve_device"]
+__all__ = ["COMPARE_EVAL", "PAPER_EVAL", "REMOTE_CODE_OPTION", "SWEEP_EVAL", "EvalSettings", "default_ks", "eval_option",
+           "remote_code_option", "resolve_device"]
 
 #: how a refusal of a model needing its own code names the setting in ``es-lightning eval`` / ``analyze``
 REMOTE_CODE_OPTION = "--eval.trust_remote_code true"
@@ -30,6 +30,17 @@ def remote_code_option() -> str:
     from es_lightning.cli_errors import spoken
 
     return spoken(REMOTE_CODE_OPTION, "EvalSettings(trust_remote_code=True)")
+
+
+def eval_option(field: str, command_value: str | None = None, python_value: str = "...", lead: str = "") -> str:
+    """An evaluation setting in the words of whoever set it (:func:`~es_lightning.cli_errors.spoken`): the option
+    ``<lead>--eval.<field> <command_value>`` in the ``es-lightning`` command (``lead="option "``: "(option
+    --eval.device)"), the argument ``EvalSettings(<field>=<python_value>)`` from a script, which has no ``--eval.*``
+    options."""
+    from es_lightning.cli_errors import spoken
+
+    command = f"{lead}--eval.{field}" if command_value is None else f"{lead}--eval.{field} {command_value}"
+    return spoken(command, f"EvalSettings({field}={python_value})")
 
 
 def default_ks(num_samples: int) -> list[int]:
@@ -45,11 +56,11 @@ def resolve_device(device: str) -> torch.device:
     try:
         resolved = torch.device("cuda" if device == "gpu" else device)
     except RuntimeError as err:
-        raise ValueError(f"eval.device {device!r} is not a device ({err}); use auto, cpu or cuda (option --eval.device)") \
-            from None
+        raise ValueError(f"eval.device {device!r} is not a device ({err}); use auto, cpu or cuda "
+                         f"({eval_option('device', lead='option ')})") from None
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"eval.device {device!r}: this machine has no CUDA GPU (or torch was built without CUDA); use "
-                         "--eval.device cpu, or auto")
+                         f"{eval_option('device', 'cpu', repr('cpu'))}, or auto")
     return resolved
 
 
@@ -105,7 +116,7 @@ class EvalSettings:
 
     def __post_init__(self) -> None:
         def bad(field: str, rule: str) -> ValueError:
-            return ValueError(f"eval.{field} must be {rule}, got {getattr(self, field)!r} (option --eval.{field})")
+            return ValueError(f"eval.{field} must be {rule}, got {getattr(self, field)!r} ({eval_option(field, lead='option ')})")
 
         if self.num_problems < 1:
             raise bad("num_problems", ">= 1")
@@ -127,13 +138,15 @@ class EvalSettings:
         if self.generation_backend == "hf" and self.generation_options:  # the fit's hint names a fit's config fragment
             raise ValueError(f"eval.generation_backend 'hf' takes no generation_options, got "
                              f"{sorted(self.generation_options)}; they are vLLM engine settings: add "
-                             "--eval.generation_backend vllm, or drop --eval.generation_options")
+                             f"{eval_option('generation_backend', 'vllm', repr('vllm'))}, or drop "
+                             f"{eval_option('generation_options')}")
         try:  # an unknown backend or engine option: refused now, named as an evaluation option
             check_generation_options(self.generation_backend, self.generation_options)
         except ValueError as err:
-            raise ValueError(f"{err} (options --eval.generation_backend, --eval.generation_options)") from None
+            raise ValueError(f"{err} ({eval_option('generation_backend', lead='options ')}, "
+                             f"{eval_option('generation_options')})") from None
         except ImportError as err:  # vllm without its extra: the install line, and the option that asked for it
-            raise ImportError(f"{err} (option --eval.generation_backend)") from None
+            raise ImportError(f"{err} ({eval_option('generation_backend', lead='option ')})") from None
 
     def pass_at_ks(self, default: Sequence[int] | None = None) -> list[int]:
         """The k to report: ``ks`` when set, else the command's ``default``, else 1, 2, 4, … n; sorted, each <= n."""
@@ -144,14 +157,15 @@ class EvalSettings:
         if ks[-1] > self.num_samples:
             raise ValueError(
                 f"k={ks[-1]} exceeds num_samples={self.num_samples}: Pass@k needs n >= k samples per problem. Raise "
-                f"--eval.num_samples to at least {ks[-1]} or drop the larger ks."
+                f"{eval_option('num_samples')} to at least {ks[-1]} or drop the larger ks."
             )
         return ks
 
     def completion_cap(self) -> int:
         """``max_new_tokens``, which must be set by now (sweep fills a null from the recipe before evaluating)."""
         if self.max_new_tokens is None:
-            raise ValueError("eval.max_new_tokens is null; set --eval.max_new_tokens (null means a recipe's own cap, in sweep only)")
+            raise ValueError(f"eval.max_new_tokens is null; set {eval_option('max_new_tokens')} (null means a recipe's own "
+                             "cap, in sweep only)")
         return self.max_new_tokens
 
 
