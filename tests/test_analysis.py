@@ -1395,3 +1395,35 @@ def test_eval_settings_refusals_name_the_option_in_the_command_and_the_argument_
         with pytest.raises(ValueError) as refused:
             eval_command(checkpoints=[BUILTIN], eval=EvalSettings(**fields), out_dir="never")
         assert script_said in str(refused.value) and "--eval." not in str(refused.value), refused.value
+
+
+def test_analysis_overrides_as_one_string_are_split_as_a_shell_splits_them(tmp_path, monkeypatch, capsys):
+    """`analyze sweep --overrides '--model.init_args.model <hub id>'` (a fit's options as one writes them on a command
+    line) was refused as jsonargparse's "expected list": one string is split as a shell splits it (quotes kept
+    together) and applied, here reaching the fit's model; `analyze compare --method_overrides` takes one string per
+    method alike; an unbalanced quote is refused in one line naming the option."""
+    from es_helpers import offline
+
+    offline(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    missing, es = "es-lightning-tests/no-such-model", str(ROOT / "recipes" / "es.yaml")
+    sweep = ["analyze", "sweep", "--recipe", es, "--populations", "2", "--steps", "1", "--eval.num_problems", "1",
+             "--eval.num_samples", "1", "--plot", "false"]
+    compare = ["analyze", "compare", "--recipes_dir", str(ROOT / "recipes"), "--methods", "[ES]", "--seeds", "[0]",
+               "--steps", "2"]
+    cases = [([*sweep, "--overrides", f"--model.init_args.model '{missing}'"],
+              "point --model.init_args.model in --overrides at a local directory"),
+             ([*sweep, f"--overrides=--model.init_args.sigma 0.01 --model.init_args.model {missing}"],
+              "point --model.init_args.model in --overrides at a local directory"),
+             ([*compare, "--method_overrides", f'{{"ES": "--model.init_args.model {missing}"}}'],
+              "point --model.init_args.model in --method_overrides at a local directory")]
+    for args, fix in cases:
+        with pytest.raises(SystemExit) as stop:
+            cli_main(args)
+        line = capsys.readouterr().err.strip().splitlines()[-1]
+        assert stop.value.code == 2 and repr(missing) in line and line.endswith(fix), (args, line)
+    with pytest.raises(SystemExit) as stop:
+        cli_main([*sweep, "--overrides", "--model.init_args.model 'unclosed"])
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert stop.value.code == 2 and line.startswith("es-lightning analyze sweep: error: --overrides "
+                                                    "\"--model.init_args.model 'unclosed\" cannot be split"), line

@@ -164,14 +164,14 @@ def compare_methods(
     recipes_dir: str | Path = "recipes",
     settings: EvalSettings = COMPARE_EVAL,
     out_dir: str | Path = "compare",
-    overrides: Sequence[str] = (),
+    overrides: Sequence[str] | str = (),
     budget: str = "updates",
-    method_overrides: Mapping[str, Sequence[str]] | None = None,
+    method_overrides: Mapping[str, Sequence[str] | str] | None = None,
 ) -> CompareReport:
     """Fit every method for every seed and evaluate everything the same way (see the module docstring).
     ``method_overrides``: further fit arguments for one method's fits, after ``overrides``."""
     from es_lightning.analysis.evaluate import evaluate_policy, warn_trained_problems
-    from es_lightning.analysis.runs import heldout_of, naming_the_fit_model, now_doing, recipe_heldout
+    from es_lightning.analysis.runs import fit_args, heldout_of, naming_the_fit_model, now_doing, recipe_heldout
     from es_lightning.policy import load_policy
 
     unknown = [m for m in methods if m not in METHODS]
@@ -181,7 +181,8 @@ def compare_methods(
         raise ValueError(f"compare needs at least one method and one seed, got methods {list(methods)} and seeds "
                          f"{list(seeds)}; e.g. "
                          + spoken('--methods "[GRPO, ES]" --seeds "[0]"', "methods=['GRPO', 'ES'], seeds=[0]"))
-    method_overrides = {m: list(args) for m, args in (method_overrides or {}).items()}
+    overrides = fit_args(overrides)  # one string: split as a shell splits it
+    method_overrides = {m: fit_args(args, "--method_overrides") for m, args in (method_overrides or {}).items()}
     stray = [m for m in method_overrides if m not in methods]
     if stray:
         raise ValueError(f"method_overrides names {stray}, which this comparison does not fit; its methods are "
@@ -294,9 +295,9 @@ def compare_command(
     recipes_dir: str = "recipes",
     eval: EvalSettings = COMPARE_EVAL,
     out_dir: str = "compare",
-    overrides: list[str] = [],  # noqa: B006
+    overrides: list[str] | str = [],  # noqa: B006
     budget: str = "updates",
-    method_overrides: dict[str, list[str]] = {},  # noqa: B006
+    method_overrides: dict[str, list[str] | str] = {},  # noqa: B006
 ) -> CompareReport:
     """Base / GRPO / ES / GRPO→ES / ES→GRPO / ES low-rank with the same budget of updates or time, evaluated alike (Ba et al. Tables 2–3).
 
@@ -309,11 +310,12 @@ def compare_command(
         eval: the evaluation of the base model and of every fit, the same for every row (defaults: 200 problems,
             n = 32 at T = 1 — the built-in model's temperature —, 24 new tokens, seed 1234; n >= 16, ks include 1, 4, 16).
         out_dir: where compare.json and compare.md go.
-        overrides: further `es-lightning fit` arguments for every fit, e.g. [--data.init_args.batch_size, "32"].
+        overrides: further `es-lightning fit` arguments for every fit, a list, e.g. [--data.init_args.batch_size, "32"],
+            or one string split as a shell splits it, e.g. "--data.init_args.batch_size 32".
         budget: "updates" (every method makes `steps` updates) or "time" (the first method makes `steps` updates
             and every other one trains for as long on the same seed; only GRPO, ES and ES low-rank).
         method_overrides: further `es-lightning fit` arguments for one method, after overrides, e.g.
-            '{"ES": [--model.init_args.population_size, "16"]}'.
+            '{"ES": [--model.init_args.population_size, "16"]}' (or its one string, '{"ES": "--model.init_args.population_size 16"}').
     """
     from es_lightning.analysis.runs import now_writing, stopping_on_signals
 

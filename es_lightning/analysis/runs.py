@@ -283,6 +283,24 @@ def recipe_task(recipe: str | Path, args: Sequence[str] = ()):
     return getattr(parser.instantiate(parser.parse_object({"data": config.data.as_dict()})).data, "task", None)
 
 
+def fit_args(overrides: Sequence[str] | str, option: str = "--overrides") -> list[str]:
+    """An analysis's further ``es-lightning fit`` arguments as a list: a YAML list (``'[--model.init_args.sigma,
+    "0.01"]'``) as it is, one string (``'--model.init_args.sigma 0.01'``) split as a shell splits it (``shlex``), so
+    the way a fit's options are written on a command line works here too. An unbalanced quote is refused naming
+    ``option``."""
+    import shlex
+
+    from es_lightning.cli_errors import spoken
+
+    if not isinstance(overrides, str):
+        return [str(a) for a in overrides]
+    try:
+        return shlex.split(overrides)
+    except ValueError as err:  # "No closing quotation"
+        raise ValueError(f"{spoken(option, option.lstrip('-') + '=')} {overrides!r} cannot be split into arguments "
+                         f"({err}); close its quotes, or give a list ('[--model.init_args.sigma, 0.01]')") from None
+
+
 def heldout_of(fit_task, settings) -> tuple[Any, list[dict[str, Any]]]:
     """The task an analysis evaluates its fits of ``fit_task`` on (the recipe's, ``--eval.chat_template`` if set) and
     its held-out problems drawn by ``settings`` (an :class:`~es_lightning.analysis.settings.EvalSettings`): the same

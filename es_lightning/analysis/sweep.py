@@ -73,7 +73,7 @@ def population_sweep(
     populations: Sequence[int] = DEFAULT_POPULATIONS,
     steps: int = 10,
     batch_size: int | None = None,
-    overrides: Sequence[str] = (),
+    overrides: Sequence[str] | str = (),
     settings: EvalSettings = SWEEP_EVAL,
     reward_window: int = 3,
     out_dir: str | Path = "sweep",
@@ -81,7 +81,15 @@ def population_sweep(
 ) -> SweepReport:
     """Fit the ES recipe once per population size and evaluate every result the same way (see the module docstring)."""
     from es_lightning.analysis.evaluate import evaluate_policy, warn_trained_problems
-    from es_lightning.analysis.runs import fit_run, heldout_of, naming_the_fit_model, now_doing, recipe_cli, recipe_heldout
+    from es_lightning.analysis.runs import (
+        fit_args,
+        fit_run,
+        heldout_of,
+        naming_the_fit_model,
+        now_doing,
+        recipe_cli,
+        recipe_heldout,
+    )
 
     if not Path(recipe).is_file():
         raise FileNotFoundError(
@@ -89,6 +97,7 @@ def population_sweep(
             + spoken("--recipe path/to/es.yaml", "recipe='path/to/es.yaml'")
         )
     _check_es_recipe(recipe)
+    overrides = fit_args(overrides)  # one string: split as a shell splits it
     if batch_size is not None and batch_size < 1:
         raise ValueError(f"batch_size must be >= 1 (prompts per ES step), got {batch_size}")
     sizes = [int(n) for n in populations]
@@ -110,7 +119,7 @@ def population_sweep(
         return (f"{models}, nothing else was written" if models else f"nothing was written to {out}") + \
             " (sweep.json comes once every run is done)"
 
-    def fit_args(n: int) -> list[str]:
+    def args_of(n: int) -> list[str]:
         args = ["--model.init_args.population_size", str(n)]
         if batch_size is not None:
             args += ["--data.init_args.batch_size", str(batch_size)]
@@ -119,7 +128,7 @@ def population_sweep(
     # the held-out problems before any model is built, from the task read off the recipe: a missing --eval.source or
     # one without the task's columns is refused now, not after the base model has loaded
     now_doing("preparing the held-out problems", [], kept([]))
-    drawn = recipe_heldout(recipe, fit_args(sizes[0]), settings)
+    drawn = recipe_heldout(recipe, args_of(sizes[0]), settings)
     if drawn is not None:
         task, problems = drawn
     # a hub model that cannot be loaded: the way out names the option that gave it (--overrides), or the recipe's key
@@ -127,7 +136,7 @@ def population_sweep(
         for n in sizes:
             done = [f"N={r['population_size']}" for r in rows[1:]]
             now_doing(f"setting up the fit of N={n}", done, kept(done))  # what a signal between fits cuts
-            cli = recipe_cli(recipe, steps, out / f"N{n}", fit_args(n))
+            cli = recipe_cli(recipe, steps, out / f"N{n}", args_of(n))
             module, trainer = cli.model, cli.trainer
             if getattr(getattr(module, "algorithm", None), "name", None) != "es":
                 raise ValueError(f"{recipe!r} configures {type(module).__name__}, not an ES module with a population_size")
@@ -201,7 +210,7 @@ def sweep_command(
     populations: list[int] = list(DEFAULT_POPULATIONS),  # noqa: B006
     steps: int = 10,
     batch_size: int | None = None,
-    overrides: list[str] = [],  # noqa: B006
+    overrides: list[str] | str = [],  # noqa: B006
     eval: EvalSettings = SWEEP_EVAL,
     reward_window: int = 3,
     out_dir: str = "sweep",
@@ -215,7 +224,8 @@ def sweep_command(
         populations: the population sizes N to compare.
         steps: ES updates per run (the same for every N).
         batch_size: prompts per update (default: the recipe's).
-        overrides: further `es-lightning fit` arguments for every run, e.g. [--model.init_args.sigma, "0.01"].
+        overrides: further `es-lightning fit` arguments for every run, a list, e.g. [--model.init_args.sigma, "0.01"],
+            or one string split as a shell splits it, e.g. "--model.init_args.sigma 0.01".
         eval: the final evaluation of the base model and of every run (defaults: n = 16 at T = 1, ks 1 and n, the
             recipe's max_new_tokens).
         reward_window: the reward column is the mean training reward of the last this many updates.
