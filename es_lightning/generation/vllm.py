@@ -162,6 +162,29 @@ def engine_option_names() -> tuple[list[str], set[str]]:
 
 
 @contextlib.contextmanager
+def _keeping_default_group(keep: bool) -> Iterator[None]:
+    """While ``keep``: a ``torch.distributed.destroy_process_group`` of the default group is skipped (vLLM's engine
+    shutdown calls one); its own subgroups are destroyed as before."""
+    import torch.distributed as dist
+
+    if not (keep and dist.is_available()):
+        yield
+        return
+    destroy = dist.destroy_process_group
+
+    def destroy_all_but_default(group=None):
+        if group is None or group is dist.GroupMember.WORLD:
+            return
+        destroy(group)
+
+    dist.destroy_process_group = destroy_all_but_default
+    try:
+        yield
+    finally:
+        dist.destroy_process_group = destroy
+
+
+@contextlib.contextmanager
 def preserved_host_state() -> Iterator[None]:
     """Leave the global RNGs (Python, NumPy, torch CPU and CUDA), ``torch.set_num_threads`` and the environment
     variables in ``_ENV_RESTORED`` as they were: vLLM reseeds the RNGs when it builds an engine (``set_random_seed``),
@@ -413,10 +436,15 @@ class VLLMGenerator(Generator):
         return f"vLLM cannot load this model: {reason}"
 
     def close(self) -> None:
-        """Shut the engine down and remove the ``torch.distributed`` group vLLM created for it (if it created one)."""
+        """Shut the engine down and remove the ``torch.distributed`` group vLLM created for it (if it created one).
+
+        vLLM's shutdown ends by destroying torch.distributed's default group, whoever created it: under DDP that is the
+        trainer's, and an engine closed mid-fit (rebuilt with LoRA at a GRPO → low-rank ES switch, closed after a
+        failure) left each rank in a world of its own. The engine's own groups and memory still go; the trainer's stays."""
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
-            llm.llm_engine.engine_core.shutdown()
+            with _keeping_default_group(getattr(self, "_dist_was_initialized", False)):
+                llm.llm_engine.engine_core.shutdown()
             del llm
         self._release_process_state()
 

@@ -685,3 +685,56 @@ def test_a_fit_that_fails_in_a_step_closes_its_engine_and_raises_the_original_er
                        "correctness verdict"):
         trainer.fit(module, data)
     assert closed_engines == [(96, True)] and module._generator is None and trainer.global_step == 0
+
+
+GROUP_PROBE = """
+import os
+import json
+import lightning as L
+import torch
+
+class GroupProbe(L.Callback):
+    def on_train_end(self, trainer, pl_module):
+        # the trainer's group after the switch closed and rebuilt each rank's engine: a collective over both ranks,
+        # and the rebuilt engine holds LoRA adapters (the low-rank ES stage's members)
+        group_alive = torch.distributed.is_initialized()
+        total = torch.tensor([trainer.global_rank + 1.0])
+        if group_alive:
+            torch.distributed.all_reduce(total)
+        payload = [trainer.global_rank, group_alive, float(total), pl_module.algorithm.name,
+                   pl_module.generator.max_loras]
+        os.write(1, ("GROUP " + json.dumps(payload) + "\\n").encode())
+"""
+
+
+def test_grpo_to_lowrank_es_switch_under_ddp_keeps_the_trainers_group(tmp_path):
+    """recipes/grpo_es.yaml on vLLM under DDP (2 CPU processes, gloo) with a low-rank ES stage: the switch closes each
+    rank's engine and builds it again with LoRA adapters. vLLM's engine shutdown destroyed torch.distributed's default
+    group — the trainer's, under DDP — so the ES step's first collective failed mid-fit. Both ranks finish the ES step
+    with equal weights, the engine generating from them, and the trainer's group still answers a collective."""
+    import os
+    import subprocess
+    import sys
+
+    cfg = yaml.safe_load((ROOT / "recipes" / "grpo_es.yaml").read_text())
+    stage = next(cb for cb in cfg["trainer"]["callbacks"] if cb["class_path"].endswith("SequentialStrategy"))
+    stage["init_args"]["switch_step"] = 1
+    stage["init_args"]["es"].update(population_size=4, members_per_batch=2, noise_rank=1, samples_per_member=1,
+                                    trainable=BLOCK_MATRICES)
+    cfg["trainer"].update(accelerator="cpu", devices=2, strategy="ddp", logger=False, callbacks=[
+        stage, {"class_path": "engine_probe.EngineProbe"}, {"class_path": "engine_probe.GroupProbe"}])
+    recipe = tmp_path / "grpo_es.yaml"
+    recipe.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    (tmp_path / "engine_probe.py").write_text(ENGINE_PROBE + GROUP_PROBE)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)])}
+    proc = subprocess.run([sys.executable, "-m", "es_lightning.cli", "fit", "--config", str(recipe), *SMALL, *VLLM,
+                           "--model.init_args.group_size", "4", "--data.init_args.batch_size", "2",
+                           "--trainer.default_root_dir", str(tmp_path)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert _probed(proc.stdout, "GROUP") == [[r, True, 3.0, "es", 2] for r in range(2)], proc.stdout[-2000:]
+    assert _probed(proc.stdout, "ENGINE") == [[r, "external_launcher", r, 2] for r in range(2)], proc.stdout[-2000:]
+    weights = _probed(proc.stdout, "WEIGHTS")
+    assert [w[:2] for w in weights] == [[0, True], [1, True]] and weights[0][2] == weights[1][2], weights
+
