@@ -738,3 +738,50 @@ def test_grpo_to_lowrank_es_switch_under_ddp_keeps_the_trainers_group(tmp_path):
     weights = _probed(proc.stdout, "WEIGHTS")
     assert [w[:2] for w in weights] == [[0, True], [1, True]] and weights[0][2] == weights[1][2], weights
 
+
+FAILURE_PROBE = """
+import atexit
+import os
+import json
+import lightning as L
+import torch
+from es_lightning import CountdownTask
+
+class ScoreAsVerdict(CountdownTask):
+    def is_correct(self, completion, example):
+        return 0.5
+
+class FailureProbe(L.Callback):
+    def on_exception(self, trainer, pl_module, exception):
+        def report():  # at exit, before the default group is destroyed (atexit runs the last registered first)
+            alive = torch.distributed.is_initialized()
+            payload = [trainer.global_rank, type(exception).__name__, pl_module._generator is None, alive]
+            os.write(1, ("FAILED " + json.dumps(payload) + "\\n").encode())
+        atexit.register(report)
+"""
+
+
+def test_a_ddp_fit_that_fails_in_a_step_closes_both_engines_and_raises_the_original_error(tmp_path):
+    """recipes/es.yaml on vLLM under DDP (2 CPU processes) whose task's verifier returns 0.5 for a verdict: both ranks
+    stop at the first step with the verifier's error (no hang), each rank's engine closed, the trainer's group kept."""
+    import os
+    import subprocess
+    import sys
+
+    recipe = _recipe(tmp_path, "es.yaml")
+    ddp = tmp_path / "ddp.yaml"
+    ddp.write_text(yaml.safe_dump({"trainer": {"accelerator": "cpu", "devices": 2, "strategy": "ddp", "callbacks": [
+        {"class_path": "failure_probe.FailureProbe"}]},
+        "data": {"init_args": {"task": {"class_path": "failure_probe.ScoreAsVerdict",
+                                        "init_args": {"prompt_format": "compact"}}}}}))
+    (tmp_path / "failure_probe.py").write_text(FAILURE_PROBE)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)])}
+    proc = subprocess.run([sys.executable, "-m", "es_lightning.cli", "fit", "--config", recipe, *ES_SMALL, *VLLM,
+                           "--trainer.callbacks", "null", "--config", str(ddp), "--trainer.default_root_dir", str(tmp_path)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    assert "ScoreAsVerdict at step 0: is_correct returned 0.5 (float), not a correctness verdict" in proc.stderr, \
+        proc.stderr[-3000:]
+    assert _probed(proc.stdout, "FAILED") == [[r, "RewardError", True, True] for r in range(2)], (proc.stdout[-2000:],
+                                                                                                  proc.stderr[-3000:])
