@@ -4,6 +4,7 @@ update; the weights end identical on both ranks and equal to a 1-process run."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -178,3 +179,82 @@ def test_ddp_validation_counts_each_problem_once(tmp_path):
         assert one[size].keys() == two[size].keys()
         for key in one[size]:
             assert two[size][key] == pytest.approx(one[size][key], rel=1e-5, abs=1e-7), (size, key)
+
+
+SHARES = textwrap.dedent(
+    """
+    import json, sys, torch, lightning as L
+    from es_lightning import CountdownTask, ESModule, ReasoningDataModule
+
+    POPULATION, WORLD = 9, 2  # rank 0 runs members 0, 2, 4, 6, 8; rank 1 members 1, 3, 5, 7
+    NAN = float("nan")
+    # PLAN[step][member] = (reward, correct); prompt groups {0, 1, 2}, {3, 4, 5}, {6, 7, 8}, one prompt each
+    PLAN = (
+        # group 0 flat; group 1 varied once member 3 (rank 1) is dropped; group 2 flat once member 7 (rank 1) is
+        (*[(1.0, True)] * 2, (1.0, False), (NAN, False), (0.2, True), (0.7, False), (0.3, False), (NAN, False),
+         (0.3, False)),
+        # every kept member 0.5 (member 8, rank 0, dropped): all three groups flat
+        (*[(0.5, True)] * 3, (0.5, False), *[(0.5, True)] * 4, (NAN, True)),
+    )
+
+    class PlannedTask(CountdownTask):
+        # each member's reward and verdict by the plan; a rank's k-th scoring call of a step is its member r + W·k
+        calls = 0
+
+        def planned(self):
+            rank = torch.distributed.get_rank()
+            mine = len(range(rank, POPULATION, WORLD))
+            return PLAN[self.calls // mine][rank + WORLD * (self.calls % mine)]
+
+        def is_correct(self, completion, example):
+            return self.planned()[1]
+
+        def reward(self, completions, examples):
+            reward = self.planned()[0]
+            self.calls += 1
+            return [reward] * len(completions)
+
+    class PerStep(L.Callback):
+        def __init__(self):
+            self.values = []
+        def on_train_batch_end(self, trainer, module, *args):
+            self.values.append({k: float(v) for k, v in trainer.callback_metrics.items()})
+
+    model_dir, out = sys.argv[1], sys.argv[2]
+    torch.set_num_threads(1)
+    module = ESModule(model=model_dir, population_size=POPULATION, prompt_groups=3, sigma=0.5, lr=0.05,
+                      max_new_tokens=2, task=PlannedTask())
+    per_step = PerStep()
+    trainer = L.Trainer(max_steps=len(PLAN), accelerator="cpu", devices=WORLD, strategy="ddp", logger=False,
+                        enable_checkpointing=False, limit_val_batches=0, num_sanity_val_steps=0,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[per_step])
+    trainer.fit(module, ReasoningDataModule(task="countdown", train_size=12, val_size=4, test_size=4, batch_size=3))
+    with open(f"{out}.{trainer.global_rank}", "w") as f:
+        json.dump({"steps": per_step.values, "calls": module.task.calls}, f)
+    """
+)
+
+
+def test_ddp_es_shares_are_of_the_whole_population(tmp_path, tiny_model_dir):
+    """ES under DDP logs ``train/frac_reward_zero_std`` and ``train/accuracy`` as rank means (no
+    ``StepMetrics.shares``), which is the global share because every rank computes them from the whole population's
+    scores (``MemberTally.finish`` sums the ranks' members first): here with 9 members on 2 ranks (5 and 4), 3 prompt
+    groups and members dropped for NaN rewards on one rank only. The ranks' own members would give other values
+    (step 0: every group flat on each rank, accuracy 2/5 and 1/4)."""
+    script = tmp_path / "es_shares.py"
+    script.write_text(SHARES)
+    out = tmp_path / "shares"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run([sys.executable, str(script), tiny_model_dir, str(out)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rank0, rank1 = (json.loads(Path(f"{out}.{r}").read_text()) for r in range(2))
+    assert (rank0["calls"], rank1["calls"]) == (10, 8)  # each rank scored its own members, 2 steps
+    expected = [  # by hand from the plan: flat groups of 3, accepted of the 9 members' one completion each
+        {"train/frac_reward_zero_std": 2 / 3, "train/accuracy": 3 / 9, "train/reward_mean": 4.5 / 7},
+        {"train/frac_reward_zero_std": 1.0, "train/accuracy": 8 / 9, "train/reward_mean": 0.5},
+    ]
+    for rank in (rank0, rank1):
+        assert len(rank["steps"]) == 2
+        for logged, want in zip(rank["steps"], expected):
+            assert {k: logged[k] for k in want} == pytest.approx(want, abs=1e-6), logged

@@ -149,6 +149,9 @@ class ESAlgorithm(Algorithm):
         self.evaluator.after_update(module, step, members, weights)  # e.g. the same update inside a vLLM engine
         blocks = self.success_blocks(scores.success)  # [N/G, B/G] per group: who saw what
         member_accuracy = torch.cat([b.mean(-1) for b in blocks])  # [N]
+        # no StepMetrics.shares (GRPO's): the scores are the whole population's on every rank (MemberTally.finish sums
+        # the ranks' members first), so every rank computes the same frac_reward_zero_std and accuracy and their rank
+        # mean is the global share, however unevenly the members split or on which rank one was dropped (NaN reward)
         module.log_step(StepMetrics(
             rewards=scores.rewards,
             frac_reward_zero_std=stats["zero_std"],

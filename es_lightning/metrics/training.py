@@ -9,7 +9,8 @@ Each algorithm fills a :class:`StepMetrics` after its update; :meth:`ReasoningMo
 ``train/frac_reward_zero_std``     ES: 1 when every member scored the same (a zero update), with
                                    ``prompt_groups`` the share of member groups that did; GRPO: share of groups
                                    whose completions scored the same (zero advantage) — TRL's name; under DDP
-                                   of every rank's kept groups (``StepMetrics.shares``)
+                                   GRPO's is of every rank's kept groups (``StepMetrics.shares``), ES's of the
+                                   whole population (every rank scores it from the ranks' summed scores)
 ``train/accuracy``                 share of the step's completions the verifier accepts (GRPO: of the kept ones)
 ``train/completions/mean_length``  mean completion length in tokens; ``clipped_ratio``: share that hit
                                    ``max_new_tokens`` (TRL's names)
