@@ -655,36 +655,55 @@ def test_a_kv_cache_short_of_the_max_model_len_vllm_derives_names_the_one_the_da
     assert trainer.global_step == 1 and module.generator.max_model_len == 77
 
 
-def _score_as_verdict_task():
-    from es_lightning import CountdownTask
+#: a fit whose task's verifier returns 0.5 for a verdict (a verifier bug: the scorer stops the run in step 0), in a
+#: fresh process: closing an engine shuts down vLLM's process-wide parallel groups, which the session's other engines
+#: (builtin_pair, ...) still use — one engine per process is vLLM's layout (see ``keep_alive``)
+FAILING_FIT = """
+import json
+import lightning as L
+from es_lightning import CountdownTask, ESModule, ReasoningDataModule
+from es_lightning.generation.vllm import VLLMGenerator
+from es_lightning.scoring import RewardError
 
-    class ScoreAsVerdict(CountdownTask):
-        """A verifier bug: is_correct returns a graded score where a verdict belongs (the scorer stops the run)."""
+class ScoreAsVerdict(CountdownTask):
+    def is_correct(self, completion, example):
+        return 0.5
 
-        def is_correct(self, completion, example):
-            return 0.5
+closed, real_close = [], VLLMGenerator.close
+VLLMGenerator.close = lambda self: (closed.append((self.max_model_len, self.llm is not None)), real_close(self))
+module = ESModule(population_size=4, sigma=0.02, lr=0.01, max_new_tokens=8, temperature=0.0, generation_backend="vllm",
+                  generation_options=dict(max_model_len=96, cpu_kv_cache_gib=0.0625, max_num_seqs=16))
+data = ReasoningDataModule(ScoreAsVerdict(prompt_format="compact"), train_size=16, val_size=2, test_size=2,
+                           batch_size=4)
+trainer = L.Trainer(max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                    enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
+try:
+    trainer.fit(module, data)
+    raised = None
+except RewardError as err:
+    raised = str(err)
+print("RESULT " + json.dumps(dict(raised=raised, closed=closed, generator=module._generator is None,
+                                  steps=trainer.global_step)))
+"""
 
-    return ScoreAsVerdict(prompt_format="compact")
 
-
-def test_a_fit_that_fails_in_a_step_closes_its_engine_and_raises_the_original_error(keep_alive, closed_engines):
+def test_a_fit_that_fails_in_a_step_closes_its_engine_and_raises_the_original_error(tmp_path):
     """A fit that fails after its engine was built (here a task's verifier returning 0.5 for a verdict, in the first
     training step; an out-of-memory error alike) closed nothing: the engine's memory and worker stayed held while the
     user's script went on. It is closed as the error propagates, and the error raised is the verifier's."""
-    from es_lightning import ESModule, ReasoningDataModule
-    from es_lightning.scoring import RewardError
+    import os
+    import subprocess
+    import sys
 
-    module = ESModule(population_size=4, sigma=0.02, lr=0.01, max_new_tokens=8, temperature=0.0,
-                      generation_backend="vllm", generation_options=dict(max_model_len=96, cpu_kv_cache_gib=0.0625,
-                                                                          max_num_seqs=16))
-    keep_alive.append(module)
-    data = ReasoningDataModule(_score_as_verdict_task(), train_size=16, val_size=2, test_size=2, batch_size=4)
-    trainer = L.Trainer(max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
-    with pytest.raises(RewardError, match=r"^ScoreAsVerdict at step 0: is_correct returned 0.5 \(float\), not a "
-                       "correctness verdict"):
-        trainer.fit(module, data)
-    assert closed_engines == [(96, True)] and module._generator is None and trainer.global_step == 0
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", FAILING_FIT], capture_output=True, text=True, env=env, timeout=600,
+                          cwd=tmp_path)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    out = json.loads(lines[-1][len("RESULT "):])
+    assert out["raised"] is not None and re.match(
+        r"ScoreAsVerdict at step 0: is_correct returned 0.5 \(float\), not a correctness verdict", out["raised"]), out
+    assert out["closed"] == [[96, True]] and out["generator"] and out["steps"] == 0
 
 
 GROUP_PROBE = """
