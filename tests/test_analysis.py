@@ -344,7 +344,7 @@ def test_eval_of_the_file_a_checkpoint_trained_on_names_its_training_problems(tm
                                                        test_size=4, batch_size=2))
     trainer.save_checkpoint(tmp_path / "es.ckpt")
     settings = EvalSettings(num_problems=20, num_samples=1, max_new_tokens=2, source="train.jsonl")
-    with pytest.warns(UserWarning, match=r"^1[0-9] of the 20 countdown problems evaluated \(--eval.source 'train.jsonl'\) "
+    with pytest.warns(UserWarning, match=r"^1[0-9] of the 20 countdown problems evaluated \(EvalSettings\(source='train.jsonl'\)\) "
                                          r"are training problems of .*es.ckpt \(its data.source 'train.jsonl'\): its "
                                          r"scores on them are not held out; evaluate on problems it did not train on"):
         evaluate_models([str(tmp_path / "es.ckpt")], tasks=["countdown"], settings=settings, progress=False)
@@ -837,7 +837,8 @@ def test_eval_refuses_bad_input(tmp_path):
 def test_evaluation_problems_from_files_and_mistakes_in_eval_terms(tmp_path):
     """A file of problems is evaluated whatever its name (a lone test.jsonl once failed for want of a train split):
     its test split, or its only split, shuffled by the seed — the same rows as the file's, drawn without repeats;
-    too few rows, missing columns and a task without a generator name --eval.* options, not training's data.*."""
+    too few rows, missing columns and a task without a generator name the evaluation's settings, not training's data.*
+    (a script, as here: EvalSettings(...) arguments; the command's --eval.* options are tested through it)."""
     import json
 
     task = get_task("countdown")
@@ -849,20 +850,20 @@ def test_evaluation_problems_from_files_and_mistakes_in_eval_terms(tmp_path):
         assert {g["target"] for g in got} <= {r["target"] for r in rows}
         assert got == heldout_problems(task, 7, seed=3, source=str(tmp_path / name))  # the seed decides
     with pytest.raises(ValueError, match=r"has 20 problems in its 'train' split, fewer than eval.num_problems=21; "
-                                         r"lower --eval.num_problems \(e.g. to 20\)"):
+                                         r"lower EvalSettings\(num_problems=\.\.\.\) \(e.g. to 20\)"):
         heldout_problems(task, 21, source=str(tmp_path / "problems.jsonl"))
     (tmp_path / "cols.jsonl").write_text('{"numbers": [1, 2], "target": 3}\n' * 4)
-    with pytest.raises(ValueError, match=r"lacks column\(s\) \['nums'\] .* Map them, e.g. --eval.column_mapping "
-                                         r"'\{numbers: nums\}'$"):
+    with pytest.raises(ValueError, match=r"lacks column\(s\) \['nums'\] .* Map them with EvalSettings\(column_mapping=\.\.\.\), "
+                                         r"e.g. column_mapping: \{numbers: nums\}$"):
         heldout_problems(task, 2, source=str(tmp_path / "cols.jsonl"))
     mapped = heldout_problems(task, 2, source=str(tmp_path / "cols.jsonl"), column_mapping={"numbers": "nums"})
     assert mapped == [{"nums": [1, 2], "target": 3}] * 2  # as a fit with data.column_mapping reads it
-    with pytest.raises(ValueError, match=r"eval.column_mapping renames \['nmbrs'\], but .* has columns"):
+    with pytest.raises(ValueError, match=r"^EvalSettings\(column_mapping=\.\.\.\) renames \['nmbrs'\], but .* has columns"):
         heldout_problems(task, 2, source=str(tmp_path / "cols.jsonl"), column_mapping={"nmbrs": "nums"})
     (tmp_path / "bad.jsonl").write_text('{"nums": "abc", "target": 3}\n' * 2)
-    with pytest.raises(ValueError, match=r"'nums' column is 'abc'.* with --eval.column_mapping — fix those rows"):
+    with pytest.raises(ValueError, match=r"'nums' column is 'abc'.* with EvalSettings\(column_mapping=\.\.\.\) — fix those rows"):
         heldout_problems(task, 2, source=str(tmp_path / "bad.jsonl"))
-    with pytest.raises(ValueError, match="has no procedural generator; set --eval.source"):
+    with pytest.raises(ValueError, match=r"has no procedural generator; set EvalSettings\(source=\.\.\.\)"):
         heldout_problems(get_task("gsm8k"), 2)
 
 
@@ -882,9 +883,9 @@ def test_evaluation_rows_the_task_refuses_are_counted_and_the_first_named(tmp_pa
     with pytest.raises(ValueError) as refused:
         heldout_problems(task, 10, source=str(path))
     assert str(refused.value).startswith(
-        f"3 of the 10 rows drawn from the 'train' split of --eval.source {str(path)!r} are refused by task 'countdown', "
+        f"3 of the 10 rows drawn from the 'train' split of EvalSettings(source={str(path)!r}) are refused by task 'countdown', "
         "the first (row 3, counting from 0) as: Countdown record")
-    assert str(refused.value).endswith("— fix those rows in the file (or map its columns with --eval.column_mapping); "
+    assert str(refused.value).endswith("— fix those rows in the file (or map its columns with EvalSettings(column_mapping=...)); "
                                        "an evaluation has no drop_invalid_rows: it scores every row it draws")
     assert "data." not in str(refused.value) and "\n" not in str(refused.value)
     ok = datasets.Dataset.from_list([r for i, r in enumerate(rows) if i not in (7, 3, 8)])
@@ -1036,7 +1037,7 @@ def test_a_sweep_evaluated_on_its_recipes_data_file_names_its_training_problems(
     Path("train.jsonl").write_text("".join(json.dumps({"nums": r["nums"], "target": r["target"]}) + "\n" for r in rows))
     overrides = ["--data.init_args.source", "train.jsonl", "--data.init_args.train_size", "null",
                  "--data.init_args.val_size", "4", "--data.init_args.test_size", "4", "--model.init_args.max_new_tokens", "2"]
-    with pytest.warns(UserWarning, match=r"^\d+ of the 20 countdown problems evaluated \(--eval.source 'train.jsonl'\) are "
+    with pytest.warns(UserWarning, match=r"^\d+ of the 20 countdown problems evaluated \(EvalSettings\(source='train.jsonl'\)\) are "
                                          r"training problems of the fits of .*es.yaml \(data.source 'train.jsonl'\)"):
         sweep_command(recipe=str(ROOT / "recipes" / "es.yaml"), populations=[2], steps=1, batch_size=2,
                       overrides=overrides, eval=replace(SWEEP_EVAL, num_problems=20, num_samples=1, source="train.jsonl"),
@@ -1139,24 +1140,25 @@ def test_eval_of_a_model_of_its_own_code_takes_eval_trust_remote_code(fixture, r
 
 def test_heldout_problems_source_refusals_name_eval_options(tmp_path):
     """A source the data module refuses while reading it (a glob matching nothing, mixed formats, a hub dataset
-    directory of several configs) is named as the evaluation's --eval.source, with a fix it can take: an evaluation
-    has no data.source nor data.hub_config."""
+    directory of several configs) is named as the evaluation's source, with a fix it can take (a script, as here:
+    EvalSettings(source=...)): an evaluation has no data.source nor data.hub_config."""
     task = get_task("countdown")
-    with pytest.raises(FileNotFoundError, match=r"^--eval.source '.*nothing-\*.jsonl' matches no files") as err:
+    with pytest.raises(FileNotFoundError, match=r"^EvalSettings\(source=\.\.\.\) '.*nothing-\*.jsonl' matches no files") as err:
         heldout_problems(task, 2, source=str(tmp_path / "nothing-*.jsonl"))
     assert "data." not in str(err.value)
     mixed = tmp_path / "mixed"
     mixed.mkdir()
     (mixed / "a.jsonl").write_text('{"nums": [1, 2], "target": 3}\n')
     (mixed / "b.csv").write_text("nums,target\n1,2\n")
-    with pytest.raises(ValueError, match=r"^the 'train' split of --eval.source .* mixes data file formats") as err:
+    with pytest.raises(ValueError, match=r"^the 'train' split of EvalSettings\(source=\.\.\.\) .* mixes data file formats") as err:
         heldout_problems(task, 2, source=str(mixed))
     assert "data." not in str(err.value)
     hub = tmp_path / "hub"
     for config in ("main", "socratic"):
         (hub / config).mkdir(parents=True)
         (hub / config / "test.jsonl").write_text('{"nums": [1, 2], "target": 3}\n')
-    with pytest.raises(ValueError, match=r"its folders main, socratic hold some .*: point --eval.source at one of them$") as err:
+    with pytest.raises(ValueError,
+                       match=r"its folders main, socratic hold some .*: point EvalSettings\(source=\.\.\.\) at one of them$") as err:
         heldout_problems(task, 1, source=str(hub))
     assert "hub_config" not in str(err.value) and "data." not in str(err.value)
 
@@ -1427,3 +1429,31 @@ def test_analysis_overrides_as_one_string_are_split_as_a_shell_splits_them(tmp_p
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert stop.value.code == 2 and line.startswith("es-lightning analyze sweep: error: --overrides "
                                                     "\"--model.init_args.model 'unclosed\" cannot be split"), line
+
+
+def test_heldout_problems_refusals_name_eval_options_in_the_command_and_eval_settings_in_a_script(tmp_path, capsys):
+    """heldout_problems' refusals (too few rows: lower --eval.num_problems; rows the task refuses: map with
+    --eval.column_mapping) and a drawn problem's place ("the 'train' split of --eval.source ...") named `--eval.*`
+    options even to a script, which has none: the command keeps its options, a script is told of EvalSettings(...)."""
+    from es_lightning.analysis import eval_command
+    from es_lightning.analysis.evaluate import heldout_problems
+
+    source = tmp_path / "problems.jsonl"
+    source.write_text('{"nums": [1, 2], "target": 3}\n{"nums": "x", "target": 3}\n')
+    cases = [(5, "lower --eval.num_problems (e.g. to 2)", "lower EvalSettings(num_problems=...) (e.g. to 2)"),
+             (2, f"rows drawn from the 'train' split of --eval.source {str(source)!r} are refused",
+              f"rows drawn from the 'train' split of EvalSettings(source={str(source)!r}) are refused"),
+             (2, "fix those rows in the file (or map its columns with --eval.column_mapping)",
+              "fix those rows in the file (or map its columns with EvalSettings(column_mapping=...))")]
+    for num_problems, command_said, script_said in cases:
+        with pytest.raises(SystemExit) as stop:
+            cli_main(["eval", "--checkpoints", BUILTIN, "--tasks", "countdown", "--eval.source", str(source),
+                      "--eval.num_problems", str(num_problems), "--out_dir", str(tmp_path / "never")])
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and command_said in err and "EvalSettings(" not in err, err
+        with pytest.raises(ValueError) as refused:
+            eval_command(checkpoints=[BUILTIN], tasks=["countdown"], out_dir=str(tmp_path / "never"),
+                         eval=EvalSettings(source=str(source), num_problems=num_problems))
+        assert script_said in str(refused.value) and "--eval." not in str(refused.value), refused.value
+    drawn = heldout_problems(get_task("countdown"), 1, source=str(source), seed=1)
+    assert drawn.where == f"the 'train' split of EvalSettings(source={str(source)!r})", drawn.where

@@ -53,7 +53,8 @@ def heldout_problems(task: Task, num_problems: int, seed: int = 0, source: str =
     shuffled by ``seed`` — or, when the source has a single split of another name (one ``problems.jsonl``), of that
     one; with several splits and no test split, rows carved off its train split as a fit carves them.
     ``column_mapping`` renames a source's columns to the task's (``--eval.column_mapping``, as ``data.column_mapping``
-    in a fit). Mistakes name the evaluation options (``--eval.num_problems``, ``--eval.source``), not training's.
+    in a fit). Mistakes name the evaluation settings (``--eval.num_problems`` in the command, ``EvalSettings(num_problems=...)``
+    from a script), not training's.
     """
     if num_problems < 1:
         raise ValueError(f"num_problems must be >= 1, got {num_problems}")
@@ -73,11 +74,13 @@ def heldout_problems(task: Task, num_problems: int, seed: int = 0, source: str =
         if name is None:  # several splits, no test split: held-out rows carved off the train split, as a fit would
             dm.setup("test")
             return DrawnProblems(dm.splits["test"], [dm.source_row("test", i) for i in range(len(dm.splits["test"]))],
-                                 f"the {dm.train_split!r} split of --eval.source {source!r}")
-        ds = dm.map_columns(dsets[name], repr(name), "--eval.column_mapping")  # the fit's renames, checks and hints
+                                 f"the {dm.train_split!r} split of {_source_named(source)}")
+        # the fit's renames, checks and hints; a script's mapping hint reads "with EvalSettings(column_mapping=...), e.g.
+        # column_mapping: {...}" (no flag to quote)
+        ds = dm.map_columns(dsets[name], repr(name), spoken("--eval.column_mapping", "") or None)
         if len(ds) < num_problems:
             raise ValueError(f"eval.source {source!r} has {len(ds)} problems in its {name!r} split, fewer than "
-                             f"eval.num_problems={num_problems}; lower --eval.num_problems (e.g. to {len(ds)})")
+                             f"eval.num_problems={num_problems}; lower {eval_option('num_problems')} (e.g. to {len(ds)})")
         return _preprocess_drawn(task, ds, num_problems, seed, name, source)
     except ValueError as err:  # a missing column, a malformed record, too few rows
         raise _in_eval_terms(err) from None
@@ -127,14 +130,23 @@ def warn_trained_problems(task: Task, problems: Sequence[dict[str, Any]], train_
 
     shared = count_trained(task, problems, train_examples)
     if shared:
-        warnings.warn(f"{shared} of the {len(problems)} {task.name} problems evaluated (--eval.source {source!r}) are "
+        warnings.warn(f"{shared} of the {len(problems)} {task.name} problems evaluated ({_source_named(source)}) are "
                       f"training problems of {whose}: its scores on them are not held out; evaluate on problems it did "
                       f"not train on{fix}", stacklevel=3)
 
 
-#: what to do about rows the task refuses, in an evaluation (the fit's hint offers data.drop_invalid_rows instead)
-EVAL_INVALID_HINT = (" in the file (or map its columns with --eval.column_mapping); an evaluation has no "
-                     "drop_invalid_rows: it scores every row it draws")
+def eval_invalid_hint() -> str:
+    """What to do about rows the task refuses, in an evaluation (the fit's hint offers data.drop_invalid_rows instead),
+    in the words of whoever set the source (:func:`~es_lightning.analysis.settings.eval_option`)."""
+    return (f" in the file (or map its columns with {eval_option('column_mapping')}); an evaluation has no "
+            "drop_invalid_rows: it scores every row it draws")
+
+
+def _source_named(source: str) -> str:
+    """``source`` as the evaluation was given it: ``--eval.source 'x.jsonl'`` in the command, ``EvalSettings(source=
+    'x.jsonl')`` from a script."""
+    return eval_option("source", repr(source), repr(source))
+
 _ROW = "__es_lightning_row__"
 
 
@@ -156,10 +168,10 @@ def _preprocess_drawn(task: Task, ds, num_problems: int, seed: int, split: str, 
             refused[at] = err
     if refused:
         first = min(refused)
-        raise ValueError(f"{len(refused)} of the {num_problems} rows drawn from the {split!r} split of --eval.source "
-                         f"{source!r} are refused by task {task.name!r}, the first (row {first}, counting from 0) as: "
-                         f"{refused[first]} — fix those rows{EVAL_INVALID_HINT}")
-    return DrawnProblems(problems, rows, f"the {split!r} split of --eval.source {source!r}")
+        raise ValueError(f"{len(refused)} of the {num_problems} rows drawn from the {split!r} split of "
+                         f"{_source_named(source)} are refused by task {task.name!r}, the first (row {first}, counting "
+                         f"from 0) as: {refused[first]} — fix those rows{eval_invalid_hint()}")
+    return DrawnProblems(problems, rows, f"the {split!r} split of {_source_named(source)}")
 
 
 class DrawnProblems(list):
@@ -174,23 +186,28 @@ class DrawnProblems(list):
         return f"row {self.rows[index]} (counting from 0) of {self.where}"
 
 
-#: what to do about a hub dataset directory of several configs, in an evaluation (which has no data.hub_config)
-EVAL_HUB_CONFIG_HINT = "point --eval.source at one of them"
-#: the data module's options in its error hints → the evaluation options that set them
-_EVAL_TERMS = (("data.column_mapping", "--eval.column_mapping"), ("data.source", "--eval.source"),
-               ("data.test_size", "--eval.num_problems"))
+def eval_hub_config_hint() -> str:
+    """What to do about a hub dataset directory of several configs, in an evaluation (which has no data.hub_config)."""
+    return f"point {eval_option('source')} at one of them"
+
+
+def _eval_terms() -> tuple[tuple[str, str], ...]:
+    """The data module's options in its error hints → the evaluation settings that set them, in the words of whoever
+    set them (the command's ``--eval.*`` options, a script's ``EvalSettings(...)`` arguments)."""
+    return (("data.column_mapping", eval_option("column_mapping")), ("data.source", eval_option("source")),
+            ("data.test_size", eval_option("num_problems")))
 
 
 def _in_eval_terms(err: Exception, kind: type[Exception] = ValueError) -> Exception:
-    """``err`` (raised by the data module) with its hints naming ``--eval.*``, the options an evaluation is given, as a
-    ``kind``."""
+    """``err`` (raised by the data module) with its hints naming the settings an evaluation is given (``--eval.*`` in
+    the command, ``EvalSettings(...)`` from a script), as a ``kind``."""
     text = str(err)
     if text.startswith("data source ") and text.endswith(f"; give a {SOURCE_KINDS}"):  # a missing file: not training data's
         option = eval_option("source")
         text = f"{option} {text.removeprefix('data source ').removesuffix(f'give a {SOURCE_KINDS}')}give {option} a {SOURCE_KINDS}"
-    text = text.replace(DROP_INVALID_HINT, EVAL_INVALID_HINT)  # an evaluation scores every row it is given
-    text = text.replace(HUB_CONFIG_HINT, EVAL_HUB_CONFIG_HINT)  # an evaluation has no hub_config: its source names one
-    for data_option, evaluation_option in _EVAL_TERMS:
+    text = text.replace(DROP_INVALID_HINT, eval_invalid_hint())  # an evaluation scores every row it is given
+    text = text.replace(HUB_CONFIG_HINT, eval_hub_config_hint())  # an evaluation has no hub_config: its source names one
+    for data_option, evaluation_option in _eval_terms():
         text = text.replace(data_option, evaluation_option)
     return kind(text)
 
