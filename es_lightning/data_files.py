@@ -9,9 +9,11 @@ name as ``datasets`` infers it (:func:`_split_of`). Every refusal is one line na
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import glob
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from es_lightning.tasks import Task
@@ -119,7 +121,7 @@ def load_local(source: str, config: str | None, columns: Sequence[str]):
         return loaded
     if source.startswith((".", "/", "~")) or _format_of(path) is not None:
         raise FileNotFoundError(
-            f"data source {source!r} does not exist (relative paths are read from {os.getcwd()}); give a {SOURCE_KINDS}")
+            f"data source {source!r} does not exist (relative paths are read from {os.getcwd()}); {missing_source_fix()}")
     return None
 
 
@@ -127,6 +129,28 @@ def load_local(source: str, config: str | None, columns: Sequence[str]):
 SOURCE_KINDS = "jsonl/json/parquet/arrow/csv file or directory, a hub dataset name, 'hub' or 'procedural'"
 #: the fix of a hub dataset directory whose data files are in its config folders (an evaluation names its own)
 HUB_CONFIG_HINT = "set data.hub_config to one of them, or point data.source at it"
+
+
+#: the fix of a missing source inside :func:`source_given_by` (an analysis's fit), else ``None``
+_SOURCE_GIVEN_BY: contextvars.ContextVar[str | None] = contextvars.ContextVar("source_given_by", default=None)
+
+
+@contextlib.contextmanager
+def source_given_by(fix: str | None) -> Iterator[None]:
+    """Inside: a data source that does not exist is refused with ``fix`` as its way out (``None``: the plain "give a
+    ..."), for an analysis that gave its fits the source in an option of its own (``analyze sweep --overrides``:
+    :func:`~es_lightning.analysis.runs.naming_the_fit_model`), so no caller rewrites a refusal's message."""
+    token = _SOURCE_GIVEN_BY.set(fix)
+    try:
+        yield
+    finally:
+        _SOURCE_GIVEN_BY.reset(token)
+
+
+def missing_source_fix() -> str:
+    """The way out of a data source that does not exist: what :func:`source_given_by` was given, else "give a
+    <kinds>"."""
+    return _SOURCE_GIVEN_BY.get() or f"give a {SOURCE_KINDS}"
 
 
 def data_folder(path: Path, source: str, config: str | None) -> Path:

@@ -1457,3 +1457,30 @@ def test_heldout_problems_refusals_name_eval_options_in_the_command_and_eval_set
         assert script_said in str(refused.value) and "--eval." not in str(refused.value), refused.value
     drawn = heldout_problems(get_task("countdown"), 1, source=str(source), seed=1)
     assert drawn.where == f"the 'train' split of EvalSettings(source={str(source)!r})", drawn.where
+
+
+def test_sweep_names_the_option_that_gave_a_missing_training_file(tmp_path, monkeypatch, capsys):
+    """`analyze sweep --overrides '--data.init_args.source x.jsonl'` with no such file was refused as "data source ...
+    does not exist; give a ..." without naming where it was given: the way out names --data.init_args.source in
+    --overrides (overrides= to a script), as a hub model's refusal does."""
+    from es_helpers import offline
+
+    from es_lightning.analysis import population_sweep
+    from es_lightning.data_files import SOURCE_KINDS
+
+    offline(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    es = str(ROOT / "recipes" / "es.yaml")
+    with pytest.raises(SystemExit) as stop:
+        cli_main(["analyze", "sweep", "--recipe", es, "--populations", "2", "--steps", "1", "--eval.num_problems", "1",
+                  "--eval.num_samples", "1", "--plot", "false", "--out_dir", "s",
+                  "--overrides", "--data.init_args.source no-such-train.jsonl"])
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert stop.value.code == 2 and "data source 'no-such-train.jsonl' does not exist" in line, line
+    assert line.endswith(f"; point --data.init_args.source in --overrides at a {SOURCE_KINDS}"), line
+    with pytest.raises(FileNotFoundError) as refused:
+        population_sweep(recipe=es, populations=[2], steps=1, overrides=["--data.init_args.source", "no-such-train.jsonl"],
+                         settings=replace(SWEEP_EVAL, num_problems=1, num_samples=1), out_dir="s")
+    assert str(refused.value).endswith(f"; point --data.init_args.source in overrides= at a {SOURCE_KINDS}"), refused.value
+    with pytest.raises(FileNotFoundError, match=rf"does not exist .*; give a {SOURCE_KINDS}$"):  # outside: as before
+        ReasoningDataModule("countdown", source="no-such-train.jsonl").setup()

@@ -37,7 +37,7 @@ from es_lightning.analysis.output import check_out_dir, format_table, markdown_t
 from es_lightning.analysis.settings import PAPER_EVAL, EvalSettings, eval_option, remote_code_option, resolve_device
 from es_lightning.cli_errors import spoken
 from es_lightning.data import DROP_INVALID_HINT, ReasoningDataModule, count_trained, procedural_split
-from es_lightning.data_files import HUB_CONFIG_HINT, SOURCE_KINDS
+from es_lightning.data_files import HUB_CONFIG_HINT, SOURCE_KINDS, source_given_by
 from es_lightning.generation.config import KVCacheTooSmall
 from es_lightning.policy import Policy
 from es_lightning.tasks import Task, get_task
@@ -66,7 +66,8 @@ def heldout_problems(task: Task, num_problems: int, seed: int = 0, source: str =
     try:  # the source read as a fit reads it: its refusals (a glob matching nothing, mixed formats) named in eval terms
         dm = ReasoningDataModule(task, source=source, train_size=None, val_size=None, test_size=num_problems,
                                  seed=seed, column_mapping=column_mapping)
-        dsets = dm.load_source()
+        with source_given_by(None):  # the evaluation's own source, even drawn inside an analysis's fit's words
+            dsets = dm.load_source()
     except (ValueError, FileNotFoundError, ConnectionError) as err:  # ConnectionError: a hub dataset, offline
         raise _in_eval_terms(err, type(err)) from None
     name = dm.test_split if dm.test_split in dsets else next(iter(dsets)) if len(dsets) == 1 else None

@@ -247,14 +247,34 @@ def fit_model_fix(recipe: str | Path, given: Mapping[str, Sequence[str]]) -> str
     return f"point model: in {recipe} at a local directory, or give {override}"
 
 
+#: the command-line option that sets a fit's data source (a recipe's ``source:`` key under ``data.init_args``)
+SOURCE_OPTION = "--data.init_args.source"
+
+
+def fit_source_fix(given: Mapping[str, Sequence[str]]) -> str | None:
+    """A missing data source's way out, in the words of whoever gave an analysis's fit its source: the last of the
+    analysis's options that sets ``--data.init_args.source`` (``given`` as :func:`fit_model_fix` takes it), to a
+    script its Python argument (``overrides=``); ``None`` when no option set it (the recipe's own ``source:``, refused
+    as a fit refuses it)."""
+    from es_lightning.cli_errors import spoken
+    from es_lightning.data_files import SOURCE_KINDS
+
+    for option, args in reversed(list(given.items())):
+        if any(str(a).split("=", 1)[0] == SOURCE_OPTION for a in args):
+            return f"point {SOURCE_OPTION} in {spoken(option, option.lstrip('-') + '=')} at a {SOURCE_KINDS}"
+    return None
+
+
 @contextlib.contextmanager
 def naming_the_fit_model(recipe: str | Path, given: Mapping[str, Sequence[str]]) -> Iterator[None]:
     """Around an analysis's fit of ``recipe`` (its CLI built, its model loaded, trained): a hub model that cannot be
     loaded (offline and not cached, no such repository) is refused with the way out :func:`fit_model_fix` words — the
-    option the user gave the model in, not ``model:`` (the fit's own key, which an override replaced)."""
+    option the user gave the model in, not ``model:`` (the fit's own key, which an override replaced) — and a data
+    source that does not exist with the option that gave it (:func:`fit_source_fix`)."""
+    from es_lightning.data_files import source_given_by
     from es_lightning.policy import model_given_by
 
-    with model_given_by(fit_model_fix(recipe, given)):
+    with model_given_by(fit_model_fix(recipe, given)), source_given_by(fit_source_fix(given)):
         yield
 
 
