@@ -32,6 +32,7 @@ shows the full traceback for everything.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import difflib
 import errno
 import importlib
@@ -128,6 +129,28 @@ def spoken(command_form: str, python_form: str) -> str:
     ``Trainer(precision='32-true')``). The command records its argv (:func:`remember`); a script has none, and is told
     of no YAML key it never wrote."""
     return command_form if _CONTEXT["argv"] else python_form
+
+
+class GivenWords:
+    """The way out of a refusal in the words of whoever gave the value, set up front around the code that refuses
+    it — an analysis that gives its fits the model or the data in an option of its own (``analyze sweep
+    --overrides``: :func:`~es_lightning.analysis.runs.naming_the_fit_model`) — so that no caller rewrites a refusal's
+    message afterwards: ``with words.given("point ... in --overrides at ..."):`` ... ``words.get()`` (``None``
+    outside, or inside ``given(None)``)."""
+
+    def __init__(self, name: str) -> None:
+        self._var: contextvars.ContextVar[str | None] = contextvars.ContextVar(name, default=None)
+
+    @contextlib.contextmanager
+    def given(self, words: str | None) -> Iterator[None]:
+        token = self._var.set(words)
+        try:
+            yield
+        finally:
+            self._var.reset(token)
+
+    def get(self) -> str | None:
+        return self._var.get()
 
 
 @contextlib.contextmanager

@@ -9,13 +9,12 @@ name as ``datasets`` infers it (:func:`_split_of`). Every refusal is one line na
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import glob
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from es_lightning.cli_errors import GivenWords
 from es_lightning.tasks import Task
 
 _LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
@@ -131,26 +130,15 @@ SOURCE_KINDS = "jsonl/json/parquet/arrow/csv file or directory, a hub dataset na
 HUB_CONFIG_HINT = "set data.hub_config to one of them, or point data.source at it"
 
 
-#: the fix of a missing source inside :func:`source_given_by` (an analysis's fit), else ``None``
-_SOURCE_GIVEN_BY: contextvars.ContextVar[str | None] = contextvars.ContextVar("source_given_by", default=None)
-
-
-@contextlib.contextmanager
-def source_given_by(fix: str | None) -> Iterator[None]:
-    """Inside: a data source that does not exist is refused with ``fix`` as its way out (``None``: the plain "give a
-    ..."), for an analysis that gave its fits the source in an option of its own (``analyze sweep --overrides``:
-    :func:`~es_lightning.analysis.runs.naming_the_fit_model`), so no caller rewrites a refusal's message."""
-    token = _SOURCE_GIVEN_BY.set(fix)
-    try:
-        yield
-    finally:
-        _SOURCE_GIVEN_BY.reset(token)
+#: a data source that does not exist is refused, inside ``SOURCE_GIVEN_BY.given(words)``, with ``words`` as its way
+#: out (``None``: the plain "give a ..."), for an analysis that gave its fits the source in an option of its own
+SOURCE_GIVEN_BY = GivenWords("source_given_by")
 
 
 def missing_source_fix() -> str:
-    """The way out of a data source that does not exist: what :func:`source_given_by` was given, else "give a
+    """The way out of a data source that does not exist: what ``SOURCE_GIVEN_BY.given`` was given, else "give a
     <kinds>"."""
-    return _SOURCE_GIVEN_BY.get() or f"give a {SOURCE_KINDS}"
+    return SOURCE_GIVEN_BY.get() or f"give a {SOURCE_KINDS}"
 
 
 def data_folder(path: Path, source: str, config: str | None) -> Path:

@@ -8,10 +8,8 @@ regular HF directory shipped inside the package, so tests exercise the very code
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import json
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +17,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, BatchEncoding, PreTrainedModel, PreTrainedTokenizerBase
 
+from es_lightning.cli_errors import GivenWords
 from es_lightning.hub import MODEL_FIX_LOCAL, hub_errors
 
 BUILTIN_PREFIX = "builtin:"
@@ -336,20 +335,9 @@ def save_model(model, path: str | os.PathLike, state_dict: dict | None = None) -
             config.write_text(json.dumps(values, indent=2, sort_keys=True) + "\n")
 
 
-#: the way out that :func:`model_fix_local` gives inside :func:`model_given_by` (an analysis's fit), else ``None``
-_MODEL_GIVEN_BY: contextvars.ContextVar[str | None] = contextvars.ContextVar("model_given_by", default=None)
-
-
-@contextlib.contextmanager
-def model_given_by(local_fix: str) -> Iterator[None]:
-    """Inside: a fit's hub model that cannot be loaded is refused with ``local_fix`` as its way out, not the fit's own
-    ``model:`` — for an analysis that gave its fits the model in an option of its own (``analyze sweep --overrides``:
-    :func:`~es_lightning.analysis.runs.naming_the_fit_model`), so no caller rewrites a refusal's message."""
-    token = _MODEL_GIVEN_BY.set(local_fix)
-    try:
-        yield
-    finally:
-        _MODEL_GIVEN_BY.reset(token)
+#: a fit's hub model that cannot be loaded is refused, inside ``MODEL_GIVEN_BY.given(words)``, with ``words`` as its
+#: way out, not the fit's own ``model:`` (an analysis that gave its fits the model in an option of its own)
+MODEL_GIVEN_BY = GivenWords("model_given_by")
 
 
 def model_fix_local(call: str) -> str:
@@ -357,10 +345,10 @@ def model_fix_local(call: str) -> str:
     command the recipe's key (:data:`MODEL_FIX_LOCAL`), from a script the Python ``call`` that takes it, the model
     argument a local directory (``call="ESModule(model=...)"``: ``pass a local model directory instead:
     ESModule(model='/path/to/model_dir')``). A script is told of no YAML key it never wrote; inside
-    :func:`model_given_by`, the words it was given."""
+    ``MODEL_GIVEN_BY.given(words)``, those words."""
     from es_lightning.cli_errors import spoken
 
-    given = _MODEL_GIVEN_BY.get()
+    given = MODEL_GIVEN_BY.get()
     if given is not None:
         return given
     return spoken(MODEL_FIX_LOCAL, "pass a local model directory instead: " + call.replace("...", "'/path/to/model_dir'"))

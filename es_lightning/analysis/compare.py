@@ -170,8 +170,8 @@ def compare_methods(
 ) -> CompareReport:
     """Fit every method for every seed and evaluate everything the same way (see the module docstring).
     ``method_overrides``: further fit arguments for one method's fits, after ``overrides``."""
-    from es_lightning.analysis.evaluate import evaluate_policy, warn_trained_problems
-    from es_lightning.analysis.runs import fit_args, heldout_of, naming_the_fit_model, now_doing, recipe_heldout
+    from es_lightning.analysis.evaluate import evaluate_policy, heldout_of, recipe_heldout, warn_trained_problems
+    from es_lightning.analysis.runs import fit_args, naming_the_fit_model, now_doing
     from es_lightning.policy import load_policy
 
     unknown = [m for m in methods if m not in METHODS]

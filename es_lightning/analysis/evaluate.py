@@ -37,7 +37,7 @@ from es_lightning.analysis.output import check_out_dir, format_table, markdown_t
 from es_lightning.analysis.settings import PAPER_EVAL, EvalSettings, eval_option, remote_code_option, resolve_device
 from es_lightning.cli_errors import spoken
 from es_lightning.data import DROP_INVALID_HINT, ReasoningDataModule, count_trained, procedural_split
-from es_lightning.data_files import HUB_CONFIG_HINT, SOURCE_KINDS, source_given_by
+from es_lightning.data_files import HUB_CONFIG_HINT, SOURCE_GIVEN_BY, SOURCE_KINDS
 from es_lightning.generation.config import KVCacheTooSmall
 from es_lightning.policy import Policy
 from es_lightning.tasks import Task, get_task
@@ -66,7 +66,7 @@ def heldout_problems(task: Task, num_problems: int, seed: int = 0, source: str =
     try:  # the source read as a fit reads it: its refusals (a glob matching nothing, mixed formats) named in eval terms
         dm = ReasoningDataModule(task, source=source, train_size=None, val_size=None, test_size=num_problems,
                                  seed=seed, column_mapping=column_mapping)
-        with source_given_by(None):  # the evaluation's own source, even drawn inside an analysis's fit's words
+        with SOURCE_GIVEN_BY.given(None):  # the evaluation's own source, even drawn inside an analysis's fit's words
             dsets = dm.load_source()
     except (ValueError, FileNotFoundError, ConnectionError) as err:  # ConnectionError: a hub dataset, offline
         raise _in_eval_terms(err, type(err)) from None
@@ -568,3 +568,22 @@ def eval_command(
         written = write_eval_report(report, out_dir, plot=plot)
     print("wrote " + ", ".join(map(str, written)))
     return report
+
+
+def heldout_of(fit_task, settings) -> tuple[Any, list[dict[str, Any]]]:
+    """The task an analysis evaluates its fits of ``fit_task`` on (the recipe's, ``--eval.chat_template`` if set) and
+    its held-out problems drawn by ``settings`` (an :class:`~es_lightning.analysis.settings.EvalSettings`): the same
+    problems and samples for every row."""
+    task = tasks_as_trained([fit_task], settings.chat_template, [])[0]
+    return task, heldout_problems(task, settings.num_problems, settings.seed, settings.source, settings.column_mapping)
+
+
+def recipe_heldout(recipe: str | Path, args: Sequence[str], settings) -> tuple[Any, list[dict[str, Any]]] | None:
+    """:func:`heldout_of` the task of a fit of ``recipe`` with ``args``, read before any fit
+    (:func:`~es_lightning.analysis.runs.recipe_task`): a missing ``--eval.source``, or one without the task's columns,
+    is refused before a model is loaded or trained, not after the first fit's minutes. ``None`` for a data module
+    without a task (drawn after its fit instead)."""
+    from es_lightning.analysis.runs import recipe_task
+
+    fit_task = recipe_task(recipe, args)
+    return None if fit_task is None else heldout_of(fit_task, settings)

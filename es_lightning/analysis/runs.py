@@ -41,7 +41,6 @@ import threading
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 import lightning as L
 
@@ -271,10 +270,10 @@ def naming_the_fit_model(recipe: str | Path, given: Mapping[str, Sequence[str]])
     loaded (offline and not cached, no such repository) is refused with the way out :func:`fit_model_fix` words — the
     option the user gave the model in, not ``model:`` (the fit's own key, which an override replaced) — and a data
     source that does not exist with the option that gave it (:func:`fit_source_fix`)."""
-    from es_lightning.data_files import source_given_by
-    from es_lightning.policy import model_given_by
+    from es_lightning.data_files import SOURCE_GIVEN_BY
+    from es_lightning.policy import MODEL_GIVEN_BY
 
-    with model_given_by(fit_model_fix(recipe, given)), source_given_by(fit_source_fix(given)):
+    with MODEL_GIVEN_BY.given(fit_model_fix(recipe, given)), SOURCE_GIVEN_BY.given(fit_source_fix(given)):
         yield
 
 
@@ -319,24 +318,6 @@ def fit_args(overrides: Sequence[str] | str, option: str = "--overrides") -> lis
     except ValueError as err:  # "No closing quotation"
         raise ValueError(f"{spoken(option, option.lstrip('-') + '=')} {overrides!r} cannot be split into arguments "
                          f"({err}); close its quotes, or give a list ('[--model.init_args.sigma, 0.01]')") from None
-
-
-def heldout_of(fit_task, settings) -> tuple[Any, list[dict[str, Any]]]:
-    """The task an analysis evaluates its fits of ``fit_task`` on (the recipe's, ``--eval.chat_template`` if set) and
-    its held-out problems drawn by ``settings`` (an :class:`~es_lightning.analysis.settings.EvalSettings`): the same
-    problems and samples for every row."""
-    from es_lightning.analysis.evaluate import heldout_problems, tasks_as_trained
-
-    task = tasks_as_trained([fit_task], settings.chat_template, [])[0]
-    return task, heldout_problems(task, settings.num_problems, settings.seed, settings.source, settings.column_mapping)
-
-
-def recipe_heldout(recipe: str | Path, args: Sequence[str], settings) -> tuple[Any, list[dict[str, Any]]] | None:
-    """:func:`heldout_of` the task of a fit of ``recipe`` with ``args``, read before any fit (:func:`recipe_task`): a
-    missing ``--eval.source``, or one without the task's columns, is refused before a model is loaded or trained, not
-    after the first fit's minutes. ``None`` for a data module without a task (drawn after its fit instead)."""
-    fit_task = recipe_task(recipe, args)
-    return None if fit_task is None else heldout_of(fit_task, settings)
 
 
 def recipe_cli(recipe: str | Path, steps: int, root: str | Path, args: Sequence[str] = (), progress_bar: bool = False):

@@ -80,16 +80,8 @@ def population_sweep(
     save_models: bool = False,
 ) -> SweepReport:
     """Fit the ES recipe once per population size and evaluate every result the same way (see the module docstring)."""
-    from es_lightning.analysis.evaluate import evaluate_policy, warn_trained_problems
-    from es_lightning.analysis.runs import (
-        fit_args,
-        fit_run,
-        heldout_of,
-        naming_the_fit_model,
-        now_doing,
-        recipe_cli,
-        recipe_heldout,
-    )
+    from es_lightning.analysis.evaluate import evaluate_policy, heldout_of, recipe_heldout, warn_trained_problems
+    from es_lightning.analysis.runs import fit_args, fit_run, naming_the_fit_model, now_doing, recipe_cli
 
     if not Path(recipe).is_file():
         raise FileNotFoundError(
