@@ -134,15 +134,20 @@ def single(tiny_model_dir):
     return _single_process_step(tiny_model_dir)
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
-def test_grpo_step_on_two_processes_equals_single_process(mode, single, tiny_model_dir, tmp_path):
-    script = tmp_path / "grpo_dist.py"
-    tests = os.path.dirname(os.path.abspath(__file__))
-    script.write_text(SCRIPT.format(tests=tests, out=str(tmp_path), model=tiny_model_dir))
+def _launch(template: str, tmp_path, model: str, *args: str) -> None:
+    """Write ``template`` (a 2-process script: ``{tests}``, ``{out}``, ``{model}``) into ``tmp_path`` and run it there;
+    it writes its results as JSON into ``tmp_path``."""
+    script = tmp_path / "two_processes.py"
+    script.write_text(template.format(tests=os.path.dirname(os.path.abspath(__file__)), out=str(tmp_path), model=model))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run([sys.executable, str(script), mode], cwd=tmp_path, env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, str(script), *args], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_grpo_step_on_two_processes_equals_single_process(mode, single, tiny_model_dir, tmp_path):
+    _launch(SCRIPT, tmp_path, tiny_model_dir, mode)
     result = json.loads((tmp_path / f"{mode}.json").read_text())
     assert result["step"] == 1 and result["sharded"] == (mode == "fsdp2")
     start = {n: p.detach().flatten() for n, p in GRPOModule(model=tiny_model_dir).policy.model.named_parameters()}
@@ -227,13 +232,7 @@ def test_grpo_flat_reward_warning_under_ddp_costs_no_collective(tiny_model_dir, 
     scalar collectives (the kept-groups count, ``dapo``'s token count and the metrics) whether the warning is still to
     come or not; the check once made a fourth on every step until it had warned (every step of a fit whose rewards
     differ)."""
-    script = tmp_path / "grpo_flat.py"
-    tests = os.path.dirname(os.path.abspath(__file__))
-    script.write_text(FLAT_SCRIPT.format(tests=tests, out=str(tmp_path), model=tiny_model_dir))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    _launch(FLAT_SCRIPT, tmp_path, tiny_model_dir)
     result = json.loads((tmp_path / "flat.json").read_text())
     said = result["all"]["said"]
     assert len(said) == 1 and said[0].startswith("GRPO step 0: the 4 completions of every group scored the same "
@@ -305,13 +304,7 @@ def test_grpo_shares_under_ddp_are_of_every_ranks_groups(tiny_model_dir, tmp_pat
     share, the mean of nothing, made the rank mean NaN, and the all-groups-flat warning could not come on such a step —
     and ranks that kept different numbers of groups weigh by them (1 flat of 3 kept is 1/3, not the mean 0.5 of the
     ranks' shares 1 and 0). ``train/accuracy`` (of the kept completions) likewise stays finite."""
-    script = tmp_path / "grpo_dropped.py"
-    tests = os.path.dirname(os.path.abspath(__file__))
-    script.write_text(DROPPED_SCRIPT.format(tests=tests, out=str(tmp_path), model=tiny_model_dir))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    _launch(DROPPED_SCRIPT, tmp_path, tiny_model_dir)
     result = json.loads((tmp_path / "dropped.json").read_text())
     frac = [step["train/frac_reward_zero_std"] for step in result["steps"]]
     assert frac == pytest.approx([1.0, 0.5, 1 / 3], abs=1e-6)  # logged as float32, frac

@@ -237,9 +237,9 @@ def fit_model_fix(recipe: str | Path, given: Mapping[str, Sequence[str]]) -> str
     command of its option (:func:`~es_lightning.cli_errors.spoken`); neither of a fit's bare ``model:``."""
     from es_lightning.cli_errors import spoken
 
-    for option, args in reversed(list(given.items())):
-        if any(str(a).split("=", 1)[0] == MODEL_OPTION for a in args):
-            return f"point {MODEL_OPTION} in {spoken(option, option.lstrip('-') + '=')} at a local directory"
+    option = _last_setting(given, MODEL_OPTION)
+    if option is not None:
+        return f"point {MODEL_OPTION} in {option} at a local directory"
     first = next(iter(given), "--overrides")
     override = spoken(f"{first} '[{MODEL_OPTION}, /path/to/model_dir]'",
                              f"{first.lstrip('-')}=['{MODEL_OPTION}', '/path/to/model_dir']")
@@ -255,12 +255,20 @@ def fit_source_fix(given: Mapping[str, Sequence[str]]) -> str | None:
     analysis's options that sets ``--data.init_args.source`` (``given`` as :func:`fit_model_fix` takes it), to a
     script its Python argument (``overrides=``); ``None`` when no option set it (the recipe's own ``source:``, refused
     as a fit refuses it)."""
-    from es_lightning.cli_errors import spoken
     from es_lightning.data_files import SOURCE_KINDS
 
+    option = _last_setting(given, SOURCE_OPTION)
+    return None if option is None else f"point {SOURCE_OPTION} in {option} at a {SOURCE_KINDS}"
+
+
+def _last_setting(given: Mapping[str, Sequence[str]], fit_option: str) -> str | None:
+    """The last of an analysis's options in ``given`` whose fit arguments set ``fit_option``, in the caller's words
+    (``--overrides`` in the command, ``overrides=`` to a script); ``None`` when none does."""
+    from es_lightning.cli_errors import spoken
+
     for option, args in reversed(list(given.items())):
-        if any(str(a).split("=", 1)[0] == SOURCE_OPTION for a in args):
-            return f"point {SOURCE_OPTION} in {spoken(option, option.lstrip('-') + '=')} at a {SOURCE_KINDS}"
+        if any(str(a).split("=", 1)[0] == fit_option for a in args):
+            return spoken(option, option.lstrip('-') + '=')
     return None
 
 

@@ -85,6 +85,17 @@ def test_eval_on_vllm_of_a_model_of_its_own_code(tmp_path, qwen_like_dir):
     assert vllm["entropy"] == pytest.approx(hf["entropy"], abs=1e-4)
 
 
+def _long_problem_setup():
+    """Two Countdown problems, the second of 24 numbers (69 tokens as prompted on the Llama-like fixture), and greedy
+    vLLM settings with a small KV cache and no max_model_len (vLLM derives its own)."""
+    from es_lightning.analysis.settings import EvalSettings
+
+    problems = [{"nums": [3, 5, 7], "target": 22}, {"nums": list(range(1, 25)), "target": 17}]
+    return problems, EvalSettings(num_problems=2, num_samples=1, temperature=0.0, max_new_tokens=8, batch_size=2,
+                                  generation_backend="vllm",
+                                  generation_options={"cpu_kv_cache_gib": 0.0625, "max_num_seqs": 4})
+
+
 def test_a_problem_past_the_max_model_len_vllm_derives_is_refused_and_the_engine_closed(closed_engines,
                                                                                        llama_like_seq40_dir):
     """With no max_model_len among the generation options, vLLM takes its own from the model's config (seq_length 40;
@@ -93,13 +104,10 @@ def test_a_problem_past_the_max_model_len_vllm_derives_is_refused_and_the_engine
     engine is closed, as after an evaluation."""
     from es_lightning import CountdownTask
     from es_lightning.analysis.evaluate import evaluate_policy
-    from es_lightning.analysis.settings import EvalSettings
     from es_lightning.policy import load_policy
 
     closed = closed_engines
-    problems = [{"nums": [3, 5, 7], "target": 22}, {"nums": list(range(1, 25)), "target": 17}]
-    settings = EvalSettings(num_problems=2, num_samples=1, temperature=0.0, max_new_tokens=8, batch_size=2,
-                            generation_backend="vllm", generation_options={"cpu_kv_cache_gib": 0.0625, "max_num_seqs": 4})
+    problems, settings = _long_problem_setup()
     policy = load_policy(llama_like_seq40_dir, dtype="float32")
     with pytest.raises(ValueError) as refused:
         evaluate_policy(policy, CountdownTask(prompt_format="compact"), problems, settings)
@@ -120,12 +128,9 @@ def test_a_kv_cache_short_of_the_max_model_len_vllm_derives_names_the_one_the_pr
 
     from es_lightning import CountdownTask
     from es_lightning.analysis.evaluate import evaluate_policy
-    from es_lightning.analysis.settings import EvalSettings
     from es_lightning.policy import load_policy
 
-    problems = [{"nums": [3, 5, 7], "target": 22}, {"nums": list(range(1, 25)), "target": 17}]
-    settings = EvalSettings(num_problems=2, num_samples=1, temperature=0.0, max_new_tokens=8, batch_size=2,
-                            generation_backend="vllm", generation_options={"cpu_kv_cache_gib": 0.0625, "max_num_seqs": 4})
+    problems, settings = _long_problem_setup()
     policy = load_policy(llama_like_dir, dtype="float32")
     with pytest.raises(ValueError) as refused:
         evaluate_policy(policy, CountdownTask(prompt_format="compact"), problems, settings)
